@@ -1,0 +1,69 @@
+"""Backend selection shared by every public op.
+
+Rule: an explicitly requested backend that cannot run raises; ``"auto"`` picks the fastest
+backend that can run on the given tensors. ``DFLASH_KERNELS_BACKEND`` (auto|triton|torch|ext)
+overrides the ``backend=`` argument of every op process-wide.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch", "ext")
+ENV_VAR = "DFLASH_KERNELS_BACKEND"
+
+
+def triton_status(device: torch.device) -> tuple[bool, str]:
+    """Whether Triton kernels can run on tensors of ``device``, and why not."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - triton is a hard dependency
+        return False, f"triton is not importable ({exc})"
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if device.type == "cuda":
+        if interpret:
+            return False, "TRITON_INTERPRET=1 runs kernels on the CPU only"
+        return True, "compiled for the GPU"
+    if device.type == "cpu":
+        if interpret:
+            return True, "CPU interpreter (TRITON_INTERPRET=1)"
+        return False, "CPU tensors need TRITON_INTERPRET=1 set before dflash_kernels is imported"
+    return False, f"no Triton backend for device type {device.type!r}"
+
+
+def resolve_backend(op: str, backend: str, device: torch.device, available: tuple[str, ...]) -> str:
+    """Return the backend ``op`` will run with.
+
+    ``available`` lists the backends the op implements, fastest first (``"torch"`` last).
+    """
+    forced = os.environ.get(ENV_VAR)
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"{ENV_VAR}={forced!r} is not one of {BACKENDS}")
+        backend = forced
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: backend={backend!r} is not one of {BACKENDS}")
+    if backend == "auto":
+        for candidate in available:
+            if backend_status(candidate, device)[0]:
+                return candidate
+        return "torch"
+    if backend not in available:
+        raise ValueError(f"{op}: backend={backend!r} is not implemented for this op; choose from {available}")
+    ok, why = backend_status(backend, device)
+    if not ok:
+        raise RuntimeError(f"{op}: backend={backend!r} cannot run on {device.type} tensors: {why}")
+    return backend
+
+
+def backend_status(backend: str, device: torch.device) -> tuple[bool, str]:
+    if backend == "torch":
+        return True, "pure PyTorch reference"
+    if backend == "triton":
+        return triton_status(device)
+    if backend == "ext":
+        from dflash_kernels import _ext
+
+        return _ext.status(device)
+    return False, f"unknown backend {backend!r}"

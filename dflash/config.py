@@ -1,0 +1,230 @@
+"""Draft configuration: parses z-lab DFlash ``config.json`` files (both schemas) into one object.
+
+Older checkpoints keep ``block_size`` and ``rope_theta`` at the top level; newer ones move
+``block_size`` into ``dflash_config`` and ``rope_theta`` into ``rope_parameters``. Either way the
+resolved values land on :class:`DFlashConfig`; keys this project does not interpret are kept in
+``extra`` and written back unchanged by :meth:`DFlashConfig.to_dict`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+CONFIG_NAME = "config.json"
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+
+# Fields read from the top level of config.json, with the official (Qwen3Config) defaults.
+_TOP_LEVEL_DEFAULTS: dict[str, Any] = {
+    "hidden_size": None,
+    "num_hidden_layers": None,
+    "num_attention_heads": None,
+    "num_key_value_heads": None,
+    "head_dim": None,
+    "intermediate_size": None,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 32768,
+    "attention_bias": False,
+    "sliding_window": None,
+    "layer_types": None,
+    "is_causal": None,
+    "num_target_layers": None,
+    "vocab_size": None,
+    "tie_word_embeddings": False,
+}
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+# Fields that live in dflash_config in the newer schema (top level accepted as a fallback).
+_DFLASH_DEFAULTS: dict[str, Any] = {
+    "block_size": 16,
+    "mask_token_id": None,
+    "target_layer_ids": None,
+    "input_embedding_scale": 1.0,
+    "output_multiplier": 1.0,
+    "final_logit_softcapping": None,
+}
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Default tapped target layers (0-based): ``[N//2]`` for one draft layer, else evenly
+    spaced from 1 to N-3, e.g. N=36, L=5 -> [1, 9, 17, 25, 33]."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclasses.dataclass
+class DFlashConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+    rope_parameters: dict[str, Any] = dataclasses.field(
+        default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0}
+    )
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    is_causal: bool | None = None
+    num_target_layers: int | None = None
+    vocab_size: int | None = None
+    tie_word_embeddings: bool = False
+    block_size: int = 16
+    mask_token_id: int | None = None
+    target_layer_ids: list[int] | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        if self.target_layer_ids is None:
+            if self.num_target_layers is None:
+                raise ValueError(
+                    "config: neither dflash_config.target_layer_ids nor num_target_layers is set; "
+                    "add one of them so the tapped target layers are known"
+                )
+            self.target_layer_ids = build_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.validate()
+
+    def validate(self) -> None:
+        def fail(msg: str) -> None:
+            raise ValueError(f"config: {msg}")
+
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "intermediate_size", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                fail(f"{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            fail(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                 f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            fail(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            fail(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        for kind in self.layer_types:
+            if kind not in ("full_attention", "sliding_attention"):
+                fail(f"unknown layer type {kind!r} (expected 'full_attention' or 'sliding_attention')")
+        if "sliding_attention" in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
+            fail("layer_types has sliding_attention layers but sliding_window is not a positive integer")
+        if not self.target_layer_ids:
+            fail("target_layer_ids is empty")
+        if self.hidden_act != "silu":
+            fail(f"hidden_act={self.hidden_act!r} is not supported (DFlash drafts use 'silu')")
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    def layer_is_causal(self, layer: int) -> bool:
+        """PyPI semantics: ``is_causal`` overrides; else sliding layers are causal in the block."""
+        if self.is_causal is not None:
+            return bool(self.is_causal)
+        return self.layer_types[layer] == "sliding_attention"
+
+    def layer_window(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, source: str = "config") -> "DFlashConfig":
+        raw = dict(raw)
+        architectures = raw.get("architectures") or []
+        if DFLASH2_ARCHITECTURE in architectures:
+            raise ValueError(
+                f"{source}: this is a DFlash 2 checkpoint ({DFLASH2_ARCHITECTURE}); dflash-kernels "
+                "implements DFlash (v1) drafts only — use a DFlashDraftModel checkpoint"
+            )
+        missing = [k for k in _REQUIRED if raw.get(k) is None]
+        if missing:
+            raise ValueError(f"{source}: missing required key(s) {missing}")
+        dflash_cfg = dict(raw.pop("dflash_config", None) or {})
+        values: dict[str, Any] = {}
+        for key, default in _TOP_LEVEL_DEFAULTS.items():
+            values[key] = raw.pop(key, default)
+        for key, default in _DFLASH_DEFAULTS.items():
+            top = raw.pop(key, None)
+            values[key] = dflash_cfg.pop(key, top if top is not None else default)
+        if values["sliding_window"] is not None and not raw.get("use_sliding_window", True):
+            # Qwen3Config drops the window when use_sliding_window is false; keep it only if a layer uses it.
+            if "sliding_attention" not in (values["layer_types"] or []):
+                values["sliding_window"] = None
+        values["rope_parameters"] = _resolve_rope(raw)
+        values["extra"] = {"dflash_config": dflash_cfg, **raw} if dflash_cfg else raw
+        try:
+            return cls(**values)
+        except TypeError as exc:  # pragma: no cover - defensive
+            raise ValueError(f"{source}: {exc}") from exc
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike) -> "DFlashConfig":
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, CONFIG_NAME)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"draft config not found: {path} (a z-lab draft folder holds config.json)")
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+        return cls.from_dict(raw, source=path)
+
+    def to_dict(self) -> dict[str, Any]:
+        """z-lab (newer) schema; ``block_size`` is also kept at the top level so that the
+        GitHub version of the official code, which reads ``config.block_size``, loads it."""
+        extra = dict(self.extra)
+        dflash_extra = dict(extra.pop("dflash_config", {}) or {})
+        out: dict[str, Any] = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            **extra,
+        }
+        for key in _TOP_LEVEL_DEFAULTS:
+            out[key] = getattr(self, key)
+        out["rope_parameters"] = dict(self.rope_parameters)
+        out["rope_theta"] = self.rope_parameters.get("rope_theta")
+        out["use_sliding_window"] = self.sliding_window is not None
+        out["block_size"] = self.block_size
+        out["dflash_config"] = {
+            **dflash_extra,
+            **{key: getattr(self, key) for key in _DFLASH_DEFAULTS},
+        }
+        return out
+
+    def to_json_file(self, path: str | os.PathLike) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+            f.write("\n")
+
+
+def _resolve_rope(raw: dict[str, Any]) -> dict[str, Any]:
+    """``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (4.x)."""
+    params = raw.pop("rope_parameters", None)
+    theta = raw.pop("rope_theta", None)
+    scaling = raw.pop("rope_scaling", None)
+    if params is None:
+        params = dict(scaling or {})
+        if "type" in params and "rope_type" not in params:
+            params["rope_type"] = params.pop("type")
+    else:
+        params = dict(params)
+    params.setdefault("rope_type", "default")
+    if "rope_theta" not in params:
+        params["rope_theta"] = float(theta) if theta is not None else 10000.0
+    return params

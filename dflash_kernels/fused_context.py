@@ -1,0 +1,238 @@
+"""fused_context: target taps -> fc projection -> RMSNorm (the draft's ``hidden_norm(fc(cat(taps)))``)."""
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from dflash_kernels._dispatch import resolve_backend
+from dflash_kernels._triton_utils import (
+    FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, rms_norm_reference,
+)
+
+OP = "fused_context"
+MAX_SEPARATE_TAPS = 8
+
+Taps = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+def _split_taps(taps: Taps, fc_weight: torch.Tensor) -> list[torch.Tensor]:
+    """Normalise the three accepted tap layouts to a list of [N, H] views (no copies)."""
+    if isinstance(taps, torch.Tensor):
+        if taps.dim() == 3:
+            return list(taps.unbind(0))
+        if taps.dim() == 2:
+            check_tensor(OP, "fc_weight", fc_weight, ndim=2)
+            h = fc_weight.shape[0]
+            if h == 0 or taps.shape[1] % h != 0:
+                raise ValueError(f"{OP}: a 2-D taps tensor must be [N, T*H] with H = fc_weight.shape[0] = {h}; "
+                                 f"got taps shape {tuple(taps.shape)}")
+            return [taps[:, t * h:(t + 1) * h] for t in range(taps.shape[1] // h)]
+        raise ValueError(f"{OP}: taps must be a list of [N, H] tensors, one [N, T*H] or one [T, N, H] tensor; "
+                         f"got a tensor of shape {tuple(taps.shape)}")
+    if not isinstance(taps, (list, tuple)) or len(taps) == 0:
+        raise TypeError(f"{OP}: taps must be a non-empty list/tuple of [N, H] tensors or one tensor")
+    return list(taps)
+
+
+def _validate(taps: list[torch.Tensor], fc_weight, norm_weight, eps):
+    for i, t in enumerate(taps):
+        check_tensor(OP, f"taps[{i}]", t, ndim=2, dtypes=FLOAT_DTYPES, device=taps[0].device)
+        if t.shape != taps[0].shape:
+            raise ValueError(f"{OP}: taps[{i}] has shape {tuple(t.shape)} but taps[0] has {tuple(taps[0].shape)}; "
+                             "all taps must be [N, H]")
+        if t.dtype != taps[0].dtype:
+            raise TypeError(f"{OP}: taps[{i}] is {t.dtype} but taps[0] is {taps[0].dtype}; cast all taps to one dtype")
+    n, h = taps[0].shape
+    dev = taps[0].device
+    check_tensor(OP, "fc_weight", fc_weight, ndim=2, dtypes=FLOAT_DTYPES, device=dev)
+    if tuple(fc_weight.shape) != (h, len(taps) * h):
+        raise ValueError(f"{OP}: fc_weight must be [H, T*H] = [{h}, {len(taps) * h}] (nn.Linear layout, T={len(taps)} "
+                         f"taps of width {h}); got {tuple(fc_weight.shape)}")
+    check_tensor(OP, "norm_weight", norm_weight, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
+    if norm_weight.shape[0] != h:
+        raise ValueError(f"{OP}: norm_weight must be [H] = [{h}], got {tuple(norm_weight.shape)}")
+    if not isinstance(eps, (float, int)) or eps < 0:
+        raise ValueError(f"{OP}: eps must be a non-negative float, got {eps!r}")
+
+
+def fused_context_reference(taps: Taps, fc_weight: torch.Tensor, norm_weight: torch.Tensor,
+                            eps: float = 1e-6) -> torch.Tensor:
+    """Definition: ``RMSNorm(cat(taps, -1) @ fc_weight.T)`` computed in the taps' dtype (HF numerics)."""
+    taps = _split_taps(taps, fc_weight)
+    x = torch.cat(taps, dim=-1)
+    y = x @ fc_weight.to(x.dtype).t()
+    return rms_norm_reference(y, norm_weight, eps)
+
+
+@triton.jit
+def _fc_gemm_kernel(
+    out_ptr, ws_ptr, w_ptr, norm_w_ptr,
+    t0, t1, t2, t3, t4, t5, t6, t7,
+    rs0, rs1, rs2, rs3, rs4, rs5, rs6, rs7,
+    tap_stride, N, H, stride_wn, stride_wk, stride_ws, stride_out, eps,
+    NUM_TAPS: tl.constexpr, UNIFORM: tl.constexpr, FUSE_NORM: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    col_ok = cols < H
+    rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in tl.static_range(NUM_TAPS):
+        # Each tap is read from its own pointer: the concat is never materialised.
+        if UNIFORM:
+            base = t0 + t * tap_stride
+            rs = rs0
+        elif t == 0:
+            base = t0
+            rs = rs0
+        elif t == 1:
+            base = t1
+            rs = rs1
+        elif t == 2:
+            base = t2
+            rs = rs2
+        elif t == 3:
+            base = t3
+            rs = rs3
+        elif t == 4:
+            base = t4
+            rs = rs4
+        elif t == 5:
+            base = t5
+            rs = rs5
+        elif t == 6:
+            base = t6
+            rs = rs6
+        else:
+            base = t7
+            rs = rs7
+        for k0 in range(0, H, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < H
+            x = tl.load(base + rows64[:, None] * rs + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            wk = (t * H + ks).to(tl.int64)
+            w = tl.load(w_ptr + cols64[:, None] * stride_wn + wk[None, :] * stride_wk,
+                        mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PREC)
+    if FUSE_NORM:
+        ms = tl.sum(acc * acc, axis=1) / H
+        nw = tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        y = acc * tl.rsqrt(ms + eps)[:, None] * nw[None, :]
+        tl.store(out_ptr + rows64[:, None] * stride_out + cols64[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+    else:
+        tl.store(ws_ptr + rows64[:, None] * stride_ws + cols64[None, :], acc,
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _rmsnorm_rows_kernel(out_ptr, x_ptr, w_ptr, H, stride_x, stride_out, eps, BLOCK_H: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    ss = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        offs = h0 + tl.arange(0, BLOCK_H)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < H, other=0.0).to(tl.float32)
+        ss += x * x
+    rstd = tl.rsqrt(tl.sum(ss, axis=0) / H + eps)
+    for h0 in range(0, H, BLOCK_H):
+        offs = h0 + tl.arange(0, BLOCK_H)
+        m = offs < H
+        x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_out + offs, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _uniform_tap_stride(taps: list[torch.Tensor]):
+    """Element gap between consecutive taps if they are equally spaced views of one buffer, else None."""
+    if len(taps) == 1:
+        return 0
+    t0 = taps[0]
+    gap = taps[1].data_ptr() - t0.data_ptr()
+    if gap % t0.element_size():
+        return None
+    for i, t in enumerate(taps):
+        if t.stride() != t0.stride() or t.data_ptr() - t0.data_ptr() != i * gap:
+            return None
+    return gap // t0.element_size()
+
+
+def _fused_context_triton(taps: list[torch.Tensor], fc_weight, norm_weight, eps) -> torch.Tensor:
+    n, h = taps[0].shape
+    dev = taps[0].device
+    out = torch.empty((n, h), dtype=taps[0].dtype, device=dev)
+    if n == 0:
+        return out
+    taps = [t if t.stride(-1) == 1 or h == 1 else t.contiguous() for t in taps]
+    tap_stride = _uniform_tap_stride(taps)
+    if tap_stride is None and len(taps) > MAX_SEPARATE_TAPS:
+        # More separate buffers than the kernel has pointer slots: fall back to one packed copy.
+        packed = torch.stack(taps, 0)
+        taps, tap_stride = list(packed.unbind(0)), packed.stride(0)
+    uniform = tap_stride is not None
+    ptrs = taps[:1] * MAX_SEPARATE_TAPS if uniform else taps + taps[:1] * (MAX_SEPARATE_TAPS - len(taps))
+    row_strides = [t.stride(0) for t in ptrs]
+    if interpreting():
+        block_m, block_n, block_k = min(64, next_pow2(n)), min(256, next_pow2(h)), min(256, next_pow2(h))
+    else:
+        block_m = 16 if n <= 16 else (32 if n <= 32 else 64)
+        block_n = 32 if n <= 32 else 64
+        block_k = 128 if n <= 32 else 64
+        if next_pow2(h) <= block_n:
+            block_n = next_pow2(h)
+    block_n = max(block_n, 16)
+    fuse_norm = block_n >= h
+    ws = out if fuse_norm else torch.empty((n, h), dtype=torch.float32, device=dev)
+    dot_prec = "ieee" if taps[0].dtype == torch.float32 or fc_weight.dtype == torch.float32 else "tf32"
+    grid = (triton.cdiv(n, block_m), triton.cdiv(h, block_n))
+    _fc_gemm_kernel[grid](
+        out_ptr=out, ws_ptr=ws, w_ptr=fc_weight, norm_w_ptr=norm_weight,
+        t0=ptrs[0], t1=ptrs[1], t2=ptrs[2], t3=ptrs[3], t4=ptrs[4], t5=ptrs[5], t6=ptrs[6], t7=ptrs[7],
+        rs0=row_strides[0], rs1=row_strides[1], rs2=row_strides[2], rs3=row_strides[3],
+        rs4=row_strides[4], rs5=row_strides[5], rs6=row_strides[6], rs7=row_strides[7],
+        tap_stride=tap_stride or 0, N=n, H=h, stride_wn=fc_weight.stride(0), stride_wk=fc_weight.stride(1),
+        stride_ws=ws.stride(0), stride_out=out.stride(0), eps=float(eps),
+        NUM_TAPS=len(taps), UNIFORM=uniform, FUSE_NORM=fuse_norm, DOT_PREC=dot_prec,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+    if not fuse_norm:
+        _rmsnorm_rows_kernel[(n,)](out_ptr=out, x_ptr=ws, w_ptr=norm_weight, H=h, stride_x=ws.stride(0),
+                                    stride_out=out.stride(0), eps=float(eps), BLOCK_H=min(next_pow2(h), 4096))
+    return out
+
+
+def fused_context(taps: Taps, fc_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-6, *,
+                  backend: str = "auto") -> torch.Tensor:
+    """Project the target's tapped hidden states to the draft width and RMS-normalise them.
+
+    out = RMSNorm(concat(taps, -1) @ fc_weight.T) * norm_weight, RMS statistics in fp32.
+
+    Args:
+        taps: the T tapped hidden states of the N new context rows, as one of
+            * a list/tuple of T tensors ``[N, H]`` (each read from its own pointer; rows may be strided,
+              the last dim must be contiguous or is made so),
+            * one tensor ``[N, T*H]`` (tap t = columns ``t*H:(t+1)*H``),
+            * one tensor ``[T, N, H]``.
+            dtype fp32 / bf16 / fp16, all taps the same. N may be 0.
+        fc_weight: ``[H, T*H]``, the draft's ``fc.weight`` (nn.Linear layout, no bias); any float dtype.
+        norm_weight: ``[H]``, the draft's ``hidden_norm.weight``.
+        eps: RMSNorm epsilon (``rms_norm_eps`` of the draft config).
+        backend: ``"auto" | "triton" | "torch"``.
+
+    Returns:
+        A new ``[N, H]`` tensor in the taps' dtype.
+    """
+    taps_list = _split_taps(taps, fc_weight)
+    _validate(taps_list, fc_weight, norm_weight, eps)
+    chosen = resolve_backend(OP, backend, taps_list[0].device, available=("triton", "torch"))
+    if chosen == "torch":
+        return fused_context_reference(taps_list, fc_weight, norm_weight, eps)
+    return _fused_context_triton(taps_list, fc_weight, norm_weight, eps)

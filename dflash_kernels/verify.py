@@ -1,0 +1,435 @@
+"""Verification of a drafted block against the target's logits: greedy and sampled (temperature > 0)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dflash_kernels._dispatch import resolve_backend
+from dflash_kernels._triton_utils import FLOAT_DTYPES, as_index_tensor, check_tensor, interpreting, next_pow2
+
+_BIG = 2**31 - 1
+
+
+def _validate(op: str, logits, draft_tokens):
+    check_tensor(op, "logits", logits, ndim=3, dtypes=FLOAT_DTYPES)
+    n, b, v = logits.shape
+    if b < 1 or v < 1:
+        raise ValueError(f"{op}: logits must be [N, B, V] with B >= 1 and V >= 1, got {tuple(logits.shape)}")
+    if v >= _BIG:
+        raise ValueError(f"{op}: vocab size {v} does not fit the int32 token index used in-kernel")
+    check_tensor(op, "draft_tokens", draft_tokens, ndim=2, dtypes=(torch.int64, torch.int32), device=logits.device)
+    if tuple(draft_tokens.shape) != (n, b - 1):
+        raise ValueError(f"{op}: draft_tokens must be [N, B-1] = [{n}, {b - 1}] for logits of shape {tuple(logits.shape)} "
+                         f"(row i of logits predicts the token after block position i); got {tuple(draft_tokens.shape)}")
+
+
+# --------------------------------------------------------------------------------------------------
+# greedy
+# --------------------------------------------------------------------------------------------------
+
+def verify_greedy_reference(logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Definition: accepted = longest prefix with draft == argmax(logits), bonus = argmax at row ``accepted``."""
+    target = logits.argmax(dim=-1)                                   # [N, B]
+    match = (draft_tokens.to(torch.int64) == target[:, :-1]).to(torch.int64)
+    accepted = match.cumprod(dim=1).sum(dim=1)
+    bonus = target.gather(1, accepted[:, None]).squeeze(1)
+    return accepted, bonus
+
+
+@triton.jit
+def _argmax_partial_kernel(
+    logits_ptr, pval_ptr, pidx_ptr, R, B, V, stride_n, stride_b, CHUNK, S,
+    BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Per (row, vocab split): max value and its first index; NaN wins (first NaN), like torch.argmax."""
+    pid_r = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = rows < R
+    rows64 = rows.to(tl.int64)
+    base = (rows64 // B) * stride_n + (rows64 % B) * stride_b
+    best_val = tl.full((BLOCK_ROWS,), float("-inf"), tl.float32)
+    best_idx = tl.full((BLOCK_ROWS,), 2147483647, tl.int32)
+    nan_idx = tl.full((BLOCK_ROWS,), 2147483647, tl.int32)
+    v_lo = split * CHUNK
+    for v0 in range(v_lo, v_lo + CHUNK, BLOCK_V):
+        idx = v0 + tl.arange(0, BLOCK_V)
+        ok = row_ok[:, None] & (idx < V)[None, :]
+        x = tl.load(logits_ptr + base[:, None] + idx[None, :].to(tl.int64), mask=ok, other=float("-inf"))
+        x = x.to(tl.float32)
+        isn = (x != x) & ok
+        nan_idx = tl.minimum(nan_idx, tl.min(tl.where(isn, idx[None, :], 2147483647), axis=1))
+        xv = tl.where(ok & ~isn, x, float("-inf"))
+        tmax = tl.max(xv, axis=1)
+        tidx = tl.min(tl.where(ok & ~isn & (xv == tmax[:, None]), idx[None, :], 2147483647), axis=1)
+        upd = (tmax > best_val) | ((best_idx == 2147483647) & (tidx < 2147483647))
+        best_val = tl.where(upd, tmax, best_val)
+        best_idx = tl.where(upd, tidx, best_idx)
+    has_nan = nan_idx < 2147483647
+    out_val = tl.where(has_nan, float("nan"), best_val)
+    out_idx = tl.where(has_nan, nan_idx, best_idx)
+    tl.store(pval_ptr + rows64 * S + split, out_val, mask=row_ok)
+    tl.store(pidx_ptr + rows64 * S + split, out_idx, mask=row_ok)
+
+
+@triton.jit
+def _merge_argmax(pval_ptr, pidx_ptr, rows64, row_ok, S, BLOCK_S: tl.constexpr):
+    """Reduce the per-split partials of ``rows`` to the global torch.argmax index (int32)."""
+    sp = tl.arange(0, BLOCK_S)
+    ok = row_ok[:, None] & (sp < S)[None, :]
+    val = tl.load(pval_ptr + rows64[:, None] * S + sp[None, :], mask=ok, other=float("-inf"))
+    idx = tl.load(pidx_ptr + rows64[:, None] * S + sp[None, :], mask=ok, other=2147483647)
+    isn = (val != val) & ok
+    nan_idx = tl.min(tl.where(isn, idx, 2147483647), axis=1)
+    v = tl.where(ok & ~isn, val, float("-inf"))
+    vmax = tl.max(v, axis=1)
+    amax = tl.min(tl.where(ok & ~isn & (v == vmax[:, None]), idx, 2147483647), axis=1)
+    return tl.where(nan_idx < 2147483647, nan_idx, amax)
+
+
+@triton.jit
+def _greedy_accept_kernel(
+    pval_ptr, pidx_ptr, draft_ptr, acc_ptr, bonus_ptr, N, B, S, stride_dn, stride_dj,
+    BLOCK_REQ: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    reqs = tl.program_id(0) * BLOCK_REQ + tl.arange(0, BLOCK_REQ)
+    req_ok = reqs < N
+    reqs64 = reqs.to(tl.int64)
+    still = req_ok
+    accepted = tl.zeros((BLOCK_REQ,), tl.int64)
+    bonus = tl.zeros((BLOCK_REQ,), tl.int64)
+    for j in range(0, B):
+        target = _merge_argmax(pval_ptr, pidx_ptr, reqs64 * B + j, req_ok, S, BLOCK_S).to(tl.int64)
+        # The row where the accepted prefix ends supplies the bonus: the last row reached with `still` set.
+        bonus = tl.where(still, target, bonus)
+        if j < B - 1:
+            d = tl.load(draft_ptr + reqs64 * stride_dn + j * stride_dj, mask=req_ok, other=-1).to(tl.int64)
+            still = still & (d == target)
+            accepted += still.to(tl.int64)
+    tl.store(acc_ptr + reqs64, accepted, mask=req_ok)
+    tl.store(bonus_ptr + reqs64, bonus, mask=req_ok)
+
+
+def _vocab_split(v: int, rows: int) -> tuple[int, int, int]:
+    """(BLOCK_V, CHUNK, S): vocab tile width, split width (a multiple of BLOCK_V) and split count."""
+    if interpreting():
+        # Small tiles and two tiles per split so that CPU tests exercise the split merge and ragged tails.
+        block_v = min(next_pow2(v), 1024)
+        chunk = 2 * block_v
+    else:
+        block_v = min(next_pow2(v), 2048)
+        # Aim for >= ~256 programs at batch 1 without making each program's loop trivially short.
+        want_splits = max(1, min(triton.cdiv(v, 4 * block_v), triton.cdiv(512, max(rows, 1))))
+        chunk = triton.cdiv(triton.cdiv(v, want_splits), block_v) * block_v
+    return block_v, chunk, triton.cdiv(v, chunk)
+
+
+def _rows_per_program(rows: int, block_v: int) -> int:
+    if interpreting():
+        return max(1, min(next_pow2(rows), max(1, 16384 // block_v)))
+    return 1
+
+
+def _verify_greedy_triton(logits, draft_tokens):
+    n, b, v = logits.shape
+    dev = logits.device
+    accepted = torch.empty(n, dtype=torch.int64, device=dev)
+    bonus = torch.empty(n, dtype=torch.int64, device=dev)
+    if n == 0:
+        return accepted, bonus
+    if logits.stride(2) != 1:
+        logits = logits.contiguous()
+    r = n * b
+    block_v, chunk, s = _vocab_split(v, r)
+    pval = torch.empty((r, s), dtype=torch.float32, device=dev)
+    pidx = torch.empty((r, s), dtype=torch.int32, device=dev)
+    br = _rows_per_program(r, block_v)
+    _argmax_partial_kernel[(triton.cdiv(r, br), s)](
+        logits_ptr=logits, pval_ptr=pval, pidx_ptr=pidx, R=r, B=b, V=v,
+        stride_n=logits.stride(0), stride_b=logits.stride(1), CHUNK=chunk, S=s,
+        BLOCK_ROWS=br, BLOCK_V=block_v,
+    )
+    block_req = min(next_pow2(n), 1024) if interpreting() else min(next_pow2(n), 64)
+    _greedy_accept_kernel[(triton.cdiv(n, block_req),)](
+        pval_ptr=pval, pidx_ptr=pidx, draft_ptr=draft_tokens, acc_ptr=accepted, bonus_ptr=bonus,
+        N=n, B=b, S=s, stride_dn=draft_tokens.stride(0), stride_dj=draft_tokens.stride(1) if b > 1 else 0,
+        BLOCK_REQ=block_req, BLOCK_S=next_pow2(s),
+    )
+    return accepted, bonus
+
+
+def verify_greedy(logits: torch.Tensor, draft_tokens: torch.Tensor, *, backend: str = "auto"
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification of one drafted block per request (no host sync, at most two launches).
+
+    Args:
+        logits: ``[N, B, V]`` fp32/bf16/fp16, last dim contiguous. Row ``i`` is the target's distribution
+            for the token that follows block position ``i`` (position 0 = the anchor / last committed token).
+        draft_tokens: ``[N, B-1]`` int64 (int32 accepted), the drafted tokens at block positions 1..B-1.
+            ``B == 1`` gives shape ``[N, 0]`` (nothing to verify, only the bonus).
+        backend: ``"auto" | "ext" | "triton" | "torch"``.
+
+    Returns:
+        ``(accepted, bonus)``, both int64 ``[N]``: ``accepted[n]`` = length of the longest prefix with
+        ``draft_tokens[n, j] == argmax(logits[n, j])``; ``bonus[n] = argmax(logits[n, accepted[n]])``.
+        argmax is ``torch.argmax`` exactly: first index among ties, NaN counts as the maximum.
+    """
+    _validate("verify_greedy", logits, draft_tokens)
+    chosen = resolve_backend("verify_greedy", backend, logits.device, available=("ext", "triton", "torch"))
+    if chosen == "ext":
+        from dflash_kernels import _ext
+
+        return _ext.verify_greedy(logits, draft_tokens)
+    if chosen == "torch":
+        return verify_greedy_reference(logits, draft_tokens)
+    return _verify_greedy_triton(logits, draft_tokens)
+
+
+# --------------------------------------------------------------------------------------------------
+# sampled (temperature > 0)
+# --------------------------------------------------------------------------------------------------
+
+def filter_logits_reference(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+                            ) -> torch.Tensor:
+    """HF warper order: ``logits / temperature``, then top-k, then top-p; removed tokens become -inf.
+
+    top-k keeps every token >= the k-th largest value (ties at the threshold are kept, as in HF).
+    top-p removes the ascending-sorted tokens whose cumulative probability is <= 1 - top_p, keeping at
+    least the largest one (HF ``TopPLogitsWarper``).
+    """
+    dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    z = logits.to(dt) / temperature
+    v = z.shape[-1]
+    if top_k and top_k < v:
+        kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_z, sorted_idx = torch.sort(z, dim=-1, descending=False)
+        cum = sorted_z.softmax(dim=-1).cumsum(dim=-1)
+        remove = cum <= (1 - top_p)
+        remove[..., -1:] = False
+        z = z.masked_fill(remove.scatter(-1, sorted_idx, remove), float("-inf"))
+    return z
+
+
+def _rng_for(seed, offset, device) -> torch.Generator:
+    seed = int(seed.item()) if isinstance(seed, torch.Tensor) else int(seed)
+    offset = int(offset.item()) if isinstance(offset, torch.Tensor) else int(offset)
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 0x9E3779B97F4A7C15 + offset) % (2**63 - 1))
+    return g
+
+
+def verify_sample_reference(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperature: float,
+                            top_k: int = 0, top_p: float = 1.0, seed=0, offset=0
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Definition (materialises the probabilities; the reference reads seed/offset on the host).
+
+    p_j = softmax(filter(logits[:, j])). Accept d_j with probability p_j(d_j) while all earlier drafts were
+    accepted; at the first rejection j sample from p_j with d_j removed (renormalised); if all B-1 drafts
+    are accepted sample the bonus from p_{B-1}. Its random stream differs from the Triton kernel's.
+    """
+    n, b, v = logits.shape
+    g = _rng_for(seed, offset, logits.device)
+    z = filter_logits_reference(logits, temperature, top_k, top_p)
+    p = z.softmax(dim=-1)                                                     # [N, B, V]
+    d = draft_tokens.to(torch.int64)
+    p_d = p[:, :-1].gather(-1, d.clamp(0, v - 1)[..., None]).squeeze(-1)
+    p_d = torch.where((d >= 0) & (d < v), p_d, torch.zeros_like(p_d))
+    u = torch.rand((n, b - 1), generator=g, device=logits.device, dtype=torch.float64)
+    accept = (u < p_d.double()).to(torch.int64)
+    accepted = accept.cumprod(dim=1).sum(dim=1)
+    residual = p.clone()
+    if b > 1:
+        removed = residual[:, :-1].scatter(-1, d.clamp(0, v - 1)[..., None], 0.0)
+        # An out-of-range draft token removes nothing.
+        residual[:, :-1] = torch.where(((d >= 0) & (d < v))[..., None], removed, p[:, :-1])
+    row = residual.gather(1, accepted[:, None, None].expand(n, 1, v)).squeeze(1)  # [N, V]
+    uu = torch.rand((n, v), generator=g, device=logits.device, dtype=torch.float64).clamp_min(1e-300)
+    gumbel = -torch.log(-torch.log(uu))
+    next_token = (row.double().log() + gumbel).argmax(dim=-1)
+    return accepted, next_token
+
+
+@triton.jit
+def _sample_partial_kernel(
+    z_ptr, draft_ptr, seed_ptr, offset_ptr, pm_ptr, ps_ptr, pbest_ptr, pidx_ptr,
+    R, B, V, inv_temp, stride_n, stride_b, stride_dn, stride_dj, CHUNK, S,
+    BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Per (row, vocab split): online max / sum-exp of logits*inv_temp, and the Gumbel-max winner of the
+    row's residual (the row's draft token excluded; the last block row excludes nothing)."""
+    pid_r = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = rows < R
+    rows64 = rows.to(tl.int64)
+    n = rows64 // B
+    j = rows64 % B
+    base = n * stride_n + j * stride_b
+    excl = tl.load(draft_ptr + n * stride_dn + j * stride_dj, mask=row_ok & (j < B - 1), other=-1)
+    excl = excl.to(tl.int64)
+    seed = tl.load(seed_ptr)
+    off = tl.load(offset_ptr)
+    c2 = tl.zeros((BLOCK_ROWS, BLOCK_V), tl.uint32) + (off & 0xFFFFFFFF).to(tl.uint32)
+    c3 = tl.zeros((BLOCK_ROWS, BLOCK_V), tl.uint32) + ((off >> 32) * 2).to(tl.uint32)
+    c1 = (tl.zeros((BLOCK_ROWS, BLOCK_V), tl.int64) + rows64[:, None]).to(tl.uint32)
+    m = tl.full((BLOCK_ROWS,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_ROWS,), tl.float32)
+    best = tl.full((BLOCK_ROWS,), float("-inf"), tl.float32)
+    best_idx = tl.full((BLOCK_ROWS,), -1, tl.int32)
+    v_lo = split * CHUNK
+    for v0 in range(v_lo, v_lo + CHUNK, BLOCK_V):
+        idx = v0 + tl.arange(0, BLOCK_V)
+        ok = row_ok[:, None] & (idx < V)[None, :]
+        z = tl.load(z_ptr + base[:, None] + idx[None, :].to(tl.int64), mask=ok, other=float("-inf"))
+        z = z.to(tl.float32) * inv_temp
+        z = tl.where(ok, z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe[:, None]), axis=1)
+        m = m_new
+        c0 = (tl.zeros((BLOCK_ROWS, BLOCK_V), tl.int32) + idx[None, :]).to(tl.uint32)
+        r0, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
+        u = tl.uint_to_uniform_float(r0)
+        gumbel = -tl.log(-tl.log(u))
+        cand = ok & (z > float("-inf")) & (idx[None, :].to(tl.int64) != excl[:, None])
+        score = tl.where(cand, z + gumbel, float("-inf"))
+        tbest = tl.max(score, axis=1)
+        tidx = tl.min(tl.where(cand & (score == tbest[:, None]), idx[None, :], 2147483647), axis=1)
+        upd = (tbest > best) & (tidx < 2147483647)
+        best = tl.where(upd, tbest, best)
+        best_idx = tl.where(upd, tidx, best_idx)
+    out = rows64 * S + split
+    tl.store(pm_ptr + out, m, mask=row_ok)
+    tl.store(ps_ptr + out, s, mask=row_ok)
+    tl.store(pbest_ptr + out, best, mask=row_ok)
+    tl.store(pidx_ptr + out, best_idx, mask=row_ok)
+
+
+@triton.jit
+def _sample_accept_kernel(
+    z_ptr, draft_ptr, seed_ptr, offset_ptr, pm_ptr, ps_ptr, pbest_ptr, pidx_ptr, acc_ptr, tok_ptr,
+    N, B, V, S, inv_temp, stride_n, stride_b, stride_dn, stride_dj,
+    BLOCK_REQ: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    reqs = tl.program_id(0) * BLOCK_REQ + tl.arange(0, BLOCK_REQ)
+    req_ok = reqs < N
+    reqs64 = reqs.to(tl.int64)
+    seed = tl.load(seed_ptr)
+    off = tl.load(offset_ptr)
+    sp = tl.arange(0, BLOCK_S)
+    still = req_ok
+    accepted = tl.zeros((BLOCK_REQ,), tl.int64)
+    token = tl.zeros((BLOCK_REQ,), tl.int64)
+    for j in range(0, B):
+        rows64 = reqs64 * B + j
+        ok = req_ok[:, None] & (sp < S)[None, :]
+        pofs = rows64[:, None] * S + sp[None, :]
+        best = tl.load(pbest_ptr + pofs, mask=ok, other=float("-inf"))
+        bidx = tl.load(pidx_ptr + pofs, mask=ok, other=-1)
+        tbest = tl.max(best, axis=1)
+        tok_j = tl.min(tl.where(ok & (best == tbest[:, None]) & (bidx >= 0), bidx, 2147483647), axis=1)
+        token = tl.where(still, tok_j.to(tl.int64), token)
+        if j < B - 1:
+            pm = tl.load(pm_ptr + pofs, mask=ok, other=float("-inf"))
+            ps = tl.load(ps_ptr + pofs, mask=ok, other=0.0)
+            gm = tl.max(pm, axis=1)
+            gm_safe = tl.where(gm == float("-inf"), 0.0, gm)
+            total = tl.sum(ps * tl.exp(pm - gm_safe[:, None]), axis=1)
+            d = tl.load(draft_ptr + reqs64 * stride_dn + j * stride_dj, mask=req_ok, other=-1).to(tl.int64)
+            d_ok = req_ok & (d >= 0) & (d < V)
+            zd = tl.load(z_ptr + reqs64 * stride_n + j * stride_b + d, mask=d_ok, other=float("-inf"))
+            zd = zd.to(tl.float32) * inv_temp
+            p_d = tl.exp(zd - gm_safe) / tl.where(total > 0, total, 1.0)
+            c0 = (tl.zeros((BLOCK_REQ,), tl.int64) + j).to(tl.uint32)
+            c1 = reqs64.to(tl.uint32)
+            c2 = (tl.zeros((BLOCK_REQ,), tl.int64) + (off & 0xFFFFFFFF)).to(tl.uint32)
+            c3 = (tl.zeros((BLOCK_REQ,), tl.int64) + ((off >> 32) * 2 + 1)).to(tl.uint32)
+            r0, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
+            u = tl.uint_to_uniform_float(r0)
+            still = still & (u < p_d)
+            accepted += still.to(tl.int64)
+    tl.store(acc_ptr + reqs64, accepted, mask=req_ok)
+    tl.store(tok_ptr + reqs64, token, mask=req_ok)
+
+
+def _verify_sample_triton(logits, draft_tokens, temperature, top_k, top_p, seed_t, offset_t):
+    n, b, v = logits.shape
+    dev = logits.device
+    accepted = torch.empty(n, dtype=torch.int64, device=dev)
+    token = torch.empty(n, dtype=torch.int64, device=dev)
+    if n == 0:
+        return accepted, token
+    inv_temp = 1.0 / float(temperature)
+    if top_k or top_p < 1.0:
+        # Documented fallback: top-k / top-p filtering is a PyTorch pre-pass (sort-based, materialises
+        # the filtered, temperature-scaled fp32 logits); the kernels then run with temperature 1.
+        logits = filter_logits_reference(logits, temperature, top_k, top_p).to(torch.float32)
+        inv_temp = 1.0
+    if logits.stride(2) != 1:
+        logits = logits.contiguous()
+    r = n * b
+    block_v, chunk, s = _vocab_split(v, r)
+    pm = torch.empty((r, s), dtype=torch.float32, device=dev)
+    ps = torch.empty_like(pm)
+    pbest = torch.empty_like(pm)
+    pidx = torch.empty((r, s), dtype=torch.int32, device=dev)
+    br = _rows_per_program(r, block_v)
+    stride_dj = draft_tokens.stride(1) if b > 1 else 0
+    _sample_partial_kernel[(triton.cdiv(r, br), s)](
+        z_ptr=logits, draft_ptr=draft_tokens, seed_ptr=seed_t, offset_ptr=offset_t,
+        pm_ptr=pm, ps_ptr=ps, pbest_ptr=pbest, pidx_ptr=pidx, R=r, B=b, V=v, inv_temp=inv_temp,
+        stride_n=logits.stride(0), stride_b=logits.stride(1), stride_dn=draft_tokens.stride(0), stride_dj=stride_dj,
+        CHUNK=chunk, S=s, BLOCK_ROWS=br, BLOCK_V=block_v,
+    )
+    block_req = min(next_pow2(n), 1024) if interpreting() else min(next_pow2(n), 64)
+    _sample_accept_kernel[(triton.cdiv(n, block_req),)](
+        z_ptr=logits, draft_ptr=draft_tokens, seed_ptr=seed_t, offset_ptr=offset_t,
+        pm_ptr=pm, ps_ptr=ps, pbest_ptr=pbest, pidx_ptr=pidx, acc_ptr=accepted, tok_ptr=token,
+        N=n, B=b, V=v, S=s, inv_temp=inv_temp, stride_n=logits.stride(0), stride_b=logits.stride(1),
+        stride_dn=draft_tokens.stride(0), stride_dj=stride_dj, BLOCK_REQ=block_req, BLOCK_S=next_pow2(s),
+    )
+    return accepted, token
+
+
+def verify_sample(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperature: float, top_k: int = 0,
+                  top_p: float = 1.0, seed, offset, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling of one drafted block per request (one-hot draft proposals).
+
+    p_j = softmax(filter(logits[:, j] / temperature)) with HF-style top-k then top-p filtering. Draft
+    token d_j is accepted with probability p_j(d_j) while all earlier ones were; at the first rejection the
+    next token is sampled from p_j with d_j removed (renormalised); if all B-1 drafts are accepted it is
+    sampled from p_{B-1}. Triton: one online max/sum-exp pass per vocab split plus Gumbel-max sampling
+    (no [N, B, V] probabilities), Philox keyed by (seed, offset, request, row, token): the same
+    (seed, offset) gives the same tokens. top-k / top-p use a PyTorch filtering pre-pass (see README).
+
+    Args:
+        logits: ``[N, B, V]`` fp32/bf16/fp16, last dim contiguous (row i predicts block position i+1).
+        draft_tokens: ``[N, B-1]`` int64/int32.
+        temperature: float > 0 (one value for the whole batch).
+        top_k: int >= 0, 0 disables. top_p: float in (0, 1], 1 disables.
+        seed, offset: int or 1-element int64 tensor on the logits' device (tensors keep CUDA-graph replay
+            reproducible: bump ``offset`` in place between rounds).
+        backend: ``"auto" | "triton" | "torch"`` (the torch reference uses torch.Generator, a different
+            random stream, and reads seed/offset on the host).
+
+    Returns:
+        ``(accepted, next_token)``, int64 ``[N]`` each.
+    """
+    op = "verify_sample"
+    _validate(op, logits, draft_tokens)
+    if not isinstance(temperature, (float, int)) or not temperature > 0:
+        raise ValueError(f"{op}: temperature must be a float > 0 (use verify_greedy for temperature 0), got {temperature!r}")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"{op}: top_k must be an int >= 0 (0 disables), got {top_k!r}")
+    if not isinstance(top_p, (float, int)) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"{op}: top_p must be in (0, 1] (1 disables), got {top_p!r}")
+    seed_t = as_index_tensor(op, "seed", seed, logits.device)
+    offset_t = as_index_tensor(op, "offset", offset, logits.device)
+    chosen = resolve_backend(op, backend, logits.device, available=("triton", "torch"))
+    if chosen == "torch":
+        return verify_sample_reference(logits, draft_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                       seed=seed, offset=offset)
+    return _verify_sample_triton(logits, draft_tokens, temperature, top_k, top_p, seed_t, offset_t)

@@ -87,3 +87,48 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     xf = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight.to(x.dtype) * xf.to(x.dtype)
+
+
+@triton.jit
+def norm_rope_halves(x_lo, x_hi, w_ptr, offs_half, mask_half, HALF, cos, sin, eps, APPLY_NORM: tl.constexpr):
+    """Per-head RMSNorm over D = 2*HALF (weight halves from ``w_ptr``), then NeoX rotate_half RoPE.
+
+    x_lo/x_hi: [R, BLOCK_HALF] fp32 holding dims [0, HALF) and [HALF, D); padded lanes must be zero.
+    """
+    if APPLY_NORM:
+        ss = tl.sum(x_lo * x_lo, axis=1) + tl.sum(x_hi * x_hi, axis=1)
+        rstd = tl.rsqrt(ss / (2 * HALF) + eps)
+        w_lo = tl.load(w_ptr + offs_half, mask=mask_half, other=0.0).to(tl.float32)
+        w_hi = tl.load(w_ptr + HALF + offs_half, mask=mask_half, other=0.0).to(tl.float32)
+        x_lo = x_lo * rstd[:, None] * w_lo[None, :]
+        x_hi = x_hi * rstd[:, None] * w_hi[None, :]
+    return x_lo * cos - x_hi * sin, x_hi * cos + x_lo * sin
+
+
+def check_cache_pair(op: str, k_cache, v_cache, *, ndim: int, kv_heads: int, head_dim: int, device) -> None:
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(op, name, c, ndim=ndim, dtypes=FLOAT_DTYPES, device=device)
+        check_last_dim_contiguous(op, name, c)
+        if c.shape[-2] != kv_heads or c.shape[-1] != head_dim:
+            raise ValueError(f"{op}: {name} must end in [..., kvH={kv_heads}, D={head_dim}], got {tuple(c.shape)}")
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"{op}: k_cache {tuple(k_cache.shape)}/{k_cache.dtype} and v_cache "
+                         f"{tuple(v_cache.shape)}/{v_cache.dtype} must have the same shape and dtype")
+
+
+def page_table(op: str, n_req: int, block_table, cache_batch_idx, device):
+    """(table [N, P] or None, paged?) — a contiguous cache is a paged one with page_size = max_len and
+    table[n, 0] = cache_batch_idx[n], so the kernels have one addressing scheme."""
+    if block_table is not None and cache_batch_idx is not None:
+        raise ValueError(f"{op}: pass block_table (paged cache) or cache_batch_idx (contiguous cache), not both")
+    if block_table is not None:
+        check_tensor(op, "block_table", block_table, ndim=2, dtypes=(torch.int32, torch.int64), device=device)
+        if block_table.shape[0] != n_req:
+            raise ValueError(f"{op}: block_table must be [N_req={n_req}, max_pages], got {tuple(block_table.shape)}")
+        return block_table, True
+    if cache_batch_idx is not None:
+        check_tensor(op, "cache_batch_idx", cache_batch_idx, ndim=1, dtypes=(torch.int32, torch.int64), device=device)
+        if cache_batch_idx.shape[0] != n_req:
+            raise ValueError(f"{op}: cache_batch_idx must be [N_req={n_req}], got {tuple(cache_batch_idx.shape)}")
+        return cache_batch_idx.view(n_req, 1), False
+    return None, False

@@ -1,0 +1,347 @@
+"""draft_attention: the B block queries of each request over [cached context ++ the block's own K/V]."""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from dflash_kernels._dispatch import resolve_backend
+from dflash_kernels._triton_utils import (
+    FLOAT_DTYPES, check_cache_pair, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, norm_rope_halves,
+    page_table, rms_norm_reference, rope_cos_sin, rope_cos_sin_reference, rotate_half,
+)
+
+OP = "draft_attention"
+_LOG2E = 1.4426950408889634
+
+
+def _validate(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, sliding_window,
+              block_table, cache_batch_idx, num_splits):
+    check_tensor(OP, "q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    dev = q.device
+    n, b, nh, d = q.shape
+    if b < 1 or d < 2 or d % 2:
+        raise ValueError(f"{OP}: q must be [N, B, nH, D] with B >= 1 and an even head dim D (RoPE); got {tuple(q.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        check_tensor(OP, name, t, ndim=4, dtypes=(q.dtype,), device=dev)
+        if t.shape[0] != n or t.shape[1] != b or t.shape[3] != d:
+            raise ValueError(f"{OP}: {name} must be [N={n}, B={b}, kvH, D={d}] (raw projection of the block rows), "
+                             f"got {tuple(t.shape)}")
+    kvh = k.shape[2]
+    if v.shape[2] != kvh or kvh == 0 or nh % kvh:
+        raise ValueError(f"{OP}: k/v must have the same number of KV heads dividing nH={nh}; got k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_last_dim_contiguous(OP, name, t)
+    check_cache_pair(OP, k_cache, v_cache, ndim=4, kv_heads=kvh, head_dim=d, device=dev)
+    check_tensor(OP, "cache_lens", cache_lens, ndim=1, dtypes=(torch.int32, torch.int64), device=dev)
+    if cache_lens.shape[0] != n:
+        raise ValueError(f"{OP}: cache_lens must be [N={n}] (cached context rows per request), got {tuple(cache_lens.shape)}")
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        check_tensor(OP, name, w, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
+        if w.shape[0] != d:
+            raise ValueError(f"{OP}: {name} must be [D={d}], got {tuple(w.shape)}")
+    check_tensor(OP, "inv_freq", inv_freq, ndim=1, dtypes=(torch.float32, torch.float64), device=dev)
+    if inv_freq.shape[0] != d // 2:
+        raise ValueError(f"{OP}: inv_freq must be [D/2={d // 2}] fp32 (transformers ROPE_INIT_FUNCTIONS), "
+                         f"got {tuple(inv_freq.shape)}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"{OP}: sliding_window must be None (full non-causal) or an int >= 1, got {sliding_window!r}")
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"{OP}: num_splits must be None or an int >= 1, got {num_splits!r}")
+    page_table(OP, n, block_table, cache_batch_idx, dev)
+
+
+def _gather_context(cache: torch.Tensor, n: int, length: int, block_table, cache_batch_idx) -> torch.Tensor:
+    """[length, kvH, D] context rows of request ``n`` from a contiguous or paged cache (host indexing)."""
+    if block_table is None:
+        b = int(cache_batch_idx[n]) if cache_batch_idx is not None else n
+        return cache[b, :length]
+    page_size = cache.shape[1]
+    t = torch.arange(length, device=cache.device)
+    pages = block_table[n].to(torch.int64)[t // page_size]
+    return cache[pages, t % page_size]
+
+
+def draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, *, inv_freq,
+                              attention_scaling: float = 1.0, eps: float = 1e-6, sliding_window: Optional[int] = None,
+                              block_table=None, cache_batch_idx=None) -> torch.Tensor:
+    """Definition (HF Qwen3 numerics in q's dtype, SDPA; reads cache_lens on the host).
+
+    Per request n with C = cache_lens[n]: block row i sits at position C + i. q/k get per-head RMSNorm then
+    RoPE; scores over [cache[:C] ++ block keys], scale D**-0.5. Full mode: no mask. Sliding mode (W):
+    key at position p is visible to query position P iff p <= P and P - p < W.
+    """
+    n, b, nh, d = q.shape
+    kvh = k.shape[2]
+    out = torch.empty_like(q)
+    lens = cache_lens.tolist()
+    for r in range(n):
+        c = int(lens[r])
+        pos = torch.arange(c, c + b, device=q.device)
+        cos, sin = rope_cos_sin_reference(pos, inv_freq, attention_scaling, q.dtype)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        qn = rms_norm_reference(q[r], q_norm_weight, eps)
+        kn = rms_norm_reference(k[r], k_norm_weight, eps)
+        qn = qn * cos + rotate_half(qn) * sin
+        kn = kn * cos + rotate_half(kn) * sin
+        keys = torch.cat([_gather_context(k_cache, r, c, block_table, cache_batch_idx).to(q.dtype), kn], 0)
+        vals = torch.cat([_gather_context(v_cache, r, c, block_table, cache_batch_idx).to(q.dtype), v[r]], 0)
+        mask = None
+        if sliding_window is not None:
+            qpos = pos[:, None]
+            kpos = torch.arange(c + b, device=q.device)[None, :]
+            mask = (kpos <= qpos) & (qpos - kpos < sliding_window)
+        o = F.scaled_dot_product_attention(qn.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
+                                           attn_mask=mask, scale=d ** -0.5, enable_gqa=kvh != nh)
+        out[r] = o.transpose(0, 1)
+    return out
+
+
+@triton.jit
+def _draft_attn_split_kernel(
+    q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, lens_ptr, table_ptr, qw_ptr, kw_ptr, inv_freq_ptr, po_ptr, plse_ptr,
+    B, G, NH, HALF, page_size, window, attention_scaling, eps, qk_scale, NSPLIT,
+    stride_qn, stride_qb, stride_qh, stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
+    stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch, stride_tn,
+    HAS_TABLE: tl.constexpr, SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    # GQA packing: the B x G query rows of KV head h form one tile (row r = block row r // G, head h*G + r % G).
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < B * G
+    qi = r // G
+    head = h * G + r % G
+    dh = tl.arange(0, BLOCK_HALF)
+    dh_ok = dh < HALF
+    qmask = r_ok[:, None] & dh_ok[None, :]
+    q_base = q_ptr + n * stride_qn + qi.to(tl.int64)[:, None] * stride_qb + head.to(tl.int64)[:, None] * stride_qh
+    q_lo = tl.load(q_base + dh[None, :], mask=qmask, other=0.0).to(tl.float32)
+    q_hi = tl.load(q_base + HALF + dh[None, :], mask=qmask, other=0.0).to(tl.float32)
+    ctx_len = tl.load(lens_ptr + n).to(tl.int64)
+    qpos = ctx_len + qi
+    cos, sin = rope_cos_sin(qpos, inv_freq_ptr, dh, dh_ok, attention_scaling)
+    q_lo, q_hi = norm_rope_halves(q_lo, q_hi, qw_ptr, dh, dh_ok, HALF, cos, sin, eps, True)
+    q_lo = q_lo * qk_scale
+    q_hi = q_hi * qk_scale
+
+    m_i = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_R,), tl.float32)
+    acc_lo = tl.zeros((BLOCK_R, BLOCK_HALF), tl.float32)
+    acc_hi = tl.zeros((BLOCK_R, BLOCK_HALF), tl.float32)
+    if split < NSPLIT:
+        lo = ctx_len * 0
+        if SLIDING:
+            # The earliest context key any block query can see is the one query 0 sees.
+            lo = tl.maximum(ctx_len - window + 1, 0)
+        chunk = tl.cdiv(tl.cdiv(ctx_len - lo, NSPLIT), BLOCK_N) * BLOCK_N
+        start = lo + split * chunk
+        end = tl.minimum(start + chunk, ctx_len)
+        for t0 in range(start, end, BLOCK_N):
+            t = t0 + tl.arange(0, BLOCK_N)
+            t_ok = t < end
+            if HAS_TABLE:
+                page = tl.load(table_ptr + n * stride_tn + t // page_size, mask=t_ok, other=0).to(tl.int64)
+            else:
+                page = t * 0 + n
+            slot = t % page_size
+            kmask = t_ok[:, None] & dh_ok[None, :]
+            k_base = kc_ptr + (page * stride_kcp + slot * stride_kcs + h * stride_kch)[:, None]
+            k_lo = tl.load(k_base + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
+            k_hi = tl.load(k_base + HALF + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
+            s = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PREC)
+            s = tl.dot(q_hi, tl.trans(k_hi), s, input_precision=DOT_PREC)
+            valid = r_ok[:, None] & t_ok[None, :]
+            if SLIDING:
+                valid = valid & ((qpos[:, None] - t[None, :]) < window)
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v_base = vc_ptr + (page * stride_vcp + slot * stride_vcs + h * stride_vch)[:, None]
+            v_lo = tl.load(v_base + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
+            v_hi = tl.load(v_base + HALF + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
+            acc_lo = tl.dot(p, v_lo, acc_lo * alpha[:, None], input_precision=DOT_PREC)
+            acc_hi = tl.dot(p, v_hi, acc_hi * alpha[:, None], input_precision=DOT_PREC)
+            m_i = m_new
+    else:
+        # The block's own keys: k_norm + RoPE here, never written to the cache.
+        j = tl.arange(0, BLOCK_B)
+        j_ok = j < B
+        kmask = j_ok[:, None] & dh_ok[None, :]
+        k_base = k_ptr + n * stride_kn + j.to(tl.int64)[:, None] * stride_kb + h * stride_kh
+        k_lo = tl.load(k_base + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
+        k_hi = tl.load(k_base + HALF + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
+        kcos, ksin = rope_cos_sin(ctx_len + j, inv_freq_ptr, dh, dh_ok, attention_scaling)
+        k_lo, k_hi = norm_rope_halves(k_lo, k_hi, kw_ptr, dh, dh_ok, HALF, kcos, ksin, eps, True)
+        s = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PREC)
+        s = tl.dot(q_hi, tl.trans(k_hi), s, input_precision=DOT_PREC)
+        valid = r_ok[:, None] & j_ok[None, :]
+        if SLIDING:
+            diff = qi[:, None] - j[None, :]
+            valid = valid & (diff >= 0) & (diff < window)
+        s = tl.where(valid, s, float("-inf"))
+        m_i = tl.max(s, axis=1)
+        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = tl.sum(p, axis=1)
+        v_base = v_ptr + n * stride_vn + j.to(tl.int64)[:, None] * stride_vb + h * stride_vh
+        v_lo = tl.load(v_base + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
+        v_hi = tl.load(v_base + HALF + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
+        acc_lo = tl.dot(p, v_lo, input_precision=DOT_PREC)
+        acc_hi = tl.dot(p, v_hi, input_precision=DOT_PREC)
+    has = l_i > 0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    # Partials in the natural [N, S+1, B, nH, D] layout so the merge can treat (block row, head) as rows.
+    row = (qi * NH + head).to(tl.int64)
+    ps = (n * (NSPLIT + 1) + split) * B * NH
+    o_base = po_ptr + (ps + row)[:, None] * (2 * HALF)
+    tl.store(o_base + dh[None, :], acc_lo * inv_l[:, None], mask=qmask)
+    tl.store(o_base + HALF + dh[None, :], acc_hi * inv_l[:, None], mask=qmask)
+    tl.store(plse_ptr + ps + row, lse, mask=r_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(po_ptr, plse_ptr, out_ptr, ROWS, D, S1, stride_on, stride_or,
+                         BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    r_ok = rows < ROWS
+    d = tl.arange(0, BLOCK_D)
+    mask = r_ok[:, None] & (d < D)[None, :]
+    m = tl.full((BLOCK_ROWS,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_ROWS,), tl.float32)
+    acc = tl.zeros((BLOCK_ROWS, BLOCK_D), tl.float32)
+    for s in range(0, S1):
+        base = (n * S1 + s) * ROWS + rows.to(tl.int64)
+        lse = tl.load(plse_ptr + base, mask=r_ok, other=float("-inf"))
+        o = tl.load(po_ptr + base[:, None] * D + d[None, :], mask=mask, other=0.0)
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse - m_safe)
+        l = l * alpha + w
+        acc = acc * alpha[:, None] + o * w[:, None]
+        m = m_new
+    res = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + n * stride_on + rows.to(tl.int64)[:, None] * stride_or + d[None, :],
+             res.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _pick_splits(n: int, kvh: int, capacity: int, block_n: int, dev: torch.device) -> int:
+    if interpreting():
+        return max(1, min(2, triton.cdiv(capacity, block_n)))
+    sms = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+    return max(1, min(triton.cdiv(2 * sms, max(1, n * kvh)), triton.cdiv(capacity, 256)))
+
+
+def _draft_attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
+                            attention_scaling, eps, sliding_window, block_table, cache_batch_idx, num_splits,
+                            max_context_len):
+    n, b, nh, d = q.shape
+    kvh = k.shape[2]
+    g = nh // kvh
+    out = torch.empty((n, b, nh, d), dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
+    table, paged = page_table(OP, n, block_table, cache_batch_idx, q.device)
+    page_size = k_cache.shape[1]
+    capacity = block_table.shape[1] * page_size if paged else page_size
+    if max_context_len is not None:
+        capacity = min(capacity, max(1, int(max_context_len)))
+    half = d // 2
+    block_n = 64 if interpreting() else (64 if d <= 128 else 32)
+    nsplit = num_splits or _pick_splits(n, kvh, capacity, block_n, q.device)
+    po = torch.empty((n, nsplit + 1, b, nh, d), dtype=torch.float32, device=q.device)
+    plse = torch.empty((n, nsplit + 1, b, nh), dtype=torch.float32, device=q.device)
+    inv_freq = inv_freq.to(torch.float32)
+    dot_prec = "ieee" if q.dtype == torch.float32 or k_cache.dtype == torch.float32 else "tf32"
+    _draft_attn_split_kernel[(n, kvh, nsplit + 1)](
+        q_ptr=q, k_ptr=k, v_ptr=v, kc_ptr=k_cache, vc_ptr=v_cache, lens_ptr=cache_lens,
+        table_ptr=table if table is not None else cache_lens, qw_ptr=q_norm_weight, kw_ptr=k_norm_weight,
+        inv_freq_ptr=inv_freq, po_ptr=po, plse_ptr=plse,
+        B=b, G=g, NH=nh, HALF=half, page_size=page_size, window=sliding_window or 0,
+        attention_scaling=float(attention_scaling), eps=float(eps), qk_scale=d ** -0.5 * _LOG2E, NSPLIT=nsplit,
+        stride_qn=q.stride(0), stride_qb=q.stride(1), stride_qh=q.stride(2),
+        stride_kn=k.stride(0), stride_kb=k.stride(1), stride_kh=k.stride(2),
+        stride_vn=v.stride(0), stride_vb=v.stride(1), stride_vh=v.stride(2),
+        stride_kcp=k_cache.stride(0), stride_kcs=k_cache.stride(1), stride_kch=k_cache.stride(2),
+        stride_vcp=v_cache.stride(0), stride_vcs=v_cache.stride(1), stride_vch=v_cache.stride(2),
+        stride_tn=table.stride(0) if table is not None else 0,
+        HAS_TABLE=table is not None, SLIDING=sliding_window is not None, DOT_PREC=dot_prec,
+        BLOCK_R=max(16, next_pow2(b * g)), BLOCK_N=block_n, BLOCK_B=max(16, next_pow2(b)),
+        BLOCK_HALF=max(16, next_pow2(half)),
+    )
+    rows = b * nh
+    block_rows = min(next_pow2(rows), 256 if interpreting() else 16)
+    _merge_splits_kernel[(n, triton.cdiv(rows, block_rows))](
+        po_ptr=po, plse_ptr=plse, out_ptr=out, ROWS=rows, D=d, S1=nsplit + 1,
+        stride_on=out.stride(0), stride_or=d, BLOCK_ROWS=block_rows, BLOCK_D=next_pow2(d),
+    )
+    return out
+
+
+def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    cache_lens: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, *,
+                    inv_freq: torch.Tensor, attention_scaling: float = 1.0, eps: float = 1e-6,
+                    sliding_window: Optional[int] = None, block_table: Optional[torch.Tensor] = None,
+                    cache_batch_idx: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
+                    max_context_len: Optional[int] = None, backend: str = "auto") -> torch.Tensor:
+    """Attention of one draft layer: B block queries per request over [cached context ++ block keys].
+
+    Fuses the per-head ``q_norm``/``k_norm`` RMSNorm and NeoX RoPE of the block rows (at positions
+    ``cache_lens[n] + i``), GQA packing (B x nH/kvH rows per KV head), split-KV over the context with a
+    merge kernel, fp32 softmax statistics, scale D**-0.5. Two launches, no host sync. The block's K/V are
+    only used in-register: nothing is written to the cache.
+
+    Args:
+        q: ``[N, B, nH, D]`` raw ``q_proj`` output of the block rows (before q_norm/RoPE); fp32/bf16/fp16,
+            last dim contiguous (a ``[N*B, nH*D]`` projection viewed as 4-D works). D even.
+        k, v: ``[N, B, kvH, D]`` raw ``k_proj`` / ``v_proj`` of the block rows, q's dtype.
+        k_cache, v_cache: this layer's context cache, holding keys already normed + rotated (as written by
+            ``inject_context_kv``); row t of a request is absolute position t. Either contiguous
+            ``[N_cap, max_len, kvH, D]`` (request n uses batch row ``cache_batch_idx[n]``, default n) or paged
+            ``[num_pages, page_size, kvH, D]`` with ``block_table``. Slices ``cache[l]`` of the 5-D caches work.
+        cache_lens: ``[N]`` int32/int64 on the device: cached context rows per request (0 allowed).
+        q_norm_weight, k_norm_weight: ``[D]`` the layer's ``q_norm.weight`` / ``k_norm.weight``.
+        inv_freq: ``[D/2]`` fp32 and ``attention_scaling``: from
+            ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS[rope_type](config, device)``.
+        eps: RMSNorm epsilon.
+        sliding_window: None = full non-causal attention (standard DFlash layers); int W = causal inside
+            the block and a window of W positions (self included) over context and block.
+        block_table: ``[N, max_pages]`` int32/int64 page ids of a paged cache (logical row t lives in
+            page ``block_table[n, t // page_size]`` at slot ``t % page_size``).
+        cache_batch_idx: ``[N]`` int, contiguous cache only.
+        num_splits: context splits per (request, KV head); default from the SM count and the capacity.
+        max_context_len: optional host-side upper bound of ``cache_lens`` to size the splits (no sync).
+        backend: ``"auto" | "triton" | "torch"``.
+
+    Returns:
+        A new ``[N, B, nH, D]`` tensor in q's dtype.
+    """
+    _validate(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, sliding_window,
+              block_table, cache_batch_idx, num_splits)
+    chosen = resolve_backend(OP, backend, q.device, available=("triton", "torch"))
+    if chosen == "torch":
+        return draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
+                                         inv_freq=inv_freq, attention_scaling=attention_scaling, eps=eps,
+                                         sliding_window=sliding_window, block_table=block_table,
+                                         cache_batch_idx=cache_batch_idx)
+    return _draft_attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
+                                   attention_scaling, eps, sliding_window, block_table, cache_batch_idx, num_splits,
+                                   max_context_len)

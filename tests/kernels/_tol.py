@@ -1,0 +1,30 @@
+"""Tolerance rule shared by the kernel tests.
+
+A kernel's error against an fp64 reference may be at most 2x the error of the same PyTorch op run in the
+same low precision, plus one output-dtype ulp of the reference value at that element (the rounding of the
+final store; the CPU interpreter truncates bf16 stores instead of rounding them, which costs up to 1 ulp).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def ulp(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One unit in the last place of ``dtype`` at each value of ``ref`` (fp64)."""
+    info = torch.finfo(dtype)
+    mag = ref.abs().clamp_min(info.tiny)
+    return torch.exp2(torch.floor(torch.log2(mag))) * info.eps
+
+
+def assert_within_rule(out: torch.Tensor, ref64: torch.Tensor, lowp: torch.Tensor, what: str = "") -> None:
+    assert out.shape == ref64.shape == lowp.shape, (out.shape, ref64.shape, lowp.shape)
+    assert not torch.isnan(ref64).any(), f"{what}: the fp64 reference has NaN"
+    assert not torch.isnan(out).any(), f"{what}: output has NaN (an element was not written)"
+    if out.numel() == 0:
+        return
+    baseline = (lowp.double() - ref64).abs().max()
+    err = (out.double() - ref64).abs()
+    allowed = 2 * baseline + ulp(ref64, out.dtype)
+    bad = err > allowed
+    assert not bad.any(), (f"{what}: kernel error {err.max().item():.3e} exceeds 2 x torch {out.dtype} error "
+                           f"{baseline.item():.3e} + 1 ulp at {int(bad.sum())} of {err.numel()} elements")

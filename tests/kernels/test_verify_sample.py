@@ -1,0 +1,149 @@
+import math
+
+import pytest
+import torch
+
+from dflash_kernels.verify import filter_logits_reference, verify_sample
+
+BACKENDS = ["torch", "triton"]
+N_SAMPLES = 4000
+
+
+def _exact(p: torch.Tensor, draft: torch.Tensor, remove_draft: bool = True) -> torch.Tensor:
+    """P[a, t] = probability of accepting exactly a drafts and emitting token t (one request).
+
+    ``remove_draft=False`` is a deliberately wrong residual rule (sample from p_j itself)."""
+    b, v = p.shape
+    out = torch.zeros(b, v, dtype=torch.float64)
+    reach = 1.0
+    for a in range(b - 1):
+        d = int(draft[a])
+        res = p[a].clone()
+        if remove_draft:
+            res[d] = 0
+        res = res / res.sum()
+        out[a] = reach * (1 - p[a, d]) * res
+        reach = reach * p[a, d]
+    out[b - 1] = reach * p[b - 1]
+    return out
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor, n: int) -> tuple[float, float]:
+    """(statistic, critical value at p ~ 1e-6); a sample in a zero-probability cell is an automatic fail."""
+    exp = probs.flatten() * n
+    obs = counts.flatten().double()
+    if (obs[exp == 0] > 0).any():
+        return math.inf, 0.0
+    live = exp > 0
+    stat = float(((obs[live] - exp[live]) ** 2 / exp[live]).sum())
+    df = int(live.sum()) - 1
+    z = 4.75  # Wilson-Hilferty upper quantile, one-sided p ~ 1e-6
+    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat, crit
+
+
+def _sample_counts(logits_one, draft_one, backend, **kw):
+    b, v = logits_one.shape
+    logits = logits_one.expand(N_SAMPLES, b, v).contiguous()
+    draft = draft_one.expand(N_SAMPLES, b - 1).contiguous()
+    acc, tok = verify_sample(logits, draft, backend=backend, **kw)
+    assert acc.dtype == torch.int64 and tok.dtype == torch.int64
+    assert ((acc >= 0) & (acc <= b - 1)).all() and ((tok >= 0) & (tok < v)).all()
+    return torch.bincount(acc * v + tok, minlength=b * v).view(b, v)
+
+
+def _probs(b, v):
+    """Random row distributions with p_j(d_j) in [0.45, 0.75] and every token >= ~2% mass."""
+    p = torch.rand(b, v, dtype=torch.float64) + 0.3
+    p = p / p.sum(-1, keepdim=True)
+    draft = torch.randint(0, v, (b - 1,))
+    for j in range(b - 1):
+        target = 0.45 + 0.3 * float(torch.rand(()))
+        rest = p[j].clone()
+        rest[draft[j]] = 0
+        p[j] = rest / rest.sum() * (1 - target)
+        p[j, draft[j]] = target
+    return p, draft
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_distribution_matches_rule(backend):
+    b, v, temp = 3, 6, 0.8
+    p, draft = _probs(b, v)
+    logits = (temp * p.log()).float()
+    counts = _sample_counts(logits, draft, backend, temperature=temp, seed=1234, offset=int(torch.randint(0, 2**40, ())))
+    exact = _exact(p, draft)
+    stat, crit = _chi2(counts, exact, N_SAMPLES)
+    assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f} vs the exact distribution\n{counts}\n{exact * N_SAMPLES}"
+    # The same samples must reject a wrong residual rule (keeping the rejected draft token in the residual).
+    wrong_stat, wrong_crit = _chi2(counts, _exact(p, draft, remove_draft=False), N_SAMPLES)
+    assert wrong_stat > wrong_crit, "the test cannot tell the wrong residual rule apart"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_top_k_top_p_distribution(backend):
+    # Token probabilities (permuted order): top-k=4 keeps {.4,.25,.15,.1}; renormalised, HF top-p=0.7 keeps
+    # the two largest (ascending cumulative .111, .278 <= 0.3 are removed).
+    base = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], dtype=torch.float64)
+    perm = torch.randperm(6)
+    b = 2
+    p_rows = torch.stack([base[perm], base[torch.randperm(6)]])
+    logits = p_rows.log().float()
+    where = torch.argsort(perm)  # where[k] = position of base[k] in row 0
+    kept0 = {int(where[0]), int(where[1])}
+    z = filter_logits_reference(logits, 1.0, top_k=4, top_p=0.7)
+    assert {int(i) for i in torch.nonzero(z[0] > float("-inf")).flatten()} == kept0
+    filtered = torch.softmax(z.double(), -1)
+    draft = torch.tensor([int(where[0])])
+    counts = _sample_counts(logits, draft, backend, temperature=1.0, top_k=4, top_p=0.7, seed=7, offset=3)
+    stat, crit = _chi2(counts, _exact(filtered, draft), N_SAMPLES)
+    assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f}\n{counts}"
+
+
+def test_filter_keeps_ties_and_at_least_one():
+    z = filter_logits_reference(torch.tensor([[1.0, 3.0, 3.0, 2.0]]), 1.0, top_k=1)
+    assert torch.isfinite(z).tolist() == [[False, True, True, False]]
+    z = filter_logits_reference(torch.tensor([[0.0, 10.0, 1.0]]), 1.0, top_p=0.01)
+    assert torch.isfinite(z).tolist() == [[False, True, False]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_same_seed_offset_same_tokens(backend, dtype):
+    n, b, v = 9, 7, 2500
+    logits = (torch.randn(n, b, v) * 3).to(dtype)
+    draft = logits.float().argmax(-1)[:, :-1].clone()
+    draft[::2, 1] = torch.randint(0, v, (draft[::2].shape[0],))
+    a1 = verify_sample(logits, draft, temperature=0.9, seed=5, offset=11, backend=backend)
+    a2 = verify_sample(logits, draft, temperature=0.9, seed=torch.tensor([5]), offset=torch.tensor(11), backend=backend)
+    assert torch.equal(a1[0], a2[0]) and torch.equal(a1[1], a2[1])
+    outs = {tuple(verify_sample(logits, draft, temperature=5.0, seed=5, offset=o, backend=backend)[1].tolist())
+            for o in range(4)}
+    assert len(outs) > 1, "different offsets gave identical tokens"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_block_size_one_is_plain_sampling(backend):
+    v = 5
+    p = torch.tensor([[0.1, 0.2, 0.3, 0.15, 0.25]], dtype=torch.float64)
+    counts = _sample_counts(p.log().float(), torch.zeros(0, dtype=torch.int64), backend, temperature=1.0, seed=3,
+                            offset=0)
+    stat, crit = _chi2(counts, p, N_SAMPLES)
+    assert stat < crit and counts.shape == (1, v)
+
+
+def test_bad_inputs():
+    logits = torch.randn(2, 3, 10)
+    draft = torch.zeros(2, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="temperature"):
+        verify_sample(logits, draft, temperature=0.0, seed=0, offset=0)
+    with pytest.raises(ValueError, match="top_p"):
+        verify_sample(logits, draft, temperature=1.0, top_p=0.0, seed=0, offset=0)
+    with pytest.raises(ValueError, match="top_k"):
+        verify_sample(logits, draft, temperature=1.0, top_k=-1, seed=0, offset=0)
+    with pytest.raises(ValueError, match="offset"):
+        verify_sample(logits, draft, temperature=1.0, seed=0, offset=torch.tensor([1, 2]))
+    with pytest.raises(TypeError, match="seed"):
+        verify_sample(logits, draft, temperature=1.0, seed=1.5, offset=0)
+    with pytest.raises(ValueError, match="draft_tokens"):
+        verify_sample(logits, draft[:, :1], temperature=1.0, seed=0, offset=0)

@@ -1,0 +1,170 @@
+import pytest
+import torch
+
+from dflash_kernels._triton_utils import rope_cos_sin_reference
+from dflash_kernels.draft_attention import draft_attention, draft_attention_reference
+from _caches import random_block_table, to_paged
+from _tol import assert_within_rule
+
+BACKENDS = ["torch", "triton"]
+
+
+def _inv_freq(d, theta=10000.0):
+    return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+
+
+def _case(n, b, nh, kvh, d, lens, dtype):
+    cap = max(lens) + 5
+    q = torch.randn(n, b, nh, d).to(dtype)
+    k = torch.randn(n, b, kvh, d).to(dtype)
+    v = torch.randn(n, b, kvh, d).to(dtype)
+    kc = torch.randn(n, cap, kvh, d).to(dtype)
+    vc = torch.randn(n, cap, kvh, d).to(dtype)
+    qw = (1 + 0.3 * torch.randn(d)).to(dtype)
+    kw = (1 + 0.3 * torch.randn(d)).to(dtype)
+    return q, k, v, kc, vc, torch.tensor(lens, dtype=torch.int64), qw, kw
+
+
+def _refs(args, **kw):
+    q, k, v, kc, vc, lens, qw, kw_ = args
+    ref = draft_attention_reference(*(x.double() for x in (q, k, v, kc, vc)), lens, qw.double(), kw_.double(), **kw)
+    lowp = draft_attention_reference(q, k, v, kc, vc, lens, qw, kw_, **kw)
+    return ref, lowp
+
+
+CASES = [  # n, b, nh, kvh, d, context lengths
+    (2, 7, 4, 2, 24, [17, 0]),
+    (3, 16, 4, 1, 16, [300, 1, 17]),
+    (1, 1, 2, 2, 32, [300]),
+    (5, 2, 6, 3, 8, [0, 1, 17, 300, 2]),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("window", [None, 20])
+def test_matches_reference(backend, dtype, case, window):
+    n, b, nh, kvh, d, lens = case
+    args = _case(n, b, nh, kvh, d, lens, dtype)
+    rope = dict(inv_freq=_inv_freq(d), attention_scaling=1.1, sliding_window=window)
+    out = draft_attention(*args, backend=backend, **rope)
+    ref, lowp = _refs(args, **rope)
+    assert out.dtype == dtype and out.shape == (n, b, nh, d)
+    assert_within_rule(out, ref, lowp, "draft_attention")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_equals_contiguous(backend, window):
+    n, b, nh, kvh, d, lens = 3, 7, 4, 2, 16, [300, 0, 17]
+    q, k, v, kc, vc, cl, qw, kw = _case(n, b, nh, kvh, d, lens, torch.bfloat16)
+    cap = kc.shape[1]
+    table, num_pages = random_block_table(n, cap, 16)
+    kp, vp = to_paged(kc, table, num_pages, 16), to_paged(vc, table, num_pages, 16)
+    rope = dict(inv_freq=_inv_freq(d), sliding_window=window)
+    contiguous = draft_attention(q, k, v, kc, vc, cl, qw, kw, backend=backend, **rope)
+    paged = draft_attention(q, k, v, kp, vp, cl, qw, kw, block_table=table, backend=backend, **rope)
+    assert torch.equal(contiguous, paged)
+
+
+def test_split_count_does_not_change_result():
+    args = _case(2, 7, 4, 2, 16, [300, 17], torch.float32)
+    rope = dict(inv_freq=_inv_freq(16))
+    outs = [draft_attention(*args, num_splits=s, backend="triton", **rope) for s in (1, 3, 7)]
+    ref, lowp = _refs(args, **rope)
+    for o in outs:
+        assert_within_rule(o, ref, lowp, "num_splits")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cache_batch_idx_and_strided_inputs(backend):
+    n, b, nh, kvh, d = 2, 2, 4, 2, 16
+    q, k, v, kc, vc, cl, qw, kw = _case(n, b, nh, kvh, d, [17, 1], torch.float32)
+    qkv = torch.randn(n, b, (nh + 2 * kvh) * d)          # a fused QKV projection, viewed per head
+    q = qkv[..., : nh * d].unflatten(-1, (nh, d))
+    k = qkv[..., nh * d:(nh + kvh) * d].unflatten(-1, (kvh, d))
+    v = qkv[..., (nh + kvh) * d:].unflatten(-1, (kvh, d))
+    big_k = torch.randn(4, kc.shape[1], kvh, d)
+    big_v = torch.randn(4, kc.shape[1], kvh, d)
+    idx = torch.tensor([3, 1])
+    big_k[idx], big_v[idx] = kc, vc
+    rope = dict(inv_freq=_inv_freq(d))
+    out = draft_attention(q, k, v, big_k, big_v, cl, qw, kw, cache_batch_idx=idx, backend=backend, **rope)
+    ref, lowp = _refs((q, k, v, kc, vc, cl, qw, kw), **rope)
+    assert_within_rule(out, ref, lowp, "cache_batch_idx")
+
+
+def test_reference_definition_matches_explicit_math():
+    """The reference (SDPA) against a hand-written fp64 formulation of the DFlash draft attention."""
+    n, b, nh, kvh, d, w = 1, 5, 4, 2, 8, 4
+    q, k, v, kc, vc, cl, qw, kw = (x.double() if x.is_floating_point() else x
+                                   for x in _case(n, b, nh, kvh, d, [6], torch.float64))
+    inv = _inv_freq(d)
+    c = 6
+    pos = torch.arange(c, c + b)
+    cos, sin = rope_cos_sin_reference(pos, inv, 1.0, torch.float64)
+
+    def norm_rope(x, wt):
+        x = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * wt
+        rot = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
+        return x * cos[:, None] + rot * sin[:, None]
+
+    qn, kn = norm_rope(q[0], qw), norm_rope(k[0], kw)
+    keys = torch.cat([kc[0, :c], kn]).repeat_interleave(nh // kvh, dim=1)    # [c+b, nh, d]
+    vals = torch.cat([vc[0, :c], v[0]]).repeat_interleave(nh // kvh, dim=1)
+    scores = torch.einsum("ihd,thd->hit", qn, keys) / d ** 0.5
+    for window in (None, w):
+        s = scores.clone()
+        if window is not None:
+            qp, kp = pos[:, None], torch.arange(c + b)[None, :]
+            s = s.masked_fill(~((kp <= qp) & (qp - kp < window)), float("-inf"))
+        expect = torch.einsum("hit,thd->ihd", s.softmax(-1), vals)
+        got = draft_attention_reference(q, k, v, kc, vc, cl, qw, kw, inv_freq=inv, sliding_window=window)
+        torch.testing.assert_close(got[0], expect, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("rope_type", ["default", "yarn"])
+def test_rope_tables_match_transformers(rope_type):
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": rope_type, "rope_theta": 10000.0}
+    if rope_type == "yarn":
+        params.update(factor=4.0, original_max_position_embeddings=256)
+    cfg = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=1024, rope_parameters=params)
+    pos = torch.tensor([[0, 1, 17, 300, 1000]])
+    cos_hf, sin_hf = Qwen3RotaryEmbedding(cfg)(torch.zeros(1, dtype=torch.float32), pos)
+    if rope_type in ROPE_INIT_FUNCTIONS:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    else:  # transformers 5.x keeps the default rope out of the table
+        inv_freq, scaling = _inv_freq(16), 1.0
+    cos, sin = rope_cos_sin_reference(pos, inv_freq, scaling, torch.float32)
+    torch.testing.assert_close(cos, cos_hf)
+    torch.testing.assert_close(sin, sin_hf)
+
+
+def test_bad_inputs():
+    q, k, v, kc, vc, cl, qw, kw = _case(2, 3, 4, 2, 8, [3, 4], torch.float32)
+    rope = dict(inv_freq=_inv_freq(8))
+    with pytest.raises(ValueError, match="cache_lens"):
+        draft_attention(q, k, v, kc, vc, cl[:1], qw, kw, **rope)
+    with pytest.raises(TypeError, match="k"):
+        draft_attention(q, k.double(), v, kc, vc, cl, qw, kw, **rope)
+    with pytest.raises(ValueError, match="KV heads"):
+        draft_attention(q, k[:, :, :1].expand(2, 3, 3, 8).contiguous(), v[:, :, :1].expand(2, 3, 3, 8).contiguous(),
+                        kc, vc, cl, qw, kw, **rope)
+    with pytest.raises(ValueError, match="even"):
+        draft_attention(q[..., :7], k[..., :7], v[..., :7], kc[..., :7], vc[..., :7], cl, qw[:7], kw[:7],
+                        inv_freq=_inv_freq(8)[:3])
+    with pytest.raises(ValueError, match="sliding_window"):
+        draft_attention(q, k, v, kc, vc, cl, qw, kw, sliding_window=0, **rope)
+    with pytest.raises(ValueError, match="inv_freq"):
+        draft_attention(q, k, v, kc, vc, cl, qw, kw, inv_freq=_inv_freq(16))
+    with pytest.raises(ValueError, match="not both"):
+        draft_attention(q, k, v, kc, vc, cl, qw, kw, block_table=torch.zeros(2, 1, dtype=torch.int32),
+                        cache_batch_idx=torch.zeros(2, dtype=torch.int64), **rope)
+    with pytest.raises(ValueError, match="k_cache"):
+        draft_attention(q, k, v, kc[..., :1, :], vc, cl, qw, kw, **rope)

@@ -286,6 +286,7 @@ def _draft_attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight
         HAS_TABLE=table is not None, SLIDING=sliding_window is not None, DOT_PREC=dot_prec,
         BLOCK_R=max(16, next_pow2(b * g)), BLOCK_N=block_n, BLOCK_B=max(16, next_pow2(b)),
         BLOCK_HALF=max(16, next_pow2(half)),
+        num_warps=8 if max(16, next_pow2(b * g)) * max(16, next_pow2(half)) >= 4096 else 4,
     )
     rows = b * nh
     block_rows = min(next_pow2(rows), 256 if interpreting() else 16)

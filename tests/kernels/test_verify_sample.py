@@ -117,7 +117,8 @@ def test_same_seed_offset_same_tokens(backend, dtype):
     a1 = verify_sample(logits, draft, temperature=0.9, seed=5, offset=11, backend=backend)
     a2 = verify_sample(logits, draft, temperature=0.9, seed=torch.tensor([5]), offset=torch.tensor(11), backend=backend)
     assert torch.equal(a1[0], a2[0]) and torch.equal(a1[1], a2[1])
-    outs = {tuple(verify_sample(logits, draft, temperature=5.0, seed=5, offset=o, backend=backend)[1].tolist())
+    small = logits[:, :, :64].contiguous()
+    outs = {tuple(verify_sample(small, draft % 64, temperature=5.0, seed=5, offset=o, backend=backend)[1].tolist())
             for o in range(4)}
     assert len(outs) > 1, "different offsets gave identical tokens"
 

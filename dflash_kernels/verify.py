@@ -253,10 +253,97 @@ def verify_sample_reference(logits: torch.Tensor, draft_tokens: torch.Tensor, *,
 
 
 @triton.jit
+def _order_key(z):
+    """Order-preserving int32 key of fp32 values (-0.0 folded into +0.0 first, as float compares do)."""
+    bits = (z + 0.0).to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _filter_threshold_kernel(
+    logits_ptr, thr_ptr, R, B, V, inv_temp, top_k, top_p, stride_n, stride_b,
+    TOP_K: tl.constexpr, TOP_P: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Per row, the smallest kept order key: tokens with key(z) < thr are filtered out.
+
+    top-k: the k-th largest key K* (ties kept). top-p: the smallest key T with
+    sum_{key <= T} p > 1 - top_p over the top-k survivors. Both by bisection on the int32 key range (32
+    passes each), which is exact without sorting the row.
+    """
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = rows < R
+    rows64 = rows.to(tl.int64)
+    base = (rows64 // B) * stride_n + (rows64 % B) * stride_b
+    kmin = tl.full((BLOCK_ROWS,), 2147483647, tl.int64)
+    kmax = tl.full((BLOCK_ROWS,), -2147483648, tl.int64)
+    for v0 in range(0, V, BLOCK_V):
+        idx = v0 + tl.arange(0, BLOCK_V)
+        ok = row_ok[:, None] & (idx < V)[None, :]
+        z = tl.load(logits_ptr + base[:, None] + idx[None, :].to(tl.int64), mask=ok, other=0.0).to(tl.float32)
+        key = _order_key(z * inv_temp).to(tl.int64)
+        kmin = tl.minimum(kmin, tl.min(tl.where(ok, key, 2147483647), axis=1))
+        kmax = tl.maximum(kmax, tl.max(tl.where(ok, key, -2147483648), axis=1))
+    thr = kmin
+    if TOP_K:
+        lo = kmin
+        hi = kmax
+        for _ in range(32):
+            mid = lo + (hi - lo + 1) // 2
+            cnt = tl.zeros((BLOCK_ROWS,), tl.int64)
+            for v0 in range(0, V, BLOCK_V):
+                idx = v0 + tl.arange(0, BLOCK_V)
+                ok = row_ok[:, None] & (idx < V)[None, :]
+                z = tl.load(logits_ptr + base[:, None] + idx[None, :].to(tl.int64), mask=ok, other=0.0)
+                key = _order_key(z.to(tl.float32) * inv_temp).to(tl.int64)
+                cnt += tl.sum((ok & (key >= mid[:, None])).to(tl.int64), axis=1)
+            take = cnt >= top_k
+            lo = tl.where(take, mid, lo)
+            hi = tl.where(take, hi, mid - 1)
+        thr = lo
+    if TOP_P:
+        m = tl.full((BLOCK_ROWS,), float("-inf"), tl.float32)
+        for v0 in range(0, V, BLOCK_V):
+            idx = v0 + tl.arange(0, BLOCK_V)
+            ok = row_ok[:, None] & (idx < V)[None, :]
+            z = tl.load(logits_ptr + base[:, None] + idx[None, :].to(tl.int64), mask=ok, other=0.0)
+            z = z.to(tl.float32) * inv_temp
+            kept = ok & (_order_key(z).to(tl.int64) >= thr[:, None])
+            m = tl.maximum(m, tl.max(tl.where(kept, z, float("-inf")), axis=1))
+        m = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.zeros((BLOCK_ROWS,), tl.float32)
+        for v0 in range(0, V, BLOCK_V):
+            idx = v0 + tl.arange(0, BLOCK_V)
+            ok = row_ok[:, None] & (idx < V)[None, :]
+            z = tl.load(logits_ptr + base[:, None] + idx[None, :].to(tl.int64), mask=ok, other=0.0)
+            z = z.to(tl.float32) * inv_temp
+            kept = ok & (_order_key(z).to(tl.int64) >= thr[:, None])
+            total += tl.sum(tl.where(kept, tl.exp(z - m[:, None]), 0.0), axis=1)
+        limit = (1.0 - top_p) * total
+        lo = thr
+        hi = kmax
+        for _ in range(32):
+            mid = lo + (hi - lo) // 2
+            mass = tl.zeros((BLOCK_ROWS,), tl.float32)
+            for v0 in range(0, V, BLOCK_V):
+                idx = v0 + tl.arange(0, BLOCK_V)
+                ok = row_ok[:, None] & (idx < V)[None, :]
+                z = tl.load(logits_ptr + base[:, None] + idx[None, :].to(tl.int64), mask=ok, other=0.0)
+                z = z.to(tl.float32) * inv_temp
+                key = _order_key(z).to(tl.int64)
+                below = ok & (key >= thr[:, None]) & (key <= mid[:, None])
+                mass += tl.sum(tl.where(below, tl.exp(z - m[:, None]), 0.0), axis=1)
+            enough = mass > limit
+            hi = tl.where(enough, mid, hi)
+            lo = tl.where(enough, lo, mid + 1)
+        thr = hi
+    tl.store(thr_ptr + rows64, thr.to(tl.int32), mask=row_ok)
+
+
+@triton.jit
 def _sample_partial_kernel(
-    z_ptr, draft_ptr, seed_ptr, offset_ptr, pm_ptr, ps_ptr, pbest_ptr, pidx_ptr,
+    z_ptr, draft_ptr, seed_ptr, offset_ptr, thr_ptr, pm_ptr, ps_ptr, pbest_ptr, pidx_ptr,
     R, B, V, inv_temp, stride_n, stride_b, stride_dn, stride_dj, CHUNK, S,
-    BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+    FILTER: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Per (row, vocab split): online max / sum-exp of logits*inv_temp, and the Gumbel-max winner of the
     row's residual (the row's draft token excluded; the last block row excludes nothing)."""
@@ -270,6 +357,8 @@ def _sample_partial_kernel(
     base = n * stride_n + j * stride_b
     excl = tl.load(draft_ptr + n * stride_dn + j * stride_dj, mask=row_ok & (j < B - 1), other=-1)
     excl = excl.to(tl.int64)
+    if FILTER:
+        thr = tl.load(thr_ptr + rows64, mask=row_ok, other=0)
     seed = tl.load(seed_ptr)
     off = tl.load(offset_ptr)
     c2 = tl.zeros((BLOCK_ROWS, BLOCK_V), tl.uint32) + (off & 0xFFFFFFFF).to(tl.uint32)
@@ -285,6 +374,8 @@ def _sample_partial_kernel(
         ok = row_ok[:, None] & (idx < V)[None, :]
         z = tl.load(z_ptr + base[:, None] + idx[None, :].to(tl.int64), mask=ok, other=float("-inf"))
         z = z.to(tl.float32) * inv_temp
+        if FILTER:
+            ok = ok & (_order_key(z) >= thr[:, None])
         z = tl.where(ok, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -310,9 +401,9 @@ def _sample_partial_kernel(
 
 @triton.jit
 def _sample_accept_kernel(
-    z_ptr, draft_ptr, seed_ptr, offset_ptr, pm_ptr, ps_ptr, pbest_ptr, pidx_ptr, acc_ptr, tok_ptr,
+    z_ptr, draft_ptr, seed_ptr, offset_ptr, thr_ptr, pm_ptr, ps_ptr, pbest_ptr, pidx_ptr, acc_ptr, tok_ptr,
     N, B, V, S, inv_temp, stride_n, stride_b, stride_dn, stride_dj,
-    BLOCK_REQ: tl.constexpr, BLOCK_S: tl.constexpr,
+    FILTER: tl.constexpr, BLOCK_REQ: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     reqs = tl.program_id(0) * BLOCK_REQ + tl.arange(0, BLOCK_REQ)
     req_ok = reqs < N
@@ -342,6 +433,9 @@ def _sample_accept_kernel(
             d_ok = req_ok & (d >= 0) & (d < V)
             zd = tl.load(z_ptr + reqs64 * stride_n + j * stride_b + d, mask=d_ok, other=float("-inf"))
             zd = zd.to(tl.float32) * inv_temp
+            if FILTER:
+                thr = tl.load(thr_ptr + reqs64 * B + j, mask=req_ok, other=0)
+                zd = tl.where(_order_key(zd) >= thr, zd, float("-inf"))
             p_d = tl.exp(zd - gm_safe) / tl.where(total > 0, total, 1.0)
             c0 = (tl.zeros((BLOCK_REQ,), tl.int64) + j).to(tl.uint32)
             c1 = reqs64.to(tl.uint32)
@@ -355,6 +449,27 @@ def _sample_accept_kernel(
     tl.store(tok_ptr + reqs64, token, mask=req_ok)
 
 
+def order_key_reference(z: torch.Tensor) -> torch.Tensor:
+    """Host mirror of the kernels' order key of fp32 values (for tests and debugging)."""
+    bits = (z.to(torch.float32) + 0.0).view(torch.int32)
+    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+def _filter_threshold(logits: torch.Tensor, inv_temp: float, top_k: int, top_p: float) -> torch.Tensor:
+    """[N*B] int32: token x of row r survives top-k/top-p iff order_key(logits[r, x] * inv_temp) >= thr[r]."""
+    n, b, v = logits.shape
+    r = n * b
+    block_v, _, _ = _vocab_split(v, r)
+    br = _rows_per_program(r, block_v)
+    thr = torch.empty(r, dtype=torch.int32, device=logits.device)
+    _filter_threshold_kernel[(triton.cdiv(r, br),)](
+        logits_ptr=logits, thr_ptr=thr, R=r, B=b, V=v, inv_temp=inv_temp, top_k=int(top_k), top_p=float(top_p),
+        stride_n=logits.stride(0), stride_b=logits.stride(1), TOP_K=0 < top_k < v, TOP_P=top_p < 1.0,
+        BLOCK_ROWS=br, BLOCK_V=block_v,
+    )
+    return thr
+
+
 def _verify_sample_triton(logits, draft_tokens, temperature, top_k, top_p, seed_t, offset_t):
     n, b, v = logits.shape
     dev = logits.device
@@ -363,11 +478,6 @@ def _verify_sample_triton(logits, draft_tokens, temperature, top_k, top_p, seed_
     if n == 0:
         return accepted, token
     inv_temp = 1.0 / float(temperature)
-    if top_k or top_p < 1.0:
-        # Documented fallback: top-k / top-p filtering is a PyTorch pre-pass (sort-based, materialises
-        # the filtered, temperature-scaled fp32 logits); the kernels then run with temperature 1.
-        logits = filter_logits_reference(logits, temperature, top_k, top_p).to(torch.float32)
-        inv_temp = 1.0
     if logits.stride(2) != 1:
         logits = logits.contiguous()
     r = n * b
@@ -378,18 +488,21 @@ def _verify_sample_triton(logits, draft_tokens, temperature, top_k, top_p, seed_
     pidx = torch.empty((r, s), dtype=torch.int32, device=dev)
     br = _rows_per_program(r, block_v)
     stride_dj = draft_tokens.stride(1) if b > 1 else 0
+    filt = 0 < top_k < v or top_p < 1.0
+    thr = _filter_threshold(logits, inv_temp, top_k, top_p) if filt else pidx[:, 0]
     _sample_partial_kernel[(triton.cdiv(r, br), s)](
-        z_ptr=logits, draft_ptr=draft_tokens, seed_ptr=seed_t, offset_ptr=offset_t,
+        z_ptr=logits, draft_ptr=draft_tokens, seed_ptr=seed_t, offset_ptr=offset_t, thr_ptr=thr,
         pm_ptr=pm, ps_ptr=ps, pbest_ptr=pbest, pidx_ptr=pidx, R=r, B=b, V=v, inv_temp=inv_temp,
         stride_n=logits.stride(0), stride_b=logits.stride(1), stride_dn=draft_tokens.stride(0), stride_dj=stride_dj,
-        CHUNK=chunk, S=s, BLOCK_ROWS=br, BLOCK_V=block_v,
+        CHUNK=chunk, S=s, FILTER=filt, BLOCK_ROWS=br, BLOCK_V=block_v,
     )
     block_req = min(next_pow2(n), 1024) if interpreting() else min(next_pow2(n), 64)
     _sample_accept_kernel[(triton.cdiv(n, block_req),)](
-        z_ptr=logits, draft_ptr=draft_tokens, seed_ptr=seed_t, offset_ptr=offset_t,
+        z_ptr=logits, draft_ptr=draft_tokens, seed_ptr=seed_t, offset_ptr=offset_t, thr_ptr=thr,
         pm_ptr=pm, ps_ptr=ps, pbest_ptr=pbest, pidx_ptr=pidx, acc_ptr=accepted, tok_ptr=token,
         N=n, B=b, V=v, S=s, inv_temp=inv_temp, stride_n=logits.stride(0), stride_b=logits.stride(1),
-        stride_dn=draft_tokens.stride(0), stride_dj=stride_dj, BLOCK_REQ=block_req, BLOCK_S=next_pow2(s),
+        stride_dn=draft_tokens.stride(0), stride_dj=stride_dj, FILTER=filt, BLOCK_REQ=block_req,
+        BLOCK_S=next_pow2(s),
     )
     return accepted, token
 
@@ -403,7 +516,8 @@ def verify_sample(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperatu
     next token is sampled from p_j with d_j removed (renormalised); if all B-1 drafts are accepted it is
     sampled from p_{B-1}. Triton: one online max/sum-exp pass per vocab split plus Gumbel-max sampling
     (no [N, B, V] probabilities), Philox keyed by (seed, offset, request, row, token): the same
-    (seed, offset) gives the same tokens. top-k / top-p use a PyTorch filtering pre-pass (see README).
+    (seed, offset) gives the same tokens. top-k / top-p run in-kernel as an exact threshold search (an
+    extra launch, only when filtering is on; see README for tie and rounding notes).
 
     Args:
         logits: ``[N, B, V]`` fp32/bf16/fp16, last dim contiguous (row i predicts block position i+1).

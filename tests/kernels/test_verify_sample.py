@@ -148,3 +148,37 @@ def test_bad_inputs():
         verify_sample(logits, draft, temperature=1.0, seed=1.5, offset=0)
     with pytest.raises(ValueError, match="draft_tokens"):
         verify_sample(logits, draft[:, :1], temperature=1.0, seed=0, offset=0)
+
+
+def _triton_kept(logits, temperature, top_k, top_p):
+    from dflash_kernels.verify import _filter_threshold, order_key_reference
+
+    n, b, v = logits.shape
+    thr = _filter_threshold(logits, 1.0 / temperature, top_k, top_p).view(n, b, 1)
+    return order_key_reference(logits.float() * (1.0 / temperature)) >= thr
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_in_kernel_filter_matches_hf_rule(case):
+    n, b = 2, 3
+    v = [7, 300, 2500, 4099][case % 4]
+    logits = torch.randn(n, b, v) * 3
+    top_k = [0, 1, 5, v + 2, 50, 0, 3, 200][case]
+    top_p = [0.3, 1.0, 0.9, 0.5, 0.95, 0.05, 1.0, 0.7][case]
+    if top_k == 0 and top_p == 1.0:
+        top_p = 0.6
+    kept = _triton_kept(logits, 0.7, top_k, top_p)
+    ref = torch.isfinite(filter_logits_reference(logits, 0.7, top_k, top_p))
+    assert torch.equal(kept, ref)
+
+
+def test_in_kernel_filter_ties_keep_the_whole_boundary_group():
+    """With exact ties at the top-p boundary HF's (unstable) sort may split the tied group; the kernel keeps
+    all of it: kept = {z >= smallest z that HF keeps}. top-k ties are kept by both."""
+    logits = (torch.randn(3, 4, 600) * 2).round()
+    for top_k, top_p in ((0, 0.5), (40, 1.0), (40, 0.8), (3, 0.9)):
+        kept = _triton_kept(logits, 1.0, top_k, top_p)
+        z = filter_logits_reference(logits, 1.0, top_k, top_p)
+        floor = torch.where(torch.isfinite(z), z, torch.full_like(z, float("inf"))).amin(-1, keepdim=True)
+        assert torch.equal(kept, logits >= floor)
+        assert (kept >= torch.isfinite(z)).all()

@@ -1,0 +1,115 @@
+"""Compile every Triton kernel for sm_90 (H200) ahead of time, on a machine without a GPU.
+
+The CPU interpreter does not check GPU rules (scf.if type agreement, dot shapes, layouts, register or
+shared-memory limits); this catches those at PTX/cubin level with the launch configs the launchers use
+on a GPU. Run without TRITON_INTERPRET:  python tests/kernels/aot_compile_sm90.py
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import importlib  # noqa: E402
+
+# The package re-exports functions under the module names, so import the modules explicitly.
+da = importlib.import_module("dflash_kernels.draft_attention")
+fc = importlib.import_module("dflash_kernels.fused_context")
+ik = importlib.import_module("dflash_kernels.inject_context_kv")
+vf = importlib.import_module("dflash_kernels.verify")
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def sig_of(fn, types: dict, consts: dict) -> dict:
+    out = {}
+    for name in fn.arg_names:
+        if name in consts:
+            out[name] = "constexpr"
+        else:
+            out[name] = types.get(name, "i32")
+    return out
+
+
+def resource_usage(cubin: bytes) -> str:
+    """Registers / spill-relevant local memory per thread, from the cuobjdump bundled with Triton."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", out)
+    return f"REG={m.group(1):>3s} LOCAL={m.group(2):>4s}" if m else "res-usage n/a"
+
+
+def compile_one(label, fn, types, consts, num_warps=4):
+    t = time.time()
+    src = ASTSource(fn=fn, signature=sig_of(fn, types, consts), constexprs=consts)
+    k = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    md = k.metadata
+    print(f"{label:52s} ok {time.time() - t:5.1f}s shared={md.shared:6d}B warps={md.num_warps} "
+          f"{resource_usage(k.asm['cubin'])}")
+    return k
+
+
+def main():
+    bf, f32 = "*bf16", "*fp32"
+    fc_ptrs = {f"t{i}": bf for i in range(8)}
+    fc_ptrs.update(out_ptr=bf, ws_ptr=f32, w_ptr=bf, norm_w_ptr=bf, eps="fp32", tap_stride="i64")
+    for uniform, fuse in ((False, False), (True, True)):
+        compile_one(f"fused_context GEMM uniform={uniform} fuse_norm={fuse}", fc._fc_gemm_kernel, fc_ptrs,
+                    dict(NUM_TAPS=5, UNIFORM=uniform, FUSE_NORM=fuse, DOT_PREC="tf32",
+                         BLOCK_M=16, BLOCK_N=32, BLOCK_K=128))
+    compile_one("fused_context GEMM fp32 ieee", fc._fc_gemm_kernel,
+                {**fc_ptrs, **{f"t{i}": f32 for i in range(8)}, "out_ptr": f32, "w_ptr": f32, "norm_w_ptr": f32},
+                dict(NUM_TAPS=3, UNIFORM=False, FUSE_NORM=False, DOT_PREC="ieee", BLOCK_M=64, BLOCK_N=64, BLOCK_K=64))
+    compile_one("fused_context row RMSNorm", fc._rmsnorm_rows_kernel,
+                dict(out_ptr=bf, x_ptr=f32, w_ptr=bf, eps="fp32"), dict(BLOCK_H=4096))
+
+    compile_one("verify argmax partial", vf._argmax_partial_kernel,
+                dict(logits_ptr=bf, pval_ptr=f32, pidx_ptr="*i32", stride_n="i64"), dict(BLOCK_ROWS=1, BLOCK_V=2048))
+    compile_one("verify greedy accept", vf._greedy_accept_kernel,
+                dict(pval_ptr=f32, pidx_ptr="*i32", draft_ptr="*i64", acc_ptr="*i64", bonus_ptr="*i64"),
+                dict(BLOCK_REQ=64, BLOCK_S=32))
+    compile_one("verify_sample filter threshold", vf._filter_threshold_kernel,
+                dict(logits_ptr=bf, thr_ptr="*i32", inv_temp="fp32", top_p="fp32", stride_n="i64"),
+                dict(TOP_K=True, TOP_P=True, BLOCK_ROWS=1, BLOCK_V=2048))
+    for filt in (False, True):
+        compile_one(f"verify_sample partial filter={filt}", vf._sample_partial_kernel,
+                    dict(z_ptr=bf, draft_ptr="*i64", seed_ptr="*i64", offset_ptr="*i64", thr_ptr="*i32",
+                         pm_ptr=f32, ps_ptr=f32, pbest_ptr=f32, pidx_ptr="*i32", inv_temp="fp32", stride_n="i64"),
+                    dict(FILTER=filt, BLOCK_ROWS=1, BLOCK_V=2048))
+        compile_one(f"verify_sample accept filter={filt}", vf._sample_accept_kernel,
+                    dict(z_ptr=bf, draft_ptr="*i64", seed_ptr="*i64", offset_ptr="*i64", thr_ptr="*i32",
+                         pm_ptr=f32, ps_ptr=f32, pbest_ptr=f32, pidx_ptr="*i32", acc_ptr="*i64", tok_ptr="*i64",
+                         inv_temp="fp32", stride_n="i64"),
+                    dict(FILTER=filt, BLOCK_REQ=64, BLOCK_S=32))
+
+    att = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, kc_ptr=bf, vc_ptr=bf, lens_ptr="*i64", table_ptr="*i32", qw_ptr=bf,
+               kw_ptr=bf, inv_freq_ptr=f32, po_ptr=f32, plse_ptr=f32, attention_scaling="fp32", eps="fp32",
+               qk_scale="fp32", stride_kcp="i64", stride_vcp="i64")
+    for table, sliding in ((False, False), (True, False), (True, True)):
+        compile_one(f"draft_attention split table={table} sliding={sliding}", da._draft_attn_split_kernel, att,
+                    dict(HAS_TABLE=table, SLIDING=sliding, DOT_PREC="tf32", BLOCK_R=64, BLOCK_N=64, BLOCK_B=16,
+                         BLOCK_HALF=64), num_warps=8)
+    compile_one("draft_attention merge", da._merge_splits_kernel, dict(po_ptr=f32, plse_ptr=f32, out_ptr=bf),
+                dict(BLOCK_ROWS=16, BLOCK_D=128))
+    compile_one("inject_context_kv", ik._inject_kernel,
+                dict(ctx_ptr=bf, kw_ptr=bf, vw_ptr=bf, knw_ptr=bf, pos_ptr="*i64", cu_ptr="*i64", lens_ptr="*i64",
+                     table_ptr="*i32", inv_freq_ptr=f32, kc_ptr=bf, vc_ptr=bf, attention_scaling="fp32", eps="fp32",
+                     stride_kcl="i64", stride_vcl="i64", stride_kcp="i64", stride_vcp="i64"),
+                dict(HAS_TABLE=True, DOT_PREC="tf32", BLOCK_M=16, BLOCK_K=64, BLOCK_HALF=64, BLOCK_REQ=1))
+
+
+if __name__ == "__main__":
+    main()

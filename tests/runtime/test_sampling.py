@@ -1,0 +1,142 @@
+"""Sampling is lossless: speculative outputs are distributed exactly as the target's samples."""
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+import dflash.generate as generate_module
+from dflash.generate import generate
+from dflash.sampling import accept_one_hot_proposals, sampling_probs
+from tiny_models import make_draft, make_target
+
+Z_999 = 3.0902  # one-sided 99.9% normal quantile
+
+
+def chi2_critical(df: int, z: float = Z_999) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2_rejects(counts: Counter, expected: dict, n: int) -> tuple[bool, float, float]:
+    """Pearson chi-square of observed counts against exact probabilities; cells with an
+    expected count below 5 are pooled into one."""
+    stat, pooled_obs, pooled_exp, cells = 0.0, 0, 0.0, 0
+    for cell, p in expected.items():
+        e = p * n
+        if e < 5:
+            pooled_obs += counts.get(cell, 0)
+            pooled_exp += e
+            continue
+        stat += (counts.get(cell, 0) - e) ** 2 / e
+        cells += 1
+    unexpected = sum(c for cell, c in counts.items() if cell not in expected)
+    pooled_obs += unexpected
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / max(pooled_exp, 1e-9)
+        cells += 1
+    critical = chi2_critical(cells - 1)
+    return stat > critical, stat, critical
+
+
+def wrong_residual_rule(probs, draft_tokens, generator=None):
+    """Deliberately wrong: on rejection, resample from p without removing the rejected token."""
+    for j in range(draft_tokens.shape[0]):
+        d = int(draft_tokens[j])
+        if torch.rand((), generator=generator).item() < float(probs[j, d]):
+            continue
+        return j, int(torch.multinomial(probs[j], 1, generator=generator))
+    return draft_tokens.shape[0], int(torch.multinomial(probs[-1], 1, generator=generator))
+
+
+def test_sampling_probs_filters():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    p = sampling_probs(logits, 1.0, top_k=2)
+    assert (p[0, 2:] == 0).all() and torch.allclose(p[0, :2], torch.softmax(logits[0, :2], -1))
+    full = torch.softmax(logits, -1)[0]
+    p = sampling_probs(logits, 1.0, top_p=float(full[0]) + 1e-3)  # needs the top two tokens
+    assert (p[0, 2:] == 0).all() and p[0, 1] > 0
+    p = sampling_probs(logits, 1.0, top_p=float(full[0]) - 1e-3)  # top token alone suffices
+    assert p[0, 0] == 1
+    torch.testing.assert_close(sampling_probs(logits, 0.5), torch.softmax(logits / 0.5, -1))
+
+
+def rule_distribution(rule, probs, draft_tokens, n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    counts = Counter()
+    for _ in range(n):
+        accepted, token = rule(probs, draft_tokens, gen)
+        counts[int(draft_tokens[0]) if accepted > 0 else token] += 1
+    return counts
+
+
+def test_accept_rule_first_token_is_target_distributed():
+    probs = torch.softmax(torch.tensor([[1.5, 0.2, -0.3, 0.8], [0.0, 1.0, 0.0, -1.0], [0.3, 0.3, 0.3, 2.0]]), -1)
+    draft_tokens = torch.tensor([3, 1])
+    expected = {t: float(probs[0, t]) for t in range(4)}
+    n = 6000
+    rejects, stat, crit = chi2_rejects(rule_distribution(accept_one_hot_proposals, probs, draft_tokens, n, 0), expected, n)
+    assert not rejects, (stat, crit)
+    rejects, stat, crit = chi2_rejects(rule_distribution(wrong_residual_rule, probs, draft_tokens, n, 0), expected, n)
+    assert rejects, f"the chi-square test cannot tell a wrong residual rule apart ({stat} <= {crit})"
+
+
+def exact_target_distribution(target, ids, steps, temperature, top_p, top_k):
+    """Exact probability of every continuation of length ``steps`` under target-only sampling."""
+    vocab = target.config.vocab_size
+    dist = {}
+    with torch.no_grad():
+        for seq in itertools.product(range(vocab), repeat=steps):
+            full = torch.cat([ids, torch.tensor([seq[:-1]], dtype=torch.long)], dim=1)
+            logits = target(full).logits[0, ids.shape[1] - 1:]
+            probs = sampling_probs(logits, temperature, top_p, top_k)
+            dist[seq] = math.prod(float(probs[i, t]) for i, t in enumerate(seq))
+    return dist
+
+
+def sample_continuations(target, draft, ids, steps, n, temperature, top_p, top_k):
+    counts = Counter()
+    for i in range(n):
+        out = generate(target, draft, ids, steps, temperature=temperature, top_p=top_p, top_k=top_k, seed=i)
+        counts[tuple(out.sequences[0, ids.shape[1]:].tolist())] += 1
+    return counts
+
+
+@pytest.fixture
+def sampling_pair():
+    target = make_target("qwen3", vocab=4, layers=2, hidden=16)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)  # far from uniform, yet every token stays likely
+    draft = make_draft(target, layers=1, block_size=4, mask_token_id=3)
+    ids = torch.tensor([[1, 2, 0]])
+    return target, draft, ids
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.8, 0.9, 3)])
+def test_speculative_sampling_is_lossless(sampling_pair, temperature, top_p, top_k):
+    target, draft, ids = sampling_pair
+    steps, n = 3, 1000  # the second and third tokens come from one verified block
+    expected = exact_target_distribution(target, ids, steps, temperature, top_p, top_k)
+    counts = sample_continuations(target, draft, ids, steps, n, temperature, top_p, top_k)
+    rejects, stat, crit = chi2_rejects(counts, expected, n)
+    assert not rejects, (stat, crit)
+
+
+def test_wrong_rule_fails_end_to_end(sampling_pair, monkeypatch):
+    target, draft, ids = sampling_pair
+    steps, n = 3, 500
+    expected = exact_target_distribution(target, ids, steps, 1.0, 1.0, 0)
+    monkeypatch.setattr(generate_module, "accept_one_hot_proposals", wrong_residual_rule)
+    counts = sample_continuations(target, draft, ids, steps, n, 1.0, 1.0, 0)
+    rejects, stat, crit = chi2_rejects(counts, expected, n)
+    assert rejects, f"a wrong residual rule passed the losslessness test ({stat} <= {crit})"
+
+
+def test_same_seed_same_tokens(sampling_pair):
+    target, draft, ids = sampling_pair
+    a = generate(target, draft, ids, 12, temperature=1.0, seed=7).sequences
+    b = generate(target, draft, ids, 12, temperature=1.0, seed=7).sequences
+    assert torch.equal(a, b)

@@ -168,3 +168,62 @@ def test_bad_inputs():
                         cache_batch_idx=torch.zeros(2, dtype=torch.int64), **rope)
     with pytest.raises(ValueError, match="k_cache"):
         draft_attention(q, k, v, kc[..., :1, :], vc, cl, qw, kw, **rope)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inject_then_attend_matches_one_shot_reference(backend):
+    """Two rounds of inject_context_kv (prefill, then accepted rows) into a paged cache, then
+    draft_attention per layer == attention computed directly from all raw context rows."""
+    from dflash_kernels.inject_context_kv import inject_context_kv
+
+    layers, h, nh, kvh, d, b = 2, 24, 4, 2, 8, 4
+    dtype = torch.float32
+    rounds = [[5, 0, 17], [3, 1, 0]]                      # new context rows per request per round
+    n = len(rounds[0])
+    totals = [sum(r[i] for r in rounds) for i in range(n)]
+    ctx_all = [torch.randn(t, h) for t in totals]          # each request's context rows in position order
+    kw = torch.randn(layers, kvh * d, h) / h ** 0.5
+    vw = torch.randn(layers, kvh * d, h) / h ** 0.5
+    knw = 1 + 0.3 * torch.randn(layers, d)
+    qnw = 1 + 0.3 * torch.randn(layers, d)
+    inv = _inv_freq(d)
+    cap = max(totals) + 2
+    table, num_pages = random_block_table(n, cap, 4)
+    kc = torch.full((layers, num_pages, 4, kvh, d), float("nan"))
+    vc = kc.clone()
+    lens = torch.zeros(n, dtype=torch.int64)
+    done = [0] * n
+    for new in rounds:
+        rows = torch.cat([ctx_all[i][done[i]:done[i] + new[i]] for i in range(n)])
+        pos = torch.cat([torch.arange(done[i], done[i] + new[i]) for i in range(n)])
+        cu = torch.tensor([0] + new).cumsum(0)
+        inject_context_kv(rows, kw, vw, knw, pos, cu, lens, kc, vc, inv_freq=inv, block_table=table, backend=backend)
+        lens += torch.tensor(new)
+        done = [done[i] + new[i] for i in range(n)]
+    q = torch.randn(layers, n, b, nh, d)
+    k = torch.randn(layers, n, b, kvh, d)
+    v = torch.randn(layers, n, b, kvh, d)
+    for layer in range(layers):
+        out = draft_attention(q[layer], k[layer], v[layer], kc[layer], vc[layer], lens, qnw[layer], knw[layer],
+                              inv_freq=inv, block_table=table, backend=backend)
+        for i in range(n):
+            c = totals[i]
+            allpos = torch.arange(c + b)
+            cos, sin = rope_cos_sin_reference(allpos, inv, 1.0, torch.float64)
+
+            def norm_rope(x, wt, cs, sn):
+                x = x.double()
+                x = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * wt.double()
+                rot = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
+                return x * cs[:, None] + rot * sn[:, None]
+
+            ck = (ctx_all[i].double() @ kw[layer].double().t()).view(c, kvh, d)
+            cv = (ctx_all[i].double() @ vw[layer].double().t()).view(c, kvh, d)
+            keys = torch.cat([norm_rope(ck, knw[layer], cos[:c], sin[:c]),
+                              norm_rope(k[layer, i], knw[layer], cos[c:], sin[c:])])
+            vals = torch.cat([cv, v[layer, i].double()])
+            qq = norm_rope(q[layer, i], qnw[layer], cos[c:], sin[c:])
+            expect = torch.nn.functional.scaled_dot_product_attention(
+                qq.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), scale=d ** -0.5,
+                enable_gqa=True).transpose(0, 1)
+            assert (out[i].double() - expect).abs().max() < 2e-6, (out[i].double() - expect).abs().max()

@@ -77,8 +77,6 @@ def validate_generate_args(
     max_batch: int | None = 1,
 ) -> tuple[torch.Tensor, list[int], int]:
     """Check every argument before any work; returns (input_ids [b, P], stop ids, block size)."""
-    if not isinstance(draft, DFlashDraftModel):
-        raise TypeError(f"draft must be a dflash.DFlashDraftModel, got {type(draft).__name__}")
     tcfg = target.config
     if tcfg.hidden_size != draft.config.hidden_size:
         raise ValueError(
@@ -126,6 +124,8 @@ def validate_generate_args(
 
 
 def as_target(target, draft: DFlashDraftModel) -> TargetAdapter:
+    if not isinstance(draft, DFlashDraftModel):
+        raise TypeError(f"draft must be a dflash.DFlashDraftModel, got {type(draft).__name__}")
     if isinstance(target, TargetAdapter):
         if target.layer_ids != draft.config.target_layer_ids:
             return TargetAdapter(target.model, draft.config.target_layer_ids)

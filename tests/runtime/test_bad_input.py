@@ -1,0 +1,84 @@
+"""Bad input raises a clear error naming the argument, before any work."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash import DFlashDraftModel, TargetAdapter
+from dflash.generate import generate
+from tiny_models import make_draft, make_target
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = make_target("qwen3")
+    return target, make_draft(target, layers=1, block_size=4)
+
+
+def ids(n=5, vocab=48):
+    return torch.randint(0, vocab, (1, n))
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    ({"max_new_tokens": 0}, ValueError, "max_new_tokens"),
+    ({"max_new_tokens": 2.5}, ValueError, "max_new_tokens"),
+    ({"temperature": -1.0}, ValueError, "temperature"),
+    ({"temperature": float("nan")}, ValueError, "temperature"),
+    ({"top_p": 0.0}, ValueError, "top_p"),
+    ({"top_p": 1.5}, ValueError, "top_p"),
+    ({"top_k": -2}, ValueError, "top_k"),
+    ({"block_size": 0}, ValueError, "block_size"),
+    ({"backend": "cuda-magic"}, ValueError, "backend"),
+])
+def test_bad_arguments(pair, kwargs, exc, match):
+    target, draft = pair
+    args = {"max_new_tokens": 4, **kwargs}
+    with pytest.raises(exc, match=match):
+        generate(target, draft, ids(), **args)
+
+
+@pytest.mark.parametrize("input_ids,exc,match", [
+    (torch.zeros(1, 0, dtype=torch.long), ValueError, "empty"),
+    (torch.rand(1, 4), TypeError, "integer"),
+    (torch.tensor([[1, 2, 48]]), ValueError, "vocabulary"),
+    (torch.tensor([[1, -1]]), ValueError, "vocabulary"),
+    (torch.randint(0, 48, (2, 4)), ValueError, "batch"),
+    (torch.randint(0, 48, (1, 2, 3)), ValueError, "shape"),
+    ([1, 2, 3], TypeError, "LongTensor"),
+])
+def test_bad_input_ids(pair, input_ids, exc, match):
+    target, draft = pair
+    with pytest.raises(exc, match=match):
+        generate(target, draft, input_ids, 4)
+
+
+def test_mismatched_models():
+    target = make_target("qwen3")
+    wide = make_target("qwen3", hidden=64)
+    with pytest.raises(ValueError, match="hidden_size"):
+        generate(wide, make_draft(target), ids(), 4)
+    with pytest.raises(ValueError, match="mask_token_id"):
+        generate(target, make_draft(target, mask_token_id=48), ids(), 4)
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        generate(target, make_draft(target, taps=[0, 4]), ids(), 4)
+    with pytest.raises(TypeError, match="draft"):
+        generate(target, torch.nn.Linear(2, 2), ids(), 4)
+
+
+def test_unsupported_target():
+    gpt2_like = torch.nn.Module()
+    gpt2_like.config = type("Cfg", (), {"model_type": "gpt2"})()
+    with pytest.raises(TypeError, match="model_type 'gpt2'"):
+        TargetAdapter(gpt2_like, [0])
+
+
+def test_draft_forward_shape_errors(pair):
+    _, draft = pair
+    H = draft.config.hidden_size
+    with pytest.raises(ValueError, match="target_hidden"):
+        draft(position_ids=torch.arange(6)[None], noise_embedding=torch.randn(1, 4, H),
+              target_hidden=torch.randn(1, 2, H + 1))
+    with pytest.raises(ValueError, match="position_ids"):
+        draft(position_ids=torch.arange(5)[None], noise_embedding=torch.randn(1, 4, H),
+              target_hidden=torch.randn(1, 2, H * draft.config.num_taps))
+    assert isinstance(draft, DFlashDraftModel)

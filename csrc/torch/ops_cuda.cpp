@@ -10,6 +10,8 @@
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <tuple>
 
@@ -20,9 +22,14 @@ namespace dflash {
 namespace torch_ops {
 namespace {
 
+// SM count per device, queried once (outside any CUDA-graph capture in practice: the first call).
 int sm_count(c10::DeviceIndex device) {
-  int sm = 0;
+  static std::array<std::atomic<int>, 256> cache{};
+  const size_t slot = static_cast<size_t>(device) & 255u;
+  int sm = cache[slot].load(std::memory_order_relaxed);
+  if (sm > 0) return sm;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sm, cudaDevAttrMultiProcessorCount, device));
+  cache[slot].store(sm, std::memory_order_relaxed);
   return sm;
 }
 

@@ -4,7 +4,7 @@ import torch
 from dflash_kernels import _ext
 from dflash_kernels.verify import verify_greedy
 
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", "triton"] + (["ext"] if _ext.status(torch.device("cpu"))[0] else [])
 
 
 def _expected(logits, draft):

@@ -35,7 +35,10 @@ Plan make_plan(int64_t N, int64_t B, int64_t V, int sm_count) {
   const int64_t max_splits = (V + kThreads * kMinPerThread - 1) / (kThreads * kMinPerThread);
   if (splits > max_splits) splits = max_splits;
   if (splits < 1) splits = 1;
-  const int64_t chunk = (V + splits - 1) / splits;
+  // Chunks are multiples of 8 elements (16 bytes for 16-bit types, 32 for fp32) so that the
+  // vectorized path can use aligned 16-byte loads in every split.
+  int64_t chunk = (V + splits - 1) / splits;
+  chunk = (chunk + 7) / 8 * 8;
   return Plan{(V + chunk - 1) / chunk, chunk};
 }
 
@@ -77,7 +80,7 @@ __device__ __forceinline__ void warp_argmax(float& v, int64_t& i) {
 
 // grid.x = N * B * splits. Block (row, split) computes the argmax of logits[row, split chunk];
 // the last block of request n reduces the partials of its B rows and writes accepted/bonus.
-template <typename T>
+template <typename T, bool kVectorized>
 __global__ void __launch_bounds__(kThreads)
 verify_greedy_kernel(const T* __restrict__ logits, const int64_t* __restrict__ draft, int64_t B,
                      int64_t V, int64_t splits, int64_t chunk, int64_t* __restrict__ accepted,
@@ -97,14 +100,34 @@ verify_greedy_kernel(const T* __restrict__ logits, const int64_t* __restrict__ d
   const int64_t end = begin + chunk < V ? begin + chunk : V;
   const T* x = logits + row * V;
 
+  // argmax_better is a strict total order (NaN first-index, then value, then index), so the
+  // result does not depend on the order in which a thread or the reductions visit elements.
   float best = -__int_as_float(0x7f800000);  // -inf
   int64_t best_i = INT64_MAX;
+  if (kVectorized) {
+    // 16-byte loads: rows start 16-byte aligned and begin/end are multiples of kVec (host checks).
+    constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+#pragma unroll 2
+    for (int64_t i = begin + static_cast<int64_t>(tid) * kVec; i < end; i += kThreads * kVec) {
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(x + i));
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const float v = to_float(e[k]);
+        if (argmax_better(best, best_i, v, i + k)) {
+          best = v;
+          best_i = i + k;
+        }
+      }
+    }
+  } else {
 #pragma unroll 4
-  for (int64_t i = begin + tid; i < end; i += kThreads) {
-    const float v = to_float(x[i]);
-    if (argmax_better(best, best_i, v, i)) {
-      best = v;
-      best_i = i;
+    for (int64_t i = begin + tid; i < end; i += kThreads) {
+      const float v = to_float(x[i]);
+      if (argmax_better(best, best_i, v, i)) {
+        best = v;
+        best_i = i;
+      }
     }
   }
   warp_argmax(best, best_i);
@@ -189,7 +212,11 @@ cudaError_t launch_verify(const void* logits, const int64_t* draft, int64_t N, i
                           const Layout& l, cudaStream_t stream) {
   const int64_t blocks = N * B * p.splits;
   if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
-  verify_greedy_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(
+  const bool vec = reinterpret_cast<uintptr_t>(logits) % 16 == 0 &&
+                   (V * static_cast<int64_t>(sizeof(T))) % 16 == 0 &&
+                   (p.chunk * static_cast<int64_t>(sizeof(T))) % 16 == 0;
+  auto kernel = vec ? verify_greedy_kernel<T, true> : verify_greedy_kernel<T, false>;
+  kernel<<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(
       static_cast<const T*>(logits), draft, B, V, p.splits, p.chunk, accepted, bonus,
       reinterpret_cast<unsigned int*>(ws + l.counters), reinterpret_cast<float*>(ws + l.vals),
       reinterpret_cast<int64_t*>(ws + l.idx));

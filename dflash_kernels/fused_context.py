@@ -1,6 +1,7 @@
 """fused_context: target taps -> fc projection -> RMSNorm (the draft's ``hidden_norm(fc(cat(taps)))``)."""
 from __future__ import annotations
 
+import functools
 from typing import Sequence, Union
 
 import torch
@@ -72,12 +73,16 @@ def _fc_gemm_kernel(
     out_ptr, ws_ptr, w_ptr, norm_w_ptr,
     t0, t1, t2, t3, t4, t5, t6, t7,
     rs0, rs1, rs2, rs3, rs4, rs5, rs6, rs7,
-    tap_stride, N, H, stride_wn, stride_wk, stride_ws, stride_out, eps,
+    tap_stride, N, H, stride_wn, stride_wk, stride_ws, stride_out, eps, K_CHUNK,
     NUM_TAPS: tl.constexpr, UNIFORM: tl.constexpr, FUSE_NORM: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    # Split-K: program (.., .., s) covers columns [s*K_CHUNK, (s+1)*K_CHUNK) of the virtual concat and
+    # writes its own fp32 partial (summed by the norm kernel: deterministic, no atomics).
+    split = tl.program_id(2)
+    kc_lo = split * K_CHUNK
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -114,9 +119,11 @@ def _fc_gemm_kernel(
         else:
             base = t7
             rs = rs7
-        for k0 in range(0, H, BLOCK_K):
+        lo = tl.maximum(kc_lo - t * H, 0)
+        hi = tl.minimum(kc_lo + K_CHUNK - t * H, H)
+        for k0 in range(lo, hi, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < H
+            k_ok = ks < hi
             x = tl.load(base + rows64[:, None] * rs + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0).to(tl.float32)
             wk = (t * H + ks).to(tl.int64)
@@ -130,23 +137,28 @@ def _fc_gemm_kernel(
         tl.store(out_ptr + rows64[:, None] * stride_out + cols64[None, :], y.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
     else:
-        tl.store(ws_ptr + rows64[:, None] * stride_ws + cols64[None, :], acc,
-                 mask=row_ok[:, None] & col_ok[None, :])
+        ws = ws_ptr + split.to(tl.int64) * N * stride_ws
+        tl.store(ws + rows64[:, None] * stride_ws + cols64[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _rmsnorm_rows_kernel(out_ptr, x_ptr, w_ptr, H, stride_x, stride_out, eps, BLOCK_H: tl.constexpr):
+def _rmsnorm_rows_kernel(out_ptr, x_ptr, w_ptr, N, H, SPLITS, stride_x, stride_out, eps, BLOCK_H: tl.constexpr):
+    """RMSNorm of rows of sum_s x[s] (the split-K partials [SPLITS, N, H] fp32)."""
     row = tl.program_id(0).to(tl.int64)
     ss = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         offs = h0 + tl.arange(0, BLOCK_H)
-        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < H, other=0.0).to(tl.float32)
+        x = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for s in range(0, SPLITS):
+            x += tl.load(x_ptr + (s * N + row) * stride_x + offs, mask=offs < H, other=0.0)
         ss += x * x
     rstd = tl.rsqrt(tl.sum(ss, axis=0) / H + eps)
     for h0 in range(0, H, BLOCK_H):
         offs = h0 + tl.arange(0, BLOCK_H)
         m = offs < H
-        x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+        x = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for s in range(0, SPLITS):
+            x += tl.load(x_ptr + (s * N + row) * stride_x + offs, mask=m, other=0.0)
         w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_out + offs, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=m)
 
@@ -165,7 +177,16 @@ def _uniform_tap_stride(taps: list[torch.Tensor]):
     return gap // t0.element_size()
 
 
-def _fused_context_triton(taps: list[torch.Tensor], fc_weight, norm_weight, eps) -> torch.Tensor:
+@functools.lru_cache(maxsize=8)
+def _sm_count_index(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(dev: torch.device) -> int:
+    return _sm_count_index(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def _fused_context_triton(taps: list[torch.Tensor], fc_weight, norm_weight, eps, split_k=None) -> torch.Tensor:
     n, h = taps[0].shape
     dev = taps[0].device
     out = torch.empty((n, h), dtype=taps[0].dtype, device=dev)
@@ -189,23 +210,35 @@ def _fused_context_triton(taps: list[torch.Tensor], fc_weight, norm_weight, eps)
         if next_pow2(h) <= block_n:
             block_n = next_pow2(h)
     block_n = max(block_n, 16)
-    fuse_norm = block_n >= h
-    ws = out if fuse_norm else torch.empty((n, h), dtype=torch.float32, device=dev)
+    tiles = triton.cdiv(n, block_m) * triton.cdiv(h, block_n)
+    k_tiles = triton.cdiv(len(taps) * h, block_k)
+    if split_k is None:
+        if interpreting():
+            split_k = 2 if block_n < h and k_tiles >= 2 else 1
+        else:
+            # Small N leaves too few output tiles to keep enough weight bytes in flight: split K.
+            split_k = max(1, min(8, k_tiles // 4, triton.cdiv(_sm_count(dev), tiles) * 2))
+    split_k = max(1, min(int(split_k), k_tiles))
+    k_chunk = triton.cdiv(k_tiles, split_k) * block_k
+    split_k = triton.cdiv(len(taps) * h, k_chunk)
+    fuse_norm = block_n >= h and split_k == 1
+    ws = out if fuse_norm else torch.empty((split_k, n, h), dtype=torch.float32, device=dev)
     dot_prec = "ieee" if taps[0].dtype == torch.float32 or fc_weight.dtype == torch.float32 else "tf32"
-    grid = (triton.cdiv(n, block_m), triton.cdiv(h, block_n))
+    grid = (triton.cdiv(n, block_m), triton.cdiv(h, block_n), split_k)
     _fc_gemm_kernel[grid](
         out_ptr=out, ws_ptr=ws, w_ptr=fc_weight, norm_w_ptr=norm_weight,
         t0=ptrs[0], t1=ptrs[1], t2=ptrs[2], t3=ptrs[3], t4=ptrs[4], t5=ptrs[5], t6=ptrs[6], t7=ptrs[7],
         rs0=row_strides[0], rs1=row_strides[1], rs2=row_strides[2], rs3=row_strides[3],
         rs4=row_strides[4], rs5=row_strides[5], rs6=row_strides[6], rs7=row_strides[7],
         tap_stride=tap_stride or 0, N=n, H=h, stride_wn=fc_weight.stride(0), stride_wk=fc_weight.stride(1),
-        stride_ws=ws.stride(0), stride_out=out.stride(0), eps=float(eps),
+        stride_ws=ws.stride(-2), stride_out=out.stride(0), eps=float(eps), K_CHUNK=k_chunk,
         NUM_TAPS=len(taps), UNIFORM=uniform, FUSE_NORM=fuse_norm, DOT_PREC=dot_prec,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
     if not fuse_norm:
-        _rmsnorm_rows_kernel[(n,)](out_ptr=out, x_ptr=ws, w_ptr=norm_weight, H=h, stride_x=ws.stride(0),
-                                    stride_out=out.stride(0), eps=float(eps), BLOCK_H=min(next_pow2(h), 4096))
+        _rmsnorm_rows_kernel[(n,)](out_ptr=out, x_ptr=ws, w_ptr=norm_weight, N=n, H=h, SPLITS=split_k,
+                                   stride_x=ws.stride(1), stride_out=out.stride(0), eps=float(eps),
+                                   BLOCK_H=min(next_pow2(h), 4096))
     return out
 
 

@@ -83,3 +83,11 @@ def test_bad_inputs():
         fused_context(torch.randn(4, 15), w, nw)
     with pytest.raises(ValueError, match="backend"):
         fused_context(taps, w, nw, backend="cuda")
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 3, 7])
+def test_split_k_partials_sum_to_the_same_result(split_k):
+    from dflash_kernels.fused_context import _fused_context_triton
+
+    taps, w, nw = _inputs(5, 37, 3, torch.bfloat16)
+    _check(_fused_context_triton(taps, w, nw, 1e-6, split_k=split_k), taps, w, nw)

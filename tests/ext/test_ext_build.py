@@ -72,3 +72,24 @@ def test_cmake_build_and_ctest(tmp_path):
     assert "100% tests passed" in out, out
     if NVCC:
         assert any(build.glob("libdflash_kernels_cuda*")), "the CUDA library was not built"
+
+
+def test_cuda_home_follows_wrapper_scripts(tmp_path, monkeypatch):
+    """nvcc on PATH may be a shell wrapper (`exec /opt/cuda-x/bin/nvcc "$@"`): the toolkit root is
+    the wrapped nvcc's, not the wrapper's parent (torch's guess)."""
+    root = tmp_path / "cuda-13.0"
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "nvcc").write_bytes(b"\x7fELF fake")
+    (root / "bin" / "nvcc").chmod(0o755)
+    wrapper_dir = tmp_path / "wrap" / "bin"
+    wrapper_dir.mkdir(parents=True)
+    (wrapper_dir / "nvcc").write_text(f'#!/bin/sh\nexec {root}/bin/nvcc "$@"\n')
+    (wrapper_dir / "nvcc").chmod(0o755)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("PATH", str(wrapper_dir))
+    assert _ext._cuda_home() == str(root)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "nowhere"))  # invalid: ignored
+    assert _ext._cuda_home() == str(root)
+    monkeypatch.setenv("CUDA_HOME", str(root))
+    assert _ext._cuda_home() == str(root)

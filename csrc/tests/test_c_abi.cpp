@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -216,6 +217,53 @@ static void test_cuda(std::mt19937_64& rng) {
              (long long)c.V, rep);
     }
     cudaFree(dl); cudaFree(dd); cudaFree(da); cudaFree(db); cudaFree(ws);
+  }
+  // commit_round: random ragged rounds, device == host (invalid values excluded: the host rejects them).
+  for (int round = 0; round < 20; ++round) {
+    const int64_t R = 37, B = 8, C = 20, S = 3;
+    std::uniform_int_distribution<int64_t> tok(0, 9), accd(0, B - 1), lend(0, C), coin(0, 4);
+    std::vector<int64_t> draft(R * (B - 1)), acc(R), bonus(R), stop(R * S), maxl(R);
+    CommitState h;
+    h.out.resize(R * C);
+    h.len.resize(R);
+    h.pos.resize(R);
+    h.anc.resize(R);
+    h.done.resize(R);
+    h.num_new.assign(R, 0);
+    for (auto& x : draft) x = tok(rng);
+    for (auto& x : stop) x = tok(rng) - 1;  // includes -1 padding
+    for (auto& x : h.out) x = -7;
+    for (int64_t r = 0; r < R; ++r) {
+      acc[r] = accd(rng);
+      bonus[r] = tok(rng);
+      h.len[r] = lend(rng);
+      maxl[r] = std::min<int64_t>(C, h.len[r] + coin(rng) * 3 - 2);
+      h.pos[r] = 100 + r;
+      h.anc[r] = -1;
+      h.done[r] = coin(rng) == 0;
+    }
+    CommitState d = h;
+    EXPECT(dflash_commit_round_host(draft.data(), acc.data(), bonus.data(), stop.data(), S, S,
+                                    maxl.data(), h.out.data(), h.len.data(), h.pos.data(),
+                                    h.anc.data(), h.done.data(), h.num_new.data(), R, B, C) == DFLASH_OK,
+           "host commit");
+    int64_t *p_draft = to_device(draft), *p_acc = to_device(acc), *p_bonus = to_device(bonus),
+            *p_stop = to_device(stop), *p_maxl = to_device(maxl), *p_out = to_device(d.out),
+            *p_len = to_device(d.len), *p_pos = to_device(d.pos), *p_anc = to_device(d.anc),
+            *p_nn = to_device(d.num_new);
+    uint8_t* p_done = to_device(d.done);
+    EXPECT(dflash_commit_round_cuda(p_draft, p_acc, p_bonus, p_stop, S, S, p_maxl, p_out, p_len, p_pos,
+                                    p_anc, p_done, p_nn, R, B, C, nullptr) == 0, "launch commit");
+    d.out = to_host(p_out, R * C);
+    d.len = to_host(p_len, R);
+    d.pos = to_host(p_pos, R);
+    d.anc = to_host(p_anc, R);
+    d.done = to_host(p_done, R);
+    d.num_new = to_host(p_nn, R);
+    EXPECT(d == h, "cuda commit_round != host (round %d)", round);
+    for (void* p : {(void*)p_draft, (void*)p_acc, (void*)p_bonus, (void*)p_stop, (void*)p_maxl,
+                    (void*)p_out, (void*)p_len, (void*)p_pos, (void*)p_anc, (void*)p_nn, (void*)p_done})
+      cudaFree(p);
   }
   std::printf("CUDA: device tests ran\n");
 }

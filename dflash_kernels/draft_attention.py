@@ -20,7 +20,7 @@ _LOG2E = 1.4426950408889634
 
 
 def _validate(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, sliding_window,
-              block_table, cache_batch_idx, num_splits):
+              block_table, cache_batch_idx, num_splits, causal=None):
     check_tensor(OP, "q", q, ndim=4, dtypes=FLOAT_DTYPES)
     dev = q.device
     n, b, nh, d = q.shape
@@ -51,6 +51,8 @@ def _validate(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weigh
                          f"got {tuple(inv_freq.shape)}")
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"{OP}: sliding_window must be None (full non-causal) or an int >= 1, got {sliding_window!r}")
+    if causal is not None and not isinstance(causal, bool):
+        raise TypeError(f"{OP}: causal must be None (causal iff sliding_window is set) or a bool, got {causal!r}")
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"{OP}: num_splits must be None or an int >= 1, got {num_splits!r}")
     page_table(OP, n, block_table, cache_batch_idx, dev)
@@ -69,13 +71,15 @@ def _gather_context(cache: torch.Tensor, n: int, length: int, block_table, cache
 
 def draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, *, inv_freq,
                               attention_scaling: float = 1.0, eps: float = 1e-6, sliding_window: Optional[int] = None,
-                              block_table=None, cache_batch_idx=None) -> torch.Tensor:
+                              causal: Optional[bool] = None, block_table=None, cache_batch_idx=None) -> torch.Tensor:
     """Definition (HF Qwen3 numerics in q's dtype, SDPA; reads cache_lens on the host).
 
     Per request n with C = cache_lens[n]: block row i sits at position C + i. q/k get per-head RMSNorm then
-    RoPE; scores over [cache[:C] ++ block keys], scale D**-0.5. Full mode: no mask. Sliding mode (W):
-    key at position p is visible to query position P iff p <= P and P - p < W.
+    RoPE; scores over [cache[:C] ++ block keys], scale D**-0.5. Key at position p is visible to the query
+    at position P unless: causal and p > P; or a window W is set and P - p >= W (or, non-causal with a
+    window, p - P >= W). ``causal=None`` means causal iff a window is set (PyPI dflash / vLLM default).
     """
+    causal = (sliding_window is not None) if causal is None else causal
     n, b, nh, d = q.shape
     kvh = k.shape[2]
     out = torch.empty_like(q)
@@ -91,11 +95,13 @@ def draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weig
         kn = kn * cos + rotate_half(kn) * sin
         keys = torch.cat([_gather_context(k_cache, r, c, block_table, cache_batch_idx).to(q.dtype), kn], 0)
         vals = torch.cat([_gather_context(v_cache, r, c, block_table, cache_batch_idx).to(q.dtype), v[r]], 0)
-        mask = None
+        qpos = pos[:, None]
+        kpos = torch.arange(c + b, device=q.device)[None, :]
+        mask = torch.ones(b, c + b, dtype=torch.bool, device=q.device)
+        if causal:
+            mask &= kpos <= qpos
         if sliding_window is not None:
-            qpos = pos[:, None]
-            kpos = torch.arange(c + b, device=q.device)[None, :]
-            mask = (kpos <= qpos) & (qpos - kpos < sliding_window)
+            mask &= (qpos - kpos < sliding_window) & (kpos - qpos < sliding_window)
         o = F.scaled_dot_product_attention(qn.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
                                            attn_mask=mask, scale=d ** -0.5, enable_gqa=kvh != nh)
         out[r] = o.transpose(0, 1)
@@ -108,7 +114,7 @@ def _draft_attn_split_kernel(
     B, G, NH, HALF, page_size, window, attention_scaling, eps, qk_scale, NSPLIT,
     stride_qn, stride_qb, stride_qh, stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
     stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch, stride_tn,
-    HAS_TABLE: tl.constexpr, SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_TABLE: tl.constexpr, SLIDING: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
@@ -186,9 +192,11 @@ def _draft_attn_split_kernel(
         s = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PREC)
         s = tl.dot(q_hi, tl.trans(k_hi), s, input_precision=DOT_PREC)
         valid = r_ok[:, None] & j_ok[None, :]
+        diff = qi[:, None] - j[None, :]
+        if CAUSAL:
+            valid = valid & (diff >= 0)
         if SLIDING:
-            diff = qi[:, None] - j[None, :]
-            valid = valid & (diff >= 0) & (diff < window)
+            valid = valid & (diff < window) & (diff > -window)
         s = tl.where(valid, s, float("-inf"))
         m_i = tl.max(s, axis=1)
         m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -252,7 +260,7 @@ def _pick_splits(n: int, kvh: int, capacity: int, block_n: int, dev: torch.devic
 
 def _draft_attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
                             attention_scaling, eps, sliding_window, block_table, cache_batch_idx, num_splits,
-                            max_context_len):
+                            max_context_len, causal=None):
     n, b, nh, d = q.shape
     kvh = k.shape[2]
     g = nh // kvh
@@ -283,7 +291,8 @@ def _draft_attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight
         stride_kcp=k_cache.stride(0), stride_kcs=k_cache.stride(1), stride_kch=k_cache.stride(2),
         stride_vcp=v_cache.stride(0), stride_vcs=v_cache.stride(1), stride_vch=v_cache.stride(2),
         stride_tn=table.stride(0) if table is not None else 0,
-        HAS_TABLE=table is not None, SLIDING=sliding_window is not None, DOT_PREC=dot_prec,
+        HAS_TABLE=table is not None, SLIDING=sliding_window is not None,
+        CAUSAL=(sliding_window is not None) if causal is None else causal, DOT_PREC=dot_prec,
         BLOCK_R=max(16, next_pow2(b * g)), BLOCK_N=block_n, BLOCK_B=max(16, next_pow2(b)),
         BLOCK_HALF=max(16, next_pow2(half)),
         num_warps=8 if max(16, next_pow2(b * g)) * max(16, next_pow2(half)) >= 4096 else 4,
@@ -300,7 +309,8 @@ def _draft_attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight
 def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cache_lens: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, *,
                     inv_freq: torch.Tensor, attention_scaling: float = 1.0, eps: float = 1e-6,
-                    sliding_window: Optional[int] = None, block_table: Optional[torch.Tensor] = None,
+                    sliding_window: Optional[int] = None, causal: Optional[bool] = None,
+                    block_table: Optional[torch.Tensor] = None,
                     cache_batch_idx: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
                     max_context_len: Optional[int] = None, backend: str = "auto") -> torch.Tensor:
     """Attention of one draft layer: B block queries per request over [cached context ++ block keys].
@@ -325,6 +335,9 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         eps: RMSNorm epsilon.
         sliding_window: None = full non-causal attention (standard DFlash layers); int W = causal inside
             the block and a window of W positions (self included) over context and block.
+        causal: None = causal iff ``sliding_window`` is set (PyPI dflash / vLLM per-layer default); True/False
+            overrides (e.g. ``dflash_config.causal``): causal masks block keys after the query, and a
+            non-causal window also hides block keys W or more positions after it.
         block_table: ``[N, max_pages]`` int32/int64 page ids of a paged cache (logical row t lives in
             page ``block_table[n, t // page_size]`` at slot ``t % page_size``).
         cache_batch_idx: ``[N]`` int, contiguous cache only.
@@ -336,13 +349,13 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         A new ``[N, B, nH, D]`` tensor in q's dtype.
     """
     _validate(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, sliding_window,
-              block_table, cache_batch_idx, num_splits)
+              block_table, cache_batch_idx, num_splits, causal)
     chosen = resolve_backend(OP, backend, q.device, available=("triton", "torch"))
     if chosen == "torch":
         return draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
                                          inv_freq=inv_freq, attention_scaling=attention_scaling, eps=eps,
-                                         sliding_window=sliding_window, block_table=block_table,
+                                         sliding_window=sliding_window, causal=causal, block_table=block_table,
                                          cache_batch_idx=cache_batch_idx)
     return _draft_attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
                                    attention_scaling, eps, sliding_window, block_table, cache_batch_idx, num_splits,
-                                   max_context_len)
+                                   max_context_len, causal)

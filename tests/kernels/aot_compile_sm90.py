@@ -98,10 +98,12 @@ def main():
     att = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, kc_ptr=bf, vc_ptr=bf, lens_ptr="*i64", table_ptr="*i32", qw_ptr=bf,
                kw_ptr=bf, inv_freq_ptr=f32, po_ptr=f32, plse_ptr=f32, attention_scaling="fp32", eps="fp32",
                qk_scale="fp32", stride_kcp="i64", stride_vcp="i64")
-    for table, sliding in ((False, False), (True, False), (True, True)):
-        compile_one(f"draft_attention split table={table} sliding={sliding}", da._draft_attn_split_kernel, att,
-                    dict(HAS_TABLE=table, SLIDING=sliding, DOT_PREC="tf32", BLOCK_R=64, BLOCK_N=64, BLOCK_B=16,
-                         BLOCK_HALF=64), num_warps=8)
+    for table, sliding, causal in ((False, False, False), (True, False, False), (True, True, True),
+                                   (True, True, False)):
+        compile_one(f"draft_attention split table={table} sliding={sliding} causal={causal}",
+                    da._draft_attn_split_kernel, att,
+                    dict(HAS_TABLE=table, SLIDING=sliding, CAUSAL=causal, DOT_PREC="tf32", BLOCK_R=64, BLOCK_N=64,
+                         BLOCK_B=16, BLOCK_HALF=64), num_warps=8)
     compile_one("draft_attention merge", da._merge_splits_kernel, dict(po_ptr=f32, plse_ptr=f32, out_ptr=bf),
                 dict(BLOCK_ROWS=16, BLOCK_D=128))
     compile_one("inject_context_kv", ik._inject_kernel,

@@ -55,6 +55,20 @@ def test_matches_reference(backend, dtype, case, window):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]])
+@pytest.mark.parametrize("window,causal", [(None, True), (5, False)])
+def test_causal_override(backend, dtype, case, window, causal):
+    """dflash_config.causal-style overrides: causal without a window, and a non-causal window."""
+    n, b, nh, kvh, d, lens = case
+    args = _case(n, b, nh, kvh, d, lens, dtype)
+    rope = dict(inv_freq=_inv_freq(d), sliding_window=window, causal=causal)
+    out = draft_attention(*args, backend=backend, **rope)
+    ref, lowp = _refs(args, **rope)
+    assert_within_rule(out, ref, lowp, "draft_attention causal override")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("window", [None, 5])
 def test_paged_equals_contiguous(backend, window):
     n, b, nh, kvh, d, lens = 3, 7, 4, 2, 16, [300, 0, 17]
@@ -114,13 +128,16 @@ def test_reference_definition_matches_explicit_math():
     keys = torch.cat([kc[0, :c], kn]).repeat_interleave(nh // kvh, dim=1)    # [c+b, nh, d]
     vals = torch.cat([vc[0, :c], v[0]]).repeat_interleave(nh // kvh, dim=1)
     scores = torch.einsum("ihd,thd->hit", qn, keys) / d ** 0.5
-    for window in (None, w):
+    qp, kp = pos[:, None], torch.arange(c + b)[None, :]
+    for window, causal in ((None, False), (w, True), (w, False), (None, True)):
         s = scores.clone()
+        if causal:
+            s = s.masked_fill(kp > qp, float("-inf"))
         if window is not None:
-            qp, kp = pos[:, None], torch.arange(c + b)[None, :]
-            s = s.masked_fill(~((kp <= qp) & (qp - kp < window)), float("-inf"))
+            s = s.masked_fill((qp - kp).abs() >= window, float("-inf"))
         expect = torch.einsum("hit,thd->ihd", s.softmax(-1), vals)
-        got = draft_attention_reference(q, k, v, kc, vc, cl, qw, kw, inv_freq=inv, sliding_window=window)
+        got = draft_attention_reference(q, k, v, kc, vc, cl, qw, kw, inv_freq=inv, sliding_window=window,
+                                        causal=causal)
         torch.testing.assert_close(got[0], expect, rtol=1e-12, atol=1e-12)
 
 
@@ -161,6 +178,8 @@ def test_bad_inputs():
                         inv_freq=_inv_freq(8)[:3])
     with pytest.raises(ValueError, match="sliding_window"):
         draft_attention(q, k, v, kc, vc, cl, qw, kw, sliding_window=0, **rope)
+    with pytest.raises(TypeError, match="causal"):
+        draft_attention(q, k, v, kc, vc, cl, qw, kw, causal="yes", **rope)
     with pytest.raises(ValueError, match="inv_freq"):
         draft_attention(q, k, v, kc, vc, cl, qw, kw, inv_freq=_inv_freq(16))
     with pytest.raises(ValueError, match="not both"):

@@ -190,18 +190,24 @@ def verify_greedy(logits: torch.Tensor, draft_tokens: torch.Tensor, *, backend: 
 # sampled (temperature > 0)
 # --------------------------------------------------------------------------------------------------
 
-def filter_logits_reference(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
-                            ) -> torch.Tensor:
+def filter_logits_reference(logits: torch.Tensor, temperature, top_k=0, top_p=1.0) -> torch.Tensor:
     """HF warper order: ``logits / temperature``, then top-k, then top-p; removed tokens become -inf.
 
     top-k keeps every token >= the k-th largest value (ties at the threshold are kept, as in HF).
     top-p removes the ascending-sorted tokens whose cumulative probability is <= 1 - top_p, keeping at
-    least the largest one (HF ``TopPLogitsWarper``).
+    least the largest one (HF ``TopPLogitsWarper``). Parameters may be per request ([N] tensors, logits
+    [N, ...]); top_k <= 0 or >= V and top_p >= 1 disable a filter.
     """
+    if any(isinstance(x, torch.Tensor) for x in (temperature, top_k, top_p)):
+        def at(x, i):
+            return x[i].item() if isinstance(x, torch.Tensor) else x
+
+        return torch.stack([filter_logits_reference(logits[i], at(temperature, i), int(at(top_k, i)),
+                                                    float(at(top_p, i))) for i in range(logits.shape[0])])
     dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     z = logits.to(dt) / temperature
     v = z.shape[-1]
-    if top_k and top_k < v:
+    if 0 < top_k < v:
         kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
         z = z.masked_fill(z < kth, float("-inf"))
     if top_p < 1.0:
@@ -221,9 +227,8 @@ def _rng_for(seed, offset, device) -> torch.Generator:
     return g
 
 
-def verify_sample_reference(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperature: float,
-                            top_k: int = 0, top_p: float = 1.0, seed=0, offset=0
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_sample_reference(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperature, top_k=0, top_p=1.0,
+                            seed=0, offset=0) -> tuple[torch.Tensor, torch.Tensor]:
     """Definition (materialises the probabilities; the reference reads seed/offset on the host).
 
     p_j = softmax(filter(logits[:, j])). Accept d_j with probability p_j(d_j) while all earlier drafts were
@@ -261,19 +266,22 @@ def _order_key(z):
 
 @triton.jit
 def _filter_threshold_kernel(
-    logits_ptr, thr_ptr, R, B, V, inv_temp, top_k, top_p, stride_n, stride_b,
+    logits_ptr, thr_ptr, temp_ptr, topk_ptr, topp_ptr, R, B, V, stride_n, stride_b, stride_param,
     TOP_K: tl.constexpr, TOP_P: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Per row, the smallest kept order key: tokens with key(z) < thr are filtered out.
 
     top-k: the k-th largest key K* (ties kept). top-p: the smallest key T with
     sum_{key <= T} p > 1 - top_p over the top-k survivors. Both by bisection on the int32 key range (32
-    passes each), which is exact without sorting the row.
+    passes each), which is exact without sorting the row. Parameters are per request (stride_param 1) or
+    shared (stride_param 0); top_k <= 0 or >= V and top_p >= 1 disable a filter for that request.
     """
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < R
     rows64 = rows.to(tl.int64)
     base = (rows64 // B) * stride_n + (rows64 % B) * stride_b
+    prm = (rows64 // B) * stride_param
+    inv_temp = (1.0 / tl.load(temp_ptr + prm, mask=row_ok, other=1.0))[:, None]
     kmin = tl.full((BLOCK_ROWS,), 2147483647, tl.int64)
     kmax = tl.full((BLOCK_ROWS,), -2147483648, tl.int64)
     for v0 in range(0, V, BLOCK_V):
@@ -285,6 +293,7 @@ def _filter_threshold_kernel(
         kmax = tl.maximum(kmax, tl.max(tl.where(ok, key, -2147483648), axis=1))
     thr = kmin
     if TOP_K:
+        top_k_row = tl.load(topk_ptr + prm, mask=row_ok, other=0).to(tl.int64)
         lo = kmin
         hi = kmax
         for _ in range(32):
@@ -296,11 +305,12 @@ def _filter_threshold_kernel(
                 z = tl.load(logits_ptr + base[:, None] + idx[None, :].to(tl.int64), mask=ok, other=0.0)
                 key = _order_key(z.to(tl.float32) * inv_temp).to(tl.int64)
                 cnt += tl.sum((ok & (key >= mid[:, None])).to(tl.int64), axis=1)
-            take = cnt >= top_k
+            take = cnt >= top_k_row
             lo = tl.where(take, mid, lo)
             hi = tl.where(take, hi, mid - 1)
-        thr = lo
+        thr = tl.where((top_k_row > 0) & (top_k_row < V), lo, kmin)
     if TOP_P:
+        top_p_row = tl.load(topp_ptr + prm, mask=row_ok, other=1.0)
         m = tl.full((BLOCK_ROWS,), float("-inf"), tl.float32)
         for v0 in range(0, V, BLOCK_V):
             idx = v0 + tl.arange(0, BLOCK_V)
@@ -318,7 +328,7 @@ def _filter_threshold_kernel(
             z = z.to(tl.float32) * inv_temp
             kept = ok & (_order_key(z).to(tl.int64) >= thr[:, None])
             total += tl.sum(tl.where(kept, tl.exp(z - m[:, None]), 0.0), axis=1)
-        limit = (1.0 - top_p) * total
+        limit = (1.0 - top_p_row) * total
         lo = thr
         hi = kmax
         for _ in range(32):
@@ -335,14 +345,14 @@ def _filter_threshold_kernel(
             enough = mass > limit
             hi = tl.where(enough, mid, hi)
             lo = tl.where(enough, lo, mid + 1)
-        thr = hi
+        thr = tl.where(top_p_row < 1.0, hi, thr)
     tl.store(thr_ptr + rows64, thr.to(tl.int32), mask=row_ok)
 
 
 @triton.jit
 def _sample_partial_kernel(
     z_ptr, draft_ptr, seed_ptr, offset_ptr, thr_ptr, pm_ptr, ps_ptr, pbest_ptr, pidx_ptr,
-    R, B, V, inv_temp, stride_n, stride_b, stride_dn, stride_dj, CHUNK, S,
+    temp_ptr, R, B, V, stride_n, stride_b, stride_dn, stride_dj, stride_param, CHUNK, S,
     FILTER: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Per (row, vocab split): online max / sum-exp of logits*inv_temp, and the Gumbel-max winner of the
@@ -357,6 +367,7 @@ def _sample_partial_kernel(
     base = n * stride_n + j * stride_b
     excl = tl.load(draft_ptr + n * stride_dn + j * stride_dj, mask=row_ok & (j < B - 1), other=-1)
     excl = excl.to(tl.int64)
+    inv_temp = (1.0 / tl.load(temp_ptr + n * stride_param, mask=row_ok, other=1.0))[:, None]
     if FILTER:
         thr = tl.load(thr_ptr + rows64, mask=row_ok, other=0)
     seed = tl.load(seed_ptr)
@@ -402,7 +413,7 @@ def _sample_partial_kernel(
 @triton.jit
 def _sample_accept_kernel(
     z_ptr, draft_ptr, seed_ptr, offset_ptr, thr_ptr, pm_ptr, ps_ptr, pbest_ptr, pidx_ptr, acc_ptr, tok_ptr,
-    N, B, V, S, inv_temp, stride_n, stride_b, stride_dn, stride_dj,
+    temp_ptr, N, B, V, S, stride_n, stride_b, stride_dn, stride_dj, stride_param,
     FILTER: tl.constexpr, BLOCK_REQ: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     reqs = tl.program_id(0) * BLOCK_REQ + tl.arange(0, BLOCK_REQ)
@@ -410,6 +421,7 @@ def _sample_accept_kernel(
     reqs64 = reqs.to(tl.int64)
     seed = tl.load(seed_ptr)
     off = tl.load(offset_ptr)
+    inv_temp = 1.0 / tl.load(temp_ptr + reqs64 * stride_param, mask=req_ok, other=1.0)
     sp = tl.arange(0, BLOCK_S)
     still = req_ok
     accepted = tl.zeros((BLOCK_REQ,), tl.int64)
@@ -455,29 +467,53 @@ def order_key_reference(z: torch.Tensor) -> torch.Tensor:
     return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
-def _filter_threshold(logits: torch.Tensor, inv_temp: float, top_k: int, top_p: float) -> torch.Tensor:
-    """[N*B] int32: token x of row r survives top-k/top-p iff order_key(logits[r, x] * inv_temp) >= thr[r]."""
+def _filter_threshold(logits: torch.Tensor, temp_t: torch.Tensor, topk_t: torch.Tensor, topp_t: torch.Tensor,
+                      use_top_k: bool, use_top_p: bool) -> torch.Tensor:
+    """[N*B] int32: token x of row r survives top-k/top-p iff order_key(logits[r, x] / temp) >= thr[r]."""
     n, b, v = logits.shape
     r = n * b
     block_v, _, _ = _vocab_split(v, r)
     br = _rows_per_program(r, block_v)
     thr = torch.empty(r, dtype=torch.int32, device=logits.device)
     _filter_threshold_kernel[(triton.cdiv(r, br),)](
-        logits_ptr=logits, thr_ptr=thr, R=r, B=b, V=v, inv_temp=inv_temp, top_k=int(top_k), top_p=float(top_p),
-        stride_n=logits.stride(0), stride_b=logits.stride(1), TOP_K=0 < top_k < v, TOP_P=top_p < 1.0,
-        BLOCK_ROWS=br, BLOCK_V=block_v,
+        logits_ptr=logits, thr_ptr=thr, temp_ptr=temp_t, topk_ptr=topk_t, topp_ptr=topp_t, R=r, B=b, V=v,
+        stride_n=logits.stride(0), stride_b=logits.stride(1), stride_param=1 if temp_t.numel() > 1 else 0,
+        TOP_K=use_top_k, TOP_P=use_top_p, BLOCK_ROWS=br, BLOCK_V=block_v,
     )
     return thr
 
 
-def _verify_sample_triton(logits, draft_tokens, temperature, top_k, top_p, seed_t, offset_t):
+def _sampling_params(op: str, n: int, temperature, top_k, top_p, device):
+    """Validate and pack the sampling parameters as device tensors of length 1 (shared) or N (per request)."""
+    per_request = any(isinstance(x, torch.Tensor) for x in (temperature, top_k, top_p))
+    length = n if per_request else 1
+
+    def pack(name, x, dtypes, dtype, scalar_ok, rule):
+        if isinstance(x, torch.Tensor):
+            check_tensor(op, name, x, ndim=1, dtypes=dtypes, device=device)
+            if x.shape[0] != n:
+                raise ValueError(f"{op}: per-request {name} must be [N={n}], got {tuple(x.shape)}")
+            return x.to(dtype)
+        if isinstance(x, bool) or not scalar_ok(x):
+            raise ValueError(f"{op}: {name} must be {rule} or an [N] tensor, got {x!r}")
+        return torch.full((length,), x, dtype=dtype, device=device)
+
+    temp_t = pack("temperature", temperature, (torch.float32, torch.float64), torch.float32,
+                  lambda x: isinstance(x, (float, int)) and x > 0, "a float > 0 (use verify_greedy for temperature 0)")
+    topk_t = pack("top_k", top_k, (torch.int32, torch.int64), torch.int32,
+                  lambda x: isinstance(x, int) and x >= 0, "an int >= 0 (0 disables)")
+    topp_t = pack("top_p", top_p, (torch.float32, torch.float64), torch.float32,
+                  lambda x: isinstance(x, (float, int)) and 0.0 < x <= 1.0, "in (0, 1] (1 disables)")
+    return temp_t, topk_t, topp_t, per_request
+
+
+def _verify_sample_triton(logits, draft_tokens, temp_t, topk_t, topp_t, per_request, seed_t, offset_t, top_k, top_p):
     n, b, v = logits.shape
     dev = logits.device
     accepted = torch.empty(n, dtype=torch.int64, device=dev)
     token = torch.empty(n, dtype=torch.int64, device=dev)
     if n == 0:
         return accepted, token
-    inv_temp = 1.0 / float(temperature)
     if logits.stride(2) != 1:
         logits = logits.contiguous()
     r = n * b
@@ -488,27 +524,31 @@ def _verify_sample_triton(logits, draft_tokens, temperature, top_k, top_p, seed_
     pidx = torch.empty((r, s), dtype=torch.int32, device=dev)
     br = _rows_per_program(r, block_v)
     stride_dj = draft_tokens.stride(1) if b > 1 else 0
-    filt = 0 < top_k < v or top_p < 1.0
-    thr = _filter_threshold(logits, inv_temp, top_k, top_p) if filt else pidx[:, 0]
+    stride_param = 1 if per_request else 0
+    # Per-request parameters are on the device: filter whenever one was given (rows disable themselves).
+    use_top_k = isinstance(top_k, torch.Tensor) or 0 < top_k < v
+    use_top_p = isinstance(top_p, torch.Tensor) or top_p < 1.0
+    filt = use_top_k or use_top_p
+    thr = _filter_threshold(logits, temp_t, topk_t, topp_t, use_top_k, use_top_p) if filt else pidx[:, 0]
     _sample_partial_kernel[(triton.cdiv(r, br), s)](
         z_ptr=logits, draft_ptr=draft_tokens, seed_ptr=seed_t, offset_ptr=offset_t, thr_ptr=thr,
-        pm_ptr=pm, ps_ptr=ps, pbest_ptr=pbest, pidx_ptr=pidx, R=r, B=b, V=v, inv_temp=inv_temp,
+        pm_ptr=pm, ps_ptr=ps, pbest_ptr=pbest, pidx_ptr=pidx, temp_ptr=temp_t, R=r, B=b, V=v,
         stride_n=logits.stride(0), stride_b=logits.stride(1), stride_dn=draft_tokens.stride(0), stride_dj=stride_dj,
-        CHUNK=chunk, S=s, FILTER=filt, BLOCK_ROWS=br, BLOCK_V=block_v,
+        stride_param=stride_param, CHUNK=chunk, S=s, FILTER=filt, BLOCK_ROWS=br, BLOCK_V=block_v,
     )
     block_req = min(next_pow2(n), 1024) if interpreting() else min(next_pow2(n), 64)
     _sample_accept_kernel[(triton.cdiv(n, block_req),)](
         z_ptr=logits, draft_ptr=draft_tokens, seed_ptr=seed_t, offset_ptr=offset_t, thr_ptr=thr,
-        pm_ptr=pm, ps_ptr=ps, pbest_ptr=pbest, pidx_ptr=pidx, acc_ptr=accepted, tok_ptr=token,
-        N=n, B=b, V=v, S=s, inv_temp=inv_temp, stride_n=logits.stride(0), stride_b=logits.stride(1),
-        stride_dn=draft_tokens.stride(0), stride_dj=stride_dj, FILTER=filt, BLOCK_REQ=block_req,
-        BLOCK_S=next_pow2(s),
+        pm_ptr=pm, ps_ptr=ps, pbest_ptr=pbest, pidx_ptr=pidx, acc_ptr=accepted, tok_ptr=token, temp_ptr=temp_t,
+        N=n, B=b, V=v, S=s, stride_n=logits.stride(0), stride_b=logits.stride(1),
+        stride_dn=draft_tokens.stride(0), stride_dj=stride_dj, stride_param=stride_param, FILTER=filt,
+        BLOCK_REQ=block_req, BLOCK_S=next_pow2(s),
     )
     return accepted, token
 
 
-def verify_sample(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperature: float, top_k: int = 0,
-                  top_p: float = 1.0, seed, offset, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def verify_sample(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperature, top_k=0, top_p=1.0, seed,
+                  offset, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling of one drafted block per request (one-hot draft proposals).
 
     p_j = softmax(filter(logits[:, j] / temperature)) with HF-style top-k then top-p filtering. Draft
@@ -522,28 +562,27 @@ def verify_sample(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperatu
     Args:
         logits: ``[N, B, V]`` fp32/bf16/fp16, last dim contiguous (row i predicts block position i+1).
         draft_tokens: ``[N, B-1]`` int64/int32.
-        temperature: float > 0 (one value for the whole batch).
-        top_k: int >= 0, 0 disables. top_p: float in (0, 1], 1 disables.
+        temperature: float > 0, or an ``[N]`` fp32 device tensor (per request; values > 0 are the caller's
+            responsibility, they are not read on the host).
+        top_k: int >= 0 (0 disables) or an ``[N]`` int tensor. top_p: float in (0, 1] (1 disables) or an
+            ``[N]`` float tensor. Per-request tensors turn the filter launch on for the whole batch.
         seed, offset: int or 1-element int64 tensor on the logits' device (tensors keep CUDA-graph replay
             reproducible: bump ``offset`` in place between rounds).
         backend: ``"auto" | "triton" | "torch"`` (the torch reference uses torch.Generator, a different
-            random stream, and reads seed/offset on the host).
+            random stream, and reads seed/offset/parameters on the host).
 
     Returns:
         ``(accepted, next_token)``, int64 ``[N]`` each.
     """
     op = "verify_sample"
     _validate(op, logits, draft_tokens)
-    if not isinstance(temperature, (float, int)) or not temperature > 0:
-        raise ValueError(f"{op}: temperature must be a float > 0 (use verify_greedy for temperature 0), got {temperature!r}")
-    if not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"{op}: top_k must be an int >= 0 (0 disables), got {top_k!r}")
-    if not isinstance(top_p, (float, int)) or not 0.0 < top_p <= 1.0:
-        raise ValueError(f"{op}: top_p must be in (0, 1] (1 disables), got {top_p!r}")
+    temp_t, topk_t, topp_t, per_request = _sampling_params(op, logits.shape[0], temperature, top_k, top_p,
+                                                           logits.device)
     seed_t = as_index_tensor(op, "seed", seed, logits.device)
     offset_t = as_index_tensor(op, "offset", offset, logits.device)
     chosen = resolve_backend(op, backend, logits.device, available=("triton", "torch"))
     if chosen == "torch":
         return verify_sample_reference(logits, draft_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                        seed=seed, offset=offset)
-    return _verify_sample_triton(logits, draft_tokens, temperature, top_k, top_p, seed_t, offset_t)
+    return _verify_sample_triton(logits, draft_tokens, temp_t, topk_t, topp_t, per_request, seed_t, offset_t,
+                                 top_k, top_p)

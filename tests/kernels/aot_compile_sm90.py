@@ -82,17 +82,17 @@ def main():
                 dict(pval_ptr=f32, pidx_ptr="*i32", draft_ptr="*i64", acc_ptr="*i64", bonus_ptr="*i64"),
                 dict(BLOCK_REQ=64, BLOCK_S=32))
     compile_one("verify_sample filter threshold", vf._filter_threshold_kernel,
-                dict(logits_ptr=bf, thr_ptr="*i32", inv_temp="fp32", top_p="fp32", stride_n="i64"),
+                dict(logits_ptr=bf, thr_ptr="*i32", temp_ptr=f32, topk_ptr="*i32", topp_ptr=f32, stride_n="i64"),
                 dict(TOP_K=True, TOP_P=True, BLOCK_ROWS=1, BLOCK_V=2048))
     for filt in (False, True):
         compile_one(f"verify_sample partial filter={filt}", vf._sample_partial_kernel,
                     dict(z_ptr=bf, draft_ptr="*i64", seed_ptr="*i64", offset_ptr="*i64", thr_ptr="*i32",
-                         pm_ptr=f32, ps_ptr=f32, pbest_ptr=f32, pidx_ptr="*i32", inv_temp="fp32", stride_n="i64"),
+                         pm_ptr=f32, ps_ptr=f32, pbest_ptr=f32, pidx_ptr="*i32", temp_ptr=f32, stride_n="i64"),
                     dict(FILTER=filt, BLOCK_ROWS=1, BLOCK_V=2048))
         compile_one(f"verify_sample accept filter={filt}", vf._sample_accept_kernel,
                     dict(z_ptr=bf, draft_ptr="*i64", seed_ptr="*i64", offset_ptr="*i64", thr_ptr="*i32",
                          pm_ptr=f32, ps_ptr=f32, pbest_ptr=f32, pidx_ptr="*i32", acc_ptr="*i64", tok_ptr="*i64",
-                         inv_temp="fp32", stride_n="i64"),
+                         temp_ptr=f32, stride_n="i64"),
                     dict(FILTER=filt, BLOCK_REQ=64, BLOCK_S=32))
 
     att = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, kc_ptr=bf, vc_ptr=bf, lens_ptr="*i64", table_ptr="*i32", qw_ptr=bf,

@@ -154,8 +154,10 @@ def _triton_kept(logits, temperature, top_k, top_p):
     from dflash_kernels.verify import _filter_threshold, order_key_reference
 
     n, b, v = logits.shape
-    thr = _filter_threshold(logits, 1.0 / temperature, top_k, top_p).view(n, b, 1)
-    return order_key_reference(logits.float() * (1.0 / temperature)) >= thr
+    temp = torch.tensor([temperature], dtype=torch.float32)
+    thr = _filter_threshold(logits, temp, torch.tensor([top_k], dtype=torch.int32),
+                            torch.tensor([top_p], dtype=torch.float32), 0 < top_k < v, top_p < 1.0)
+    return order_key_reference(logits.float() * (1.0 / temp)) >= thr.view(n, b, 1)
 
 
 @pytest.mark.parametrize("case", range(8))
@@ -182,3 +184,34 @@ def test_in_kernel_filter_ties_keep_the_whole_boundary_group():
         floor = torch.where(torch.isfinite(z), z, torch.full_like(z, float("inf"))).amin(-1, keepdim=True)
         assert torch.equal(kept, logits >= floor)
         assert (kept >= torch.isfinite(z)).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_request_parameters(backend):
+    """Requests with different temperature / top-k / top-p in one batch: each follows its own rule."""
+    b, v = 3, 6
+    p, draft = _probs(b, v)
+    temps = torch.tensor([0.5, 1.0, 2.0])
+    ks = torch.tensor([0, 3, 2])
+    ps = torch.tensor([1.0, 0.9, 0.6])
+    per = N_SAMPLES // 2
+    logits = p.log().float()[None].expand(3 * per, b, v).contiguous()
+    drafts = draft[None].expand(3 * per, b - 1).contiguous()
+    rows = torch.arange(3).repeat_interleave(per)
+    acc, tok = verify_sample(logits, drafts, temperature=temps[rows], top_k=ks[rows], top_p=ps[rows], seed=9,
+                             offset=4, backend=backend)
+    for i in range(3):
+        sel = rows == i
+        counts = torch.bincount(acc[sel] * v + tok[sel], minlength=b * v).view(b, v)
+        z = filter_logits_reference(p.log().float()[None], float(temps[i]), int(ks[i]), float(ps[i]))[0]
+        stat, crit = _chi2(counts, _exact(torch.softmax(z.double(), -1), draft), per)
+        assert stat < crit, f"request group {i}: chi2 {stat:.1f} >= {crit:.1f}\n{counts}"
+
+
+def test_per_request_parameter_errors():
+    logits = torch.randn(2, 3, 10)
+    draft = torch.zeros(2, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="temperature"):
+        verify_sample(logits, draft, temperature=torch.ones(3), seed=0, offset=0)
+    with pytest.raises(TypeError, match="top_k"):
+        verify_sample(logits, draft, temperature=1.0, top_k=torch.ones(2), seed=0, offset=0)

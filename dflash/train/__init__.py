@@ -1,0 +1,17 @@
+"""DFlash draft training (paper §4.2 / app. A.1): data from the target's own responses, packed
+anchor blocks with a block mask, position-weighted cross-entropy, AdamW + cosine schedule.
+
+Entry point ``main(argv)`` (also ``dflash train …`` and ``python -m dflash.train …``):
+
+* ``data``  — build the offline prompt set and generate the target's greedy responses + features
+* ``fit``   — train a draft on a generated data folder (resumable from its checkpoint folder)
+* ``export``— write a checkpoint as a z-lab draft folder (bf16)
+* ``evaluate`` — teacher-forced acceptance estimate of a draft on a data folder
+"""
+from __future__ import annotations
+
+
+def main(argv=None) -> int:
+    from dflash.train.cli import main as _main
+
+    return _main(argv)

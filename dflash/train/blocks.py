@@ -1,0 +1,213 @@
+"""Anchors, packed blocks, the block mask and the position-weighted loss.
+
+One training example is a clean sequence ``ids`` [L] (prompt + target response) with the target
+features of positions ``0..L-2``. ``A`` anchors are drawn uniformly without replacement from the
+response positions ``prompt_len .. L-2`` (an anchor needs at least one label after it) and
+resampled every time the sequence is visited. Anchor ``a`` gives the block
+``[ids[a], MASK × (B-1)]`` at positions ``a .. a+B-1`` whose row ``k`` (1..B-1) predicts
+``ids[a+k]`` — exactly the draft call at inference right after ``ids[a]`` was committed.
+
+All blocks of a batch row are packed into one draft forward: queries are the ``A·B`` block rows,
+keys are ``[context rows 0..Lmax-1, block rows]``. The block mask lets a block row see
+
+* context position ``p`` iff ``p < a`` (strictly before its anchor: the anchor's own features do
+  not exist yet at inference), and
+* the rows of its own block, bidirectionally — never other blocks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """Paper values (γ=7 for B=16, 5 for B=10, 4 for B=8); other B: linear interpolation/extrapolation
+    through those points, i.e. γ ≈ B/2 - 0 .. (B=8→4, B=12→5.67, B=16→7)."""
+    if block_size in DEFAULT_GAMMA:
+        return DEFAULT_GAMMA[block_size]
+    if block_size < 10:
+        return max(1.0, 4.0 + (block_size - 8) * 0.5)
+    return 5.0 + (block_size - 10) * (2.0 / 6.0)
+
+
+def loss_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
+    """Weights of the B-1 predicted positions: ``w_k = exp(-(k-1)/γ)``, k = 1..B-1 (k=1 first masked row)."""
+    gamma = default_gamma(block_size) if gamma is None else gamma
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def sample_anchors(prompt_len: int, seq_len: int, num_anchors: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Sorted anchor positions (int64) drawn without replacement from ``[prompt_len, seq_len-2]``."""
+    lo, hi = prompt_len, seq_len - 2
+    n = hi - lo + 1
+    if n <= 0:
+        return torch.empty(0, dtype=torch.long)
+    perm = torch.randperm(n, generator=generator)[: min(num_anchors, n)]
+    return (perm + lo).sort().values
+
+
+@dataclass
+class PackedBatch:
+    target_hidden: torch.Tensor   # [b, Lmax, T*H]
+    block_ids: torch.Tensor       # [b, A*B] token ids of the block rows
+    position_ids: torch.Tensor    # [b, Lmax + A*B]
+    labels: torch.Tensor          # [b, A*B] (-100 = no loss; always -100 on anchor rows)
+    anchors: torch.Tensor         # [b, A] (-1 = padding block)
+    ctx_len: int                  # Lmax
+    block_size: int
+
+    def dense_mask(self) -> torch.Tensor:
+        return build_block_mask(self.anchors, self.ctx_len, self.block_size)
+
+
+def pack_batch(records: Sequence[dict], anchors: Sequence[torch.Tensor], block_size: int, mask_token_id: int) -> PackedBatch:
+    """Pad the sequences and build the packed blocks (see module docstring)."""
+    b = len(records)
+    B = block_size
+    A = max(1, max(len(a) for a in anchors))
+    lmax = max(int(r["features"].shape[0]) for r in records)
+    th = records[0]["features"].shape[-1]
+    feats = torch.zeros(b, lmax, th, dtype=torch.float32)
+    block_ids = torch.full((b, A * B), mask_token_id, dtype=torch.long)
+    labels = torch.full((b, A * B), -100, dtype=torch.long)
+    anc = torch.full((b, A), -1, dtype=torch.long)
+    pos = torch.zeros(b, lmax + A * B, dtype=torch.long)
+    pos[:, :lmax] = torch.arange(lmax)
+    k = torch.arange(B)
+    for i, (r, a) in enumerate(zip(records, anchors)):
+        f = r["features"]
+        feats[i, : f.shape[0]] = f.float()
+        ids = r["ids"].long()
+        L = ids.shape[0]
+        for j, av in enumerate(a.tolist()):
+            anc[i, j] = av
+            s = j * B
+            block_ids[i, s] = ids[av]
+            tgt = av + k[1:]
+            ok = tgt < L
+            lab = torch.full((B - 1,), -100, dtype=torch.long)
+            lab[ok] = ids[tgt[ok]]
+            labels[i, s + 1: s + B] = lab
+            pos[i, lmax + s: lmax + s + B] = av + k
+        # padding blocks: positions continue after the last real one (never attended from outside)
+    return PackedBatch(feats, block_ids, pos, labels, anc, lmax, B)
+
+
+def build_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+    """Dense bool mask [b, 1, A*B, ctx_len + A*B], True = attend (see module docstring).
+
+    Padding blocks (anchor -1) see only themselves, so no softmax row is empty."""
+    b, A = anchors.shape
+    B = block_size
+    q_anchor = anchors.repeat_interleave(B, dim=1)                      # [b, A*B]
+    ctx = torch.arange(ctx_len)[None, None, :] < q_anchor[:, :, None]    # [b, q, ctx]
+    blk = torch.arange(A).repeat_interleave(B)
+    same = (blk[:, None] == blk[None, :])[None].expand(b, -1, -1)        # [b, q, q]
+    return torch.cat([ctx, same], dim=-1)[:, None]
+
+
+def weighted_block_loss(logits: torch.Tensor, labels: torch.Tensor, block_size: int, gamma: float | None = None):
+    """Position-weighted cross-entropy over the masked block rows.
+
+    ``logits`` [b, A*B, V] (any float dtype; computed in fp32), ``labels`` [b, A*B] with -100 for rows
+    without a target (anchor rows, positions past the sequence end, padding blocks).
+    Row k of a block (k = 1..B-1) has weight ``exp(-(k-1)/γ)``.
+
+    Normalisation (the paper leaves it open): a weighted mean, ``Σ w·CE / Σ w`` over the rows that
+    have a label, so the loss is comparable across batches with different numbers of valid rows and
+    equals plain CE when all rows predict perfectly alike.
+
+    Returns ``(loss, stats)`` with per-position (unweighted) accuracy counts in ``stats``.
+    """
+    B = block_size
+    w = torch.cat([torch.zeros(1), loss_weights(B, gamma)]).to(logits.device)  # row 0 = anchor
+    b, q, V = logits.shape
+    k_of_row = torch.arange(q, device=logits.device) % B
+    wr = w[k_of_row][None].expand(b, -1)
+    valid = labels != -100
+    ce = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1).clamp(min=0), reduction="none").view(b, q)
+    wr = wr * valid
+    loss = (ce * wr).sum() / wr.sum().clamp(min=1e-9)
+    with torch.no_grad():
+        correct = (logits.argmax(-1) == labels) & valid
+        per_k_correct = torch.zeros(B, device=logits.device).index_add_(0, k_of_row.repeat(b), correct.reshape(-1).float())
+        per_k_count = torch.zeros(B, device=logits.device).index_add_(0, k_of_row.repeat(b), valid.reshape(-1).float())
+    return loss, {"per_k_correct": per_k_correct, "per_k_count": per_k_count}
+
+
+def acceptance_lengths(pred: torch.Tensor, labels: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Teacher-forced acceptance length per block (1 + leading run of correct predictions, counting the
+    bonus token), for blocks whose B-1 labels all exist. pred/labels [b, A*B] -> [n_full_blocks] float."""
+    B = block_size
+    b, q = labels.shape
+    lab = labels.view(b, q // B, B)[:, :, 1:]
+    pr = pred.view(b, q // B, B)[:, :, 1:]
+    full = (lab != -100).all(-1)
+    run = ((pr == lab).long().cumprod(-1)).sum(-1)
+    return (1 + run[full]).float()
+
+
+# ------------------------------------------------------------------------------------------ forward paths
+def draft_forward_dense(draft, batch: PackedBatch, embed_weight: torch.Tensor) -> torch.Tensor:
+    """Draft hidden states [b, A*B, H] of all packed blocks with the dense-mask SDPA path."""
+    noise = F.embedding(batch.block_ids, embed_weight) * draft.config.input_embedding_scale
+    return draft(position_ids=batch.position_ids, attention_mask=batch.dense_mask(),
+                 noise_embedding=noise.to(batch.target_hidden.dtype), target_hidden=batch.target_hidden)
+
+
+def flex_block_mask(batch: PackedBatch, device=None):
+    """FlexAttention ``BlockMask`` equal to :func:`build_block_mask`."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B = batch.block_size
+    b, A = batch.anchors.shape
+    q_len = A * B
+    device = device or batch.target_hidden.device
+    q_anchor = batch.anchors.repeat_interleave(B, dim=1).to(device)
+    ctx_len = batch.ctx_len
+
+    def mask_mod(bi, h, q_idx, kv_idx):
+        in_ctx = kv_idx < ctx_len
+        ctx_ok = kv_idx < q_anchor[bi, q_idx]
+        blk_ok = ((kv_idx - ctx_len) // B) == (q_idx // B)
+        return torch.where(in_ctx, ctx_ok, blk_ok)
+
+    return create_block_mask(mask_mod, b, None, q_len, ctx_len + q_len, device=str(device))
+
+
+def draft_forward_flex(draft, batch: PackedBatch, embed_weight: torch.Tensor, block_mask=None, compile: bool = True) -> torch.Tensor:
+    """Same as :func:`draft_forward_dense` but attention runs through FlexAttention with a
+    ``BlockMask`` (memory O(blocks) instead of a dense mask). Uses the draft's own modules."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from dflash.model import apply_rope
+
+    fa = torch.compile(flex_attention) if compile else flex_attention
+    if block_mask is None:
+        block_mask = flex_block_mask(batch)
+    noise = (F.embedding(batch.block_ids, embed_weight) * draft.config.input_embedding_scale).to(batch.target_hidden.dtype)
+    b, q_len, _ = noise.shape
+    context = draft.fuse_context(batch.target_hidden)
+    cos, sin = draft.rotary_emb(batch.position_ids, noise.dtype)
+    h = noise
+    for layer in draft.layers:
+        att = layer.self_attn
+        x = layer.input_layernorm(h)
+        rows = torch.cat([context, x], dim=1)
+        q = att.q_norm(att._heads(att.q_proj(x), att.num_heads))
+        k = att.k_norm(att._heads(att.k_proj(rows), att.num_kv_heads))
+        v = att._heads(att.v_proj(rows), att.num_kv_heads)
+        q = apply_rope(q, cos[:, -q_len:], sin[:, -q_len:])
+        k = apply_rope(k, cos, sin)
+        out = fa(q, k, v, block_mask=block_mask, scale=att.head_dim ** -0.5,
+                 enable_gqa=att.num_heads != att.num_kv_heads)
+        h = h + att.o_proj(out.transpose(1, 2).reshape(b, q_len, att.num_heads * att.head_dim))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return draft.norm(h)

@@ -1,0 +1,65 @@
+"""Argument parsing for ``dflash train`` (see :mod:`dflash.train`)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _default_cache(*parts: str) -> str:
+    from dflash.smollm2 import cache_root
+
+    return os.path.join(cache_root(), *parts)
+
+
+def _cmd_data(args) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from dflash import smollm2
+    from dflash.train.data import generate_dataset
+    from dflash.train.prompts import build_prompts
+
+    model, tok = smollm2.load()
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    if args.num_eval:
+        ev = build_prompts(args.num_eval, "eval", seed=args.seed + 1000)
+        generate_dataset(os.path.join(args.out, "eval"), ev, model=model, tokenizer=tok,
+                         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                         shard_size=args.shard_size, log=log)
+    tr = build_prompts(args.num_prompts, "train", seed=args.seed)
+    generate_dataset(os.path.join(args.out, "train"), tr, model=model, tokenizer=tok,
+                     max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                     shard_size=args.shard_size, log=log)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash train", description="Train a DFlash draft (paper recipe) on CPU or GPU.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("data", help="generate target responses + features for the offline prompt set")
+    d.add_argument("--out", default=_default_cache("data", "smollm2"), help="data folder (default: %(default)s)")
+    d.add_argument("--num-prompts", type=int, default=2048)
+    d.add_argument("--num-eval", type=int, default=32)
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--batch-size", type=int, default=32)
+    d.add_argument("--shard-size", type=int, default=64)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--threads", type=int, default=1)
+    d.set_defaults(func=_cmd_data)
+
+    try:
+        from dflash.train.trainer import add_fit_args, add_export_args, add_evaluate_args
+    except ImportError:  # pragma: no cover - during bootstrap
+        pass
+    else:
+        add_fit_args(sub)
+        add_export_args(sub)
+        add_evaluate_args(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    return int(args.func(args) or 0)

@@ -1,0 +1,171 @@
+"""Training data: the target's own greedy responses to an offline prompt set, saved as token ids,
+plus the target features (outputs of the tapped decoder layers) of the clean prompt+response.
+
+The features are captured with forward hooks while the target generates (left-padded batches,
+greedy, KV cache): each generated token is fed through the target exactly once, so the hooked
+layer outputs of the prefill plus every decode step are the features of the clean sequence
+``prompt + response[:-1]`` (the last response token is never fed; it is only ever a label).
+This saves the separate feature pass; :func:`compute_features` does that pass for data without
+stored features (and the tests use it to check both agree).
+
+On disk (``out_dir``): ``shard_XXXXX.pt`` files, each a list of records
+``{"ids": int32 [L], "prompt_len": int, "features": bf16 [L-1, T*H], "layer_ids": [...]}``, plus
+``prompts.json``. Generation is resumable: existing shards are skipped.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Sequence
+
+import torch
+
+DEFAULT_CAPTURE_LAYERS = (1, 8, 15, 22, 27)  # superset of taps stored; training slices what it needs
+
+
+def _fmt_time(s: float) -> str:
+    return f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+@torch.inference_mode()
+def generate_batch(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: Sequence[int],
+                   capture_layers: Sequence[int], pad_id: int = 0):
+    """Greedy generation for a left-padded batch; returns records (see module docstring)."""
+    b = len(prompt_ids)
+    plen = [len(p) for p in prompt_ids]
+    P = max(plen)
+    device = model.lm_head.weight.device
+    ids = torch.full((b, P), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((b, P), dtype=torch.long, device=device)
+    for i, p in enumerate(prompt_ids):
+        ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, P - len(p):] = 1
+    captured: dict[int, list[torch.Tensor]] = {l: [] for l in capture_layers}
+    layers = model.model.layers
+
+    def hook(idx):
+        def fn(_m, _a, out):
+            captured[idx].append((out[0] if isinstance(out, tuple) else out).to(torch.bfloat16))
+        return fn
+
+    handles = [layers[l].register_forward_hook(hook(l)) for l in capture_layers]
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    stop = torch.tensor(list(stop_ids), device=device)
+    gen: list[torch.Tensor] = []
+    cur_ids, cur_mask = ids, mask
+    try:
+        for step in range(max_new_tokens):
+            pos = (cur_mask.cumsum(-1) - 1).clamp(min=0)
+            if step > 0:
+                pos = pos[:, -1:]
+                inp = gen[-1][:, None]
+            else:
+                inp = cur_ids
+            out = model(input_ids=inp, attention_mask=cur_mask, position_ids=pos, past_key_values=cache,
+                        use_cache=True, logits_to_keep=1)
+            nxt = out.logits[:, -1].argmax(-1)
+            nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+            gen.append(nxt)
+            done |= torch.isin(nxt, stop)
+            if bool(done.all()):
+                break
+            cur_mask = torch.cat([cur_mask, (~done).long()[:, None] | 1], dim=1)
+    finally:
+        for h in handles:
+            h.remove()
+    gen_t = torch.stack(gen, dim=1)  # [b, n_gen]
+    feats = torch.cat([torch.cat(captured[l], dim=1) for l in capture_layers], dim=-1)  # [b, P+n_fed, T*H]
+    records = []
+    for i in range(b):
+        row = gen_t[i].tolist()
+        n = len(row)
+        for j, t in enumerate(row):
+            if t in stop_ids:
+                n = j + 1
+                break
+        resp = row[:n]
+        full = list(prompt_ids[i]) + resp
+        f = feats[i, P - plen[i]: P - plen[i] + len(full) - 1].contiguous().clone()
+        records.append({"ids": torch.tensor(full, dtype=torch.int32), "prompt_len": plen[i], "features": f,
+                        "layer_ids": list(capture_layers), "finished": bool(resp and resp[-1] in stop_ids)})
+    return records
+
+
+@torch.no_grad()
+def compute_features(model, ids: torch.Tensor, layer_ids: Sequence[int]) -> torch.Tensor:
+    """Features [L-1, T*H] (float32) of one clean sequence ``ids`` [L] with a plain forward pass."""
+    from dflash.target import TargetAdapter
+    from transformers import DynamicCache
+
+    ad = TargetAdapter(model, layer_ids)
+    x = ids[None, :-1].long()
+    pos = torch.arange(x.shape[1])[None]
+    return ad.forward(x, pos, DynamicCache(), with_features=True, logits_to_keep=1).features[0].float()
+
+
+def generate_dataset(out_dir: str, prompts: Sequence[str], *, model, tokenizer, max_new_tokens: int = 192,
+                     batch_size: int = 16, shard_size: int = 64, capture_layers=DEFAULT_CAPTURE_LAYERS,
+                     log=print) -> list[str]:
+    """Generate (resumably) the dataset for ``prompts`` into ``out_dir``; returns the shard paths."""
+    from dflash.smollm2 import chat_prompt, stop_token_ids
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "prompts.json"), "w", encoding="utf-8") as f:
+        json.dump({"prompts": list(prompts), "max_new_tokens": max_new_tokens,
+                   "capture_layers": list(capture_layers)}, f)
+    stops = stop_token_ids(tokenizer)
+    paths = []
+    t0 = time.perf_counter()
+    n_shards = (len(prompts) + shard_size - 1) // shard_size
+    tokens_done = 0
+    for s in range(n_shards):
+        path = os.path.join(out_dir, f"shard_{s:05d}.pt")
+        paths.append(path)
+        if os.path.exists(path):
+            continue
+        chunk = prompts[s * shard_size:(s + 1) * shard_size]
+        enc = [tokenizer(chat_prompt(tokenizer, p), add_special_tokens=False)["input_ids"] for p in chunk]
+        order = sorted(range(len(enc)), key=lambda i: len(enc[i]))
+        recs: list[dict | None] = [None] * len(enc)
+        for k in range(0, len(order), batch_size):
+            idx = order[k:k + batch_size]
+            out = generate_batch(model, [enc[i] for i in idx], max_new_tokens, stops, capture_layers)
+            for i, r in zip(idx, out):
+                recs[i] = r
+                tokens_done += len(r["ids"]) - r["prompt_len"]
+        tmp = path + ".tmp"
+        torch.save(recs, tmp)
+        os.replace(tmp, path)
+        el = time.perf_counter() - t0
+        log(f"[data] shard {s + 1}/{n_shards} written ({tokens_done} response tokens this run, "
+            f"{tokens_done / max(el, 1e-9):.0f} tok/s, elapsed {_fmt_time(el)})")
+    return paths
+
+
+def load_dataset(out_dir: str, layer_ids: Sequence[int] | None = None, max_shards: int | None = None) -> list[dict]:
+    """Load all complete shards; ``layer_ids`` selects (in order) which captured taps to keep."""
+    import glob
+
+    files = sorted(glob.glob(os.path.join(out_dir, "shard_*.pt")))
+    if max_shards is not None:
+        files = files[:max_shards]
+    out = []
+    for path in files:
+        for r in torch.load(path, weights_only=False):
+            if layer_ids is not None and list(layer_ids) != r["layer_ids"]:
+                H = r["features"].shape[-1] // len(r["layer_ids"])
+                cols = []
+                for l in layer_ids:
+                    if l not in r["layer_ids"]:
+                        raise ValueError(f"{path}: tap {l} was not captured (have {r['layer_ids']})")
+                    j = r["layer_ids"].index(l)
+                    cols.append(r["features"][:, j * H:(j + 1) * H])
+                r["features"] = torch.cat(cols, dim=-1).contiguous()
+                r["layer_ids"] = list(layer_ids)
+            out.append(r)
+    return out

@@ -1,0 +1,400 @@
+"""The training loop: frozen target embedding/LM head, trainable draft (layers, ``fc``, norms),
+AdamW (lr 6e-4, cosine decay, warmup ratio 0.04, grad-clip 1.0), resumable checkpoints.
+
+Checkpoint folder (``--out``):
+  ``last.pt``     draft + optimizer state, step, RNG, args, loss history (resume point, rewritten every
+                  ``--save-every-min`` minutes and at the end)
+  ``best/``       z-lab draft folder (config.json + model.safetensors, fp32) with the best eval τ-estimate
+  ``history.jsonl`` one line per log interval (step, loss, lr, grad-norm, per-position accuracy) and per eval
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+
+import torch
+
+from dflash.config import DFlashConfig
+from dflash.model import DFlashDraftModel
+from dflash.train.blocks import (
+    acceptance_lengths,
+    default_gamma,
+    draft_forward_dense,
+    draft_forward_flex,
+    pack_batch,
+    sample_anchors,
+    weighted_block_loss,
+)
+
+SMOLLM2_MASK_TOKEN_ID = 16  # "<empty_output>": a special token that never occurs in normal text
+
+
+def lr_at(step: int, total: int, lr: float, warmup_ratio: float, min_ratio: float = 0.0) -> float:
+    """Linear warmup over ``warmup_ratio·total`` steps, then cosine decay to ``min_ratio·lr`` at ``total``."""
+    warm = max(1, int(round(warmup_ratio * total)))
+    if step < warm:
+        return lr * (step + 1) / warm
+    t = min(1.0, (step - warm) / max(1, total - warm))
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def make_draft_config(target_config, *, num_layers: int, block_size: int, mask_token_id: int,
+                      target_layer_ids=None, intermediate_size: int | None = None) -> DFlashConfig:
+    tc = target_config
+    rope = dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)})
+    return DFlashConfig(
+        hidden_size=tc.hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads,
+        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+        intermediate_size=intermediate_size or tc.intermediate_size,
+        rms_norm_eps=float(tc.rms_norm_eps),
+        max_position_embeddings=int(tc.max_position_embeddings),
+        rope_parameters={"rope_type": rope.get("rope_type", "default"), "rope_theta": float(rope["rope_theta"])},
+        num_target_layers=tc.num_hidden_layers,
+        vocab_size=tc.vocab_size,
+        tie_word_embeddings=bool(getattr(tc, "tie_word_embeddings", False)),
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=target_layer_ids,
+    )
+
+
+@torch.no_grad()
+def init_from_target(draft: DFlashDraftModel, target, layer_ids) -> None:
+    """Warm start: copy target decoder layers ``layer_ids`` into the draft layers (attention, MLP, norms;
+    q_norm/k_norm stay 1), the target's final norm into ``draft.norm``, and ``fc`` = identity on the
+    last tap (zeros elsewhere) so the fused context starts as the deepest tapped hidden state."""
+    H = draft.config.hidden_size
+    for dl, tl in zip(draft.layers, layer_ids):
+        src = target.model.layers[tl]
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(dl.self_attn, name).weight.copy_(getattr(src.self_attn, name).weight)
+        if dl.mlp.gate_proj.weight.shape == src.mlp.gate_proj.weight.shape:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(dl.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
+        dl.input_layernorm.weight.copy_(src.input_layernorm.weight)
+        dl.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
+    draft.norm.weight.copy_(target.model.norm.weight)
+    draft.fc.weight.zero_()
+    draft.fc.weight[:, -H:].copy_(torch.eye(H))
+
+
+class Trainer:
+    def __init__(self, draft: DFlashDraftModel, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, *,
+                 lr: float = 6e-4, weight_decay: float = 0.0, warmup_ratio: float = 0.04, grad_clip: float = 1.0,
+                 total_steps: int = 1000, gamma: float | None = None, num_anchors: int = 16,
+                 attention: str = "dense", seed: int = 0, vocab_subset: torch.Tensor | None = None,
+                 negatives: int = 0):
+        self.draft = draft
+        # Frozen, shared with the target: never updated (no grad, not in the optimizer).
+        self.embed_weight = embed_weight.detach().requires_grad_(False)
+        self.lm_head_weight = lm_head_weight.detach().requires_grad_(False)
+        self.params = [p for p in draft.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+        self.lr, self.warmup_ratio, self.grad_clip = lr, warmup_ratio, grad_clip
+        self.total_steps = total_steps
+        self.B = draft.config.block_size
+        self.gamma = default_gamma(self.B) if gamma is None else gamma
+        self.num_anchors = num_anchors
+        self.mask_id = draft.config.mask_token_id
+        self.attention = attention
+        self.step = 0
+        self.gen = torch.Generator().manual_seed(seed)
+        self.negatives = negatives
+        self.set_vocab_subset(vocab_subset)
+
+    def set_vocab_subset(self, subset: torch.Tensor | None) -> None:
+        """Restrict the training softmax to ``subset`` token ids (plus ``negatives`` random other ids per
+        step). ``None`` = the full vocabulary (exact loss). Evaluation always uses the full vocabulary."""
+        self.vocab_subset = None if subset is None else torch.unique(subset.long())
+
+    def _head_for_step(self, labels: torch.Tensor, training: bool):
+        V = self.lm_head_weight.shape[0]
+        if self.vocab_subset is None or not training:
+            return self.lm_head_weight, labels
+        ids = self.vocab_subset
+        if self.negatives:
+            extra = torch.randint(0, V, (self.negatives,), generator=self.gen)
+            ids = torch.unique(torch.cat([ids, extra, labels[labels >= 0].unique()]))
+        else:
+            ids = torch.unique(torch.cat([ids, labels[labels >= 0].unique()]))
+        remap = torch.full((V,), -100, dtype=torch.long)
+        remap[ids] = torch.arange(len(ids))
+        new_labels = torch.where(labels >= 0, remap[labels.clamp(min=0)], labels)
+        return self.lm_head_weight[ids.to(self.lm_head_weight.device)], new_labels
+
+    def forward_loss(self, batch, training: bool = False):
+        if self.attention == "flex":
+            hidden = draft_forward_flex(self.draft, batch, self.embed_weight)
+        else:
+            hidden = draft_forward_dense(self.draft, batch, self.embed_weight)
+        head, labels = self._head_for_step(batch.labels, training)
+        logits = self.draft.compute_logits(hidden, lambda h: h @ head.T)
+        loss, stats = weighted_block_loss(logits, labels.to(logits.device), self.B, self.gamma)
+        return loss, logits, stats
+
+    def make_batch(self, records):
+        anchors = [sample_anchors(r["prompt_len"], len(r["ids"]), self.num_anchors, self.gen) for r in records]
+        return pack_batch(records, anchors, self.B, self.mask_id)
+
+    def train_step(self, records) -> dict:
+        self.draft.train()
+        lr = lr_at(self.step, self.total_steps, self.lr, self.warmup_ratio)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        batch = self.make_batch(records)
+        loss, _, stats = self.forward_loss(batch, training=True)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        self.opt.step()
+        self.step += 1
+        return {"loss": float(loss.detach()), "lr": lr, "grad_norm": float(gnorm), **stats}
+
+    @torch.no_grad()
+    def evaluate(self, records, stride: int = 4, max_anchors: int = 32) -> dict:
+        """Teacher-forced τ estimate: anchors every ``stride`` response positions, acceptance length =
+        1 + leading run of draft argmaxes equal to the target's (greedy) continuation."""
+        self.draft.eval()
+        lens, losses = [], []
+        for i in range(0, len(records), 4):
+            recs = records[i:i + 4]
+            anchors = [torch.arange(r["prompt_len"], len(r["ids"]) - self.B, stride)[:max_anchors] for r in recs]
+            if not any(len(a) for a in anchors):
+                continue
+            batch = pack_batch(recs, anchors, self.B, self.mask_id)
+            loss, logits, _ = self.forward_loss(batch)
+            losses.append(float(loss))
+            lens.append(acceptance_lengths(logits.argmax(-1), batch.labels, self.B))
+        all_len = torch.cat(lens) if lens else torch.zeros(1)
+        return {"eval_loss": sum(losses) / max(1, len(losses)), "tau_est": float(all_len.mean()), "eval_blocks": int(all_len.numel())}
+
+    def state_dict(self) -> dict:
+        return {"draft": self.draft.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
+                "gen": self.gen.get_state(), "py_random": random.getstate()}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.draft.load_state_dict(s["draft"])
+        self.opt.load_state_dict(s["opt"])
+        self.step = int(s["step"])
+        self.gen.set_state(s["gen"])
+        random.setstate(s["py_random"])
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def add_fit_args(sub) -> None:
+    from dflash.train.cli import _default_cache
+
+    f = sub.add_parser("fit", help="train a draft for SmolLM2-135M on a generated data folder (resumable)")
+    f.add_argument("--data", default=_default_cache("data", "smollm2"), help="folder written by `dflash train data`")
+    f.add_argument("--out", default=_default_cache("runs", "smollm2-b8-l2"), help="checkpoint folder (resumes if it has last.pt)")
+    f.add_argument("--layers", type=int, default=2)
+    f.add_argument("--block-size", type=int, default=8)
+    f.add_argument("--gamma", type=float, default=None, help="loss decay γ (default: 7 for B=16, 5 for B=10, 4 for B=8)")
+    f.add_argument("--target-layer-ids", default=None, help="comma list of tapped target layers (default rule if unset)")
+    f.add_argument("--mask-token-id", type=int, default=SMOLLM2_MASK_TOKEN_ID)
+    f.add_argument("--init", choices=["target", "random"], default="target",
+                   help="draft init: copy the target's last layers + final norm (default) or random")
+    f.add_argument("--steps", type=int, default=4000, help="total optimizer steps (cosine schedule length)")
+    f.add_argument("--batch-seqs", type=int, default=8, help="sequences per step")
+    f.add_argument("--anchors", type=int, default=16, help="anchors (blocks) per sequence per visit")
+    f.add_argument("--lr", type=float, default=6e-4)
+    f.add_argument("--weight-decay", type=float, default=0.0)
+    f.add_argument("--warmup-ratio", type=float, default=0.04)
+    f.add_argument("--grad-clip", type=float, default=1.0)
+    f.add_argument("--attention", choices=["dense", "flex"], default="dense",
+                   help="dense-mask SDPA (CPU and GPU) or FlexAttention (GPU; no CPU backward in torch 2.13)")
+    f.add_argument("--vocab-subset", choices=["full", "data"], default="full",
+                   help="training softmax over the full vocabulary (exact, default) or over the tokens that occur "
+                        "in the training data plus --negatives random others (≈4-6x cheaper LM head on CPU)")
+    f.add_argument("--negatives", type=int, default=2048, help="random extra vocabulary ids per step with --vocab-subset data")
+    f.add_argument("--eval-seqs", type=int, default=12)
+    f.add_argument("--eval-every", type=int, default=100)
+    f.add_argument("--log-every", type=int, default=10)
+    f.add_argument("--save-every-min", type=float, default=5.0)
+    f.add_argument("--max-minutes", type=float, default=None, help="stop (after saving) when this wall time is used")
+    f.add_argument("--threads", type=int, default=1)
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--device", default="cpu")
+    f.set_defaults(func=fit_main)
+
+
+def add_export_args(sub) -> None:
+    e = sub.add_parser("export", help="export a checkpoint (last.pt or a z-lab folder) as a bf16 z-lab draft folder")
+    e.add_argument("checkpoint", help="run folder (uses best/ if present, else last.pt) or a z-lab folder")
+    e.add_argument("out", help="destination folder")
+    e.add_argument("--use-last", action="store_true", help="export last.pt even when best/ exists")
+    e.set_defaults(func=export_main)
+
+
+def add_evaluate_args(sub) -> None:
+    from dflash.train.cli import _default_cache
+
+    v = sub.add_parser("evaluate", help="teacher-forced τ estimate of a draft folder on a data folder")
+    v.add_argument("draft")
+    v.add_argument("--data", default=os.path.join(_default_cache("data", "smollm2"), "eval"))
+    v.add_argument("--threads", type=int, default=1)
+    v.set_defaults(func=evaluate_main)
+
+
+def _fmt(s: float) -> str:
+    return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m{int(s % 60):02d}s" if s >= 3600 else f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+def _save_atomic(obj, path: str) -> None:
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def fit_main(args) -> int:
+    from dflash import smollm2
+    from dflash.train.data import load_dataset
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    os.makedirs(args.out, exist_ok=True)
+    log_path = os.path.join(args.out, "history.jsonl")
+
+    def log(msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    target, _tok = smollm2.load()
+    layer_ids = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else None
+    cfg = make_draft_config(target.config, num_layers=args.layers, block_size=args.block_size,
+                            mask_token_id=args.mask_token_id, target_layer_ids=layer_ids)
+    draft = DFlashDraftModel(cfg)
+    if args.init == "target":
+        n = target.config.num_hidden_layers
+        init_from_target(draft, target, list(range(n - args.layers, n)))
+    draft.to(args.device)
+    embed = target.get_input_embeddings().weight.detach().float().to(args.device)
+    head = target.lm_head.weight.detach().float().to(args.device)
+    del target
+    trainer = Trainer(draft, embed, head, lr=args.lr, weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio,
+                      grad_clip=args.grad_clip, total_steps=args.steps, gamma=args.gamma, num_anchors=args.anchors,
+                      attention=args.attention, seed=args.seed,
+                      negatives=args.negatives if args.vocab_subset == "data" else 0)
+    last = os.path.join(args.out, "last.pt")
+    best_tau = -1.0
+    if os.path.isfile(last):
+        state = torch.load(last, weights_only=False)
+        trainer.load_state_dict(state)
+        best_tau = state.get("best_tau", -1.0)
+        log(f"resumed from {last} at step {trainer.step} (best τ-estimate so far {best_tau:.3f})")
+    log(f"draft: {cfg.num_hidden_layers} layers, B={cfg.block_size}, γ={trainer.gamma}, taps {cfg.target_layer_ids}, "
+        f"mask id {cfg.mask_token_id}, {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M trainable params")
+
+    def load_train():
+        recs = load_dataset(os.path.join(args.data, "train"), cfg.target_layer_ids)
+        return [r for r in recs if len(r["ids"]) - r["prompt_len"] >= 3]
+
+    def subset_of(recs):
+        if args.vocab_subset != "data":
+            return None
+        toks = torch.cat([r["ids"].long() for r in recs] + [torch.arange(32)])
+        return torch.unique(toks)
+
+    train = load_train()
+    trainer.set_vocab_subset(subset_of(train))
+    if trainer.vocab_subset is not None:
+        log(f"vocab subset: {len(trainer.vocab_subset)} ids from the training data + {args.negatives} random per step")
+    eval_recs = load_dataset(os.path.join(args.data, "eval"), cfg.target_layer_ids)[: args.eval_seqs]
+    log(f"data: {len(train)} train sequences ({sum(len(r['ids']) - r['prompt_len'] for r in train)} response tokens), "
+        f"{len(eval_recs)} eval sequences")
+    order: list[int] = []
+    t_start = time.perf_counter()
+    t_save = t_start
+    acc_c = torch.zeros(args.block_size)
+    acc_n = torch.zeros(args.block_size)
+    losses: list[float] = []
+    step_times: list[float] = []
+    while trainer.step < args.steps:
+        if not order:
+            fresh = load_train()
+            if len(fresh) != len(train):
+                log(f"data: reloaded, now {len(fresh)} train sequences")
+                train = fresh
+                trainer.set_vocab_subset(subset_of(train))
+            order = list(range(len(train)))
+            random.shuffle(order)
+        idx, order = order[: args.batch_seqs], order[args.batch_seqs:]
+        t0 = time.perf_counter()
+        out = trainer.train_step([train[i] for i in idx])
+        step_times.append(time.perf_counter() - t0)
+        losses.append(out["loss"])
+        acc_c += out["per_k_correct"].cpu()
+        acc_n += out["per_k_count"].cpu()
+        s = trainer.step
+        if s % args.log_every == 0 or s == args.steps:
+            acc = (acc_c[1:] / acc_n[1:].clamp(min=1)).tolist()
+            sp = sum(step_times) / len(step_times)
+            log(f"step {s}/{args.steps} loss {sum(losses) / len(losses):.4f} lr {out['lr']:.2e} "
+                f"gnorm {out['grad_norm']:.2f} acc@k1..{args.block_size - 1} "
+                + " ".join(f"{a:.2f}" for a in acc) + f" | {sp:.2f} s/step, ETA {_fmt(sp * (args.steps - s))}")
+            with open(log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": s, "loss": sum(losses) / len(losses), "lr": out["lr"],
+                                    "grad_norm": out["grad_norm"], "acc": acc, "time": time.time()}) + "\n")
+            losses, step_times = [], []
+            acc_c.zero_(); acc_n.zero_()
+        if eval_recs and (s % args.eval_every == 0 or s == args.steps):
+            ev = trainer.evaluate(eval_recs)
+            improved = ev["tau_est"] > best_tau
+            if improved:
+                best_tau = ev["tau_est"]
+                draft.save_pretrained(os.path.join(args.out, "best"))
+            log(f"eval step {s}: loss {ev['eval_loss']:.4f} τ-estimate {ev['tau_est']:.3f} over {ev['eval_blocks']} blocks"
+                + (" (best, saved best/)" if improved else f" (best {best_tau:.3f})"))
+            with open(log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": s, **ev, "time": time.time()}) + "\n")
+        now = time.perf_counter()
+        timeout = args.max_minutes is not None and (now - t_start) / 60 >= args.max_minutes
+        if now - t_save >= args.save_every_min * 60 or s == args.steps or timeout:
+            _save_atomic({**trainer.state_dict(), "best_tau": best_tau, "args": vars(args) | {"func": None},
+                          "config": cfg.to_dict()}, last)
+            t_save = now
+            log(f"checkpoint saved: {last} (step {s})")
+        if timeout:
+            log(f"--max-minutes {args.max_minutes} reached; stopping (resume with the same command)")
+            break
+    return 0
+
+
+def export_main(args) -> int:
+    src = args.checkpoint
+    best = os.path.join(src, "best")
+    last = os.path.join(src, "last.pt")
+    if os.path.isfile(os.path.join(src, "config.json")):
+        draft = DFlashDraftModel.from_pretrained(src, dtype=torch.float32)
+    elif os.path.isdir(best) and not args.use_last:
+        draft = DFlashDraftModel.from_pretrained(best, dtype=torch.float32)
+    elif os.path.isfile(last):
+        state = torch.load(last, weights_only=False)
+        draft = DFlashDraftModel(DFlashConfig.from_dict(state["config"]))
+        draft.load_state_dict(state["draft"])
+    else:
+        raise SystemExit(f"export: no checkpoint in {src} (expected best/, last.pt or config.json)")
+    draft.to(torch.bfloat16).save_pretrained(args.out)
+    size = os.path.getsize(os.path.join(args.out, "model.safetensors"))
+    print(f"exported {args.out} ({size / 1e6:.1f} MB bf16)")
+    return 0
+
+
+def evaluate_main(args) -> int:
+    from dflash import smollm2
+    from dflash.train.data import load_dataset
+
+    torch.set_num_threads(args.threads)
+    draft = DFlashDraftModel.from_pretrained(args.draft, dtype=torch.float32)
+    target, _ = smollm2.load()
+    trainer = Trainer(draft, target.get_input_embeddings().weight.float(), target.lm_head.weight.float())
+    recs = load_dataset(args.data, draft.config.target_layer_ids)
+    print(json.dumps(trainer.evaluate(recs)))
+    return 0

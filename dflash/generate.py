@@ -25,7 +25,7 @@ from dflash.model import DFlashDraftModel, DraftKVCache
 from dflash.sampling import GREEDY_EPS, accept_one_hot_proposals, check_sampling_args, sampling_probs
 from dflash.target import TargetAdapter, check_target
 
-BACKENDS = ("reference",)
+BACKENDS = ("auto", "fast", "reference")
 
 
 @dataclass
@@ -134,6 +134,13 @@ def as_target(target, draft: DFlashDraftModel) -> TargetAdapter:
     return TargetAdapter(target, draft.config.target_layer_ids)
 
 
+def fast_supported(target, draft) -> bool:
+    """Whether backend='fast' can run this pair (else 'auto' uses the reference loop)."""
+    from dflash.fast import unsupported_reason
+
+    return unsupported_reason(target, draft) is None
+
+
 def generate(
     target,
     draft: DFlashDraftModel,
@@ -144,9 +151,10 @@ def generate(
     top_p: float = 1.0,
     top_k: int = 0,
     block_size: int | None = None,
-    backend: str = "reference",
+    backend: str = "auto",
     seed: int | None = None,
-) -> GenerateResult:
+    **fast_options,
+):
     """Speculative generation with a DFlash draft.
 
     Args:
@@ -158,13 +166,26 @@ def generate(
         temperature: 0 = greedy (output equals the target's greedy output); > 0 samples, with
             ``top_p``/``top_k`` applied to the target distribution (output distributed as the target's).
         block_size: B (default: the draft's); 1 = plain autoregressive decoding with the same machinery.
-        backend: "reference" (this pure-PyTorch loop).
-        seed: makes sampling reproducible.
+        backend: "reference" (this pure-PyTorch loop, batch 1), "fast" (static caches, kernels,
+            CUDA graphs, batches: see :func:`dflash.fast.generate_fast`, which also takes
+            ``attention_mask``, per-request limits and stops, ``max_length``), or "auto": fast
+            where it can run (LLaMA/Qwen3 targets, supported draft layers), else reference.
+        seed: makes sampling reproducible (the two backends draw different random streams).
     Returns:
-        :class:`GenerateResult` with ``.sequences`` [1, P + n] and ``.acceptance_lengths``.
+        :class:`GenerateResult` with ``.sequences`` [1, P + n] and ``.acceptance_lengths``; for
+        batched input (fast), a ``BatchResult`` whose fields are per-request lists.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if backend == "auto":
+        backend = "fast" if fast_supported(target, draft) else "reference"
+    if backend == "fast":
+        from dflash.fast import generate_fast
+
+        return generate_fast(target, draft, input_ids, max_new_tokens, stop_token_ids, temperature, top_p, top_k,
+                             block_size, seed, **fast_options)
+    if fast_options:
+        raise ValueError(f"options {sorted(fast_options)} need backend='fast'")
     target = as_target(target, draft)
     input_ids, stops, block_size = validate_generate_args(
         target, draft, input_ids, max_new_tokens, stop_token_ids, temperature, top_p, top_k, block_size

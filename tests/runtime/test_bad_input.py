@@ -49,7 +49,7 @@ def test_bad_arguments(pair, kwargs, exc, match):
 def test_bad_input_ids(pair, input_ids, exc, match):
     target, draft = pair
     with pytest.raises(exc, match=match):
-        generate(target, draft, input_ids, 4)
+        generate(target, draft, input_ids, 4, backend="reference")
 
 
 def test_mismatched_models():

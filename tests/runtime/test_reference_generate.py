@@ -43,10 +43,10 @@ def test_greedy_matches_target(arch, case):
     assert expected.shape[1] == prompt_len + max_new
 
     # A random draft (accepts almost nothing) and an oracle-fed draft (accepts every length).
-    plain = generate(target, draft, ids, max_new)
+    plain = generate(target, draft, ids, max_new, backend="reference")
     assert torch.equal(plain.sequences, expected)
     as_oracle(draft).attach(expected[0, prompt_len:], prompt_len, corrupt=0.25, seed=prompt_len)
-    result = generate(target, draft, ids, max_new)
+    result = generate(target, draft, ids, max_new, backend="reference")
     assert torch.equal(result.sequences, expected)
     assert sum(result.acceptance_lengths) == max_new - 1  # the prefill token is not a round's
     assert all(1 <= a <= block for a in result.acceptance_lengths)
@@ -64,7 +64,7 @@ def test_stop_tokens(stop_index):
     other = (stop + 1) % target.config.vocab_size
     expected = target_greedy(target, ids, 20, stops=[other, stop])
     as_oracle(draft).attach(free, 9, corrupt=0.2, seed=stop_index)
-    result = generate(target, draft, ids, 20, stop_token_ids=[other, stop])
+    result = generate(target, draft, ids, 20, stop_token_ids=[other, stop], backend="reference")
     assert torch.equal(result.sequences, expected)
     assert int(result.sequences[0, -1]) in (stop, other)
     assert sum(result.acceptance_lengths) == result.num_generated_tokens - 1
@@ -76,7 +76,7 @@ def test_spec_generate_and_timings():
     ids = torch.randint(0, target.config.vocab_size, (1, 6))
     out = draft.spec_generate(target, ids, max_new_tokens=10, stop_token_ids=None)
     assert torch.equal(out, target_greedy(target, ids, 10))
-    result = generate(target, draft, ids[0], 10)
+    result = generate(target, draft, ids[0], 10, backend="reference")
     assert result.sequences.shape == (1, 16)
     assert result.total_time >= result.prefill_time + result.draft_time + result.verify_time > 0
     assert result.tau >= 1.0

@@ -97,10 +97,11 @@ def exact_target_distribution(target, ids, steps, temperature, top_p, top_k):
     return dist
 
 
-def sample_continuations(target, draft, ids, steps, n, temperature, top_p, top_k):
+def sample_continuations(target, draft, ids, steps, n, temperature, top_p, top_k, backend="reference"):
     counts = Counter()
     for i in range(n):
-        out = generate(target, draft, ids, steps, temperature=temperature, top_p=top_p, top_k=top_k, seed=i)
+        out = generate(target, draft, ids, steps, temperature=temperature, top_p=top_p, top_k=top_k, seed=i,
+                       backend=backend)
         counts[tuple(out.sequences[0, ids.shape[1]:].tolist())] += 1
     return counts
 
@@ -115,12 +116,13 @@ def sampling_pair():
     return target, draft, ids
 
 
-@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.8, 0.9, 3)])
-def test_speculative_sampling_is_lossless(sampling_pair, temperature, top_p, top_k):
+@pytest.mark.parametrize("backend,temperature,top_p,top_k", [
+    ("reference", 1.0, 1.0, 0), ("reference", 0.8, 0.9, 3), ("fast", 0.8, 0.9, 3)])
+def test_speculative_sampling_is_lossless(sampling_pair, backend, temperature, top_p, top_k):
     target, draft, ids = sampling_pair
     steps, n = 3, 1000  # the second and third tokens come from one verified block
     expected = exact_target_distribution(target, ids, steps, temperature, top_p, top_k)
-    counts = sample_continuations(target, draft, ids, steps, n, temperature, top_p, top_k)
+    counts = sample_continuations(target, draft, ids, steps, n, temperature, top_p, top_k, backend)
     rejects, stat, crit = chi2_rejects(counts, expected, n)
     assert not rejects, (stat, crit)
 
@@ -137,6 +139,6 @@ def test_wrong_rule_fails_end_to_end(sampling_pair, monkeypatch):
 
 def test_same_seed_same_tokens(sampling_pair):
     target, draft, ids = sampling_pair
-    a = generate(target, draft, ids, 12, temperature=1.0, seed=7).sequences
-    b = generate(target, draft, ids, 12, temperature=1.0, seed=7).sequences
+    a = generate(target, draft, ids, 12, temperature=1.0, seed=7, backend="reference").sequences
+    b = generate(target, draft, ids, 12, temperature=1.0, seed=7, backend="reference").sequences
     assert torch.equal(a, b)

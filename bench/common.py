@@ -1,0 +1,251 @@
+"""Shared helpers of the benchmarks: device choice, timing, measured ceilings, tables, CSV.
+
+Method (see the issue): warm up, then the median of many timed repetitions; on CUDA each
+repetition is timed with CUDA events (graph replays where a graph exists); the floors we divide by
+are measured in the same run (a large device copy for bandwidth, a large matrix product for the
+arithmetic rate), never taken from a datasheet; inputs are random, never zeros.
+"""
+from __future__ import annotations
+
+import csv
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a plain script (python bench/x.py) from anywhere
+    sys.path.insert(0, str(ROOT))
+
+
+# ---------------------------------------------------------------------------------------- device
+def pick_device(name: str | None) -> torch.device:
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: no CUDA device is visible to torch {torch.__version__}")
+    return dev
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def out_dir(explicit: str | None, default_sub: str = "bench/results") -> Path:
+    """Where CSV/PNG go: --out, else $OUT (device machines), else bench/results/ of the checkout."""
+    path = Path(explicit or os.environ.get("OUT") or (ROOT / default_sub))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def parse_ints(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        mult = 1
+        if part.endswith("k"):
+            part, mult = part[:-1], 1024
+        out.append(int(float(part) * mult))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- timing
+def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, reps: int = 30,
+            min_reps: int = 5, budget_s: float = 2.0, before: Callable[[], object] | None = None) -> dict:
+    """Median over repetitions of ``fn()``, each timed alone (CUDA events on GPU, perf_counter +
+    no sync needed on CPU). Runs at least ``min_reps``, at most ``reps``, stopping once ``budget_s``
+    of timed work has accumulated. ``before`` runs untimed ahead of each repetition (input rotation)."""
+    for _ in range(warmup):
+        if before:
+            before()
+        fn()
+    sync(device)
+    times: list[float] = []
+    if device.type == "cuda":
+        events = []
+        t_host = time.perf_counter()
+        for i in range(reps):
+            if before:
+                before()
+            a = torch.cuda.Event(enable_timing=True)
+            b = torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            events.append((a, b))
+            if i + 1 >= min_reps and time.perf_counter() - t_host > budget_s:
+                break
+        torch.cuda.synchronize(device)
+        times = [a.elapsed_time(b) for a, b in events]
+    else:
+        spent = 0.0
+        for i in range(reps):
+            if before:
+                before()
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            times.append(dt * 1e3)
+            spent += dt
+            if i + 1 >= min_reps and spent > budget_s:
+                break
+    times.sort()
+    n = len(times)
+    return {"median_ms": statistics.median(times), "p10_ms": times[max(0, n // 10)],
+            "p90_ms": times[min(n - 1, (9 * n) // 10)], "reps": n}
+
+
+def capture_graph(fn: Callable[[], object]) -> "torch.cuda.CUDAGraph":
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
+# ---------------------------------------------------------------------------------------- ceilings
+_CEILINGS: dict[str, dict] = {}
+
+
+def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> dict:
+    """Bytes read + written per second of a large device copy of random bf16 data (GB/s)."""
+    key = f"bw:{device}"
+    if key in _CEILINGS:
+        return _CEILINGS[key]
+    if nbytes is None:
+        nbytes = 2 * 2**30 if device.type == "cuda" else 128 * 2**20
+    n = nbytes // 2
+    src = torch.randn(n, device=device).to(torch.bfloat16)  # random, not zeros
+    dst = torch.empty_like(src)
+    r = time_fn(lambda: dst.copy_(src), device, warmup=3, reps=30, min_reps=8, budget_s=2.0)
+    gbs = 2 * nbytes / (r["median_ms"] * 1e-3) / 1e9
+    out = {"copy_GBps": gbs, "copy_bytes": nbytes, "copy_ms": r["median_ms"]}
+    del src, dst
+    _CEILINGS[key] = out
+    return out
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype = torch.bfloat16, n: int | None = None) -> dict:
+    """FLOP/s of a square matrix product on random data (TFLOP/s)."""
+    key = f"mm:{device}:{dtype}"
+    if key in _CEILINGS:
+        return _CEILINGS[key]
+    if n is None:
+        n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    r = time_fn(lambda: a @ b, device, warmup=2, reps=15, min_reps=3, budget_s=2.0)
+    out = {"mm_TFLOPs": 2 * n**3 / (r["median_ms"] * 1e-3) / 1e12, "mm_n": n, "mm_dtype": str(dtype)[6:]}
+    _CEILINGS[key] = out
+    return out
+
+
+def l2_bytes(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "L2_cache_size", None) or getattr(props, "l2_cache_size", None)
+
+
+# ---------------------------------------------------------------------------------------- environment
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "bench", "dflash", "dflash_kernels", "csrc"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "")
+    except Exception:  # pragma: no cover
+        return "unknown"
+
+
+def environment(device: torch.device) -> dict:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:  # pragma: no cover
+        triton_version = "absent"
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        hw = f"{props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB"
+    else:
+        hw = f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores visible, " \
+             f"torch threads {torch.get_num_threads()}, no GPU"
+    return {"hardware": hw, "torch": torch.__version__, "triton": triton_version, "python": platform.python_version(),
+            "commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def print_header(title: str, device: torch.device, extra: dict | None = None) -> dict:
+    env = environment(device)
+    print(f"# {title}")
+    print(f"# {env['hardware']} | torch {env['torch']} | triton {env['triton']} | commit {env['commit']} | {env['date']}")
+    for k, v in (extra or {}).items():
+        print(f"# {k}: {v}")
+    return env
+
+
+# ---------------------------------------------------------------------------------------- output
+def fmt(v) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "n/a"
+        if abs(v) >= 100:
+            return f"{v:.0f}"
+        if abs(v) >= 10:
+            return f"{v:.1f}"
+        if abs(v) >= 0.1:
+            return f"{v:.2f}"
+        return f"{v:.3g}"
+    return "" if v is None else str(v)
+
+
+def table(rows: Sequence[dict], columns: Sequence[str], markdown: bool = False) -> str:
+    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    if markdown:
+        lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |",
+                 "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+        lines += ["| " + " | ".join(x.rjust(w) for x, w in zip(row, widths)) + " |" for row in cells]
+    else:
+        lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+        lines += ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def write_csv(path: Path, rows: Iterable[dict], env: dict | None = None) -> Path:
+    rows = list(rows)
+    keys: list[str] = []
+    for r in rows:
+        for k in r:
+            if k not in keys:
+                keys.append(k)
+    env_keys = [k for k in (env or {}) if k not in keys]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys + env_keys)
+        w.writeheader()
+        for r in rows:
+            w.writerow({**{k: (env or {})[k] for k in env_keys}, **r})
+    return path
+
+
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+        return True
+    except ImportError:
+        return False

@@ -97,7 +97,7 @@ def param_bytes(module, skip=()) -> int:
 def oracle_fast_class(seq: torch.Tensor, accept: int, vocab: int):
     """FastDFlash whose draft step runs for real, then overwrites the proposals on the device (no host
     read, so the step stays capturable): the first accept-1 are the target's greedy continuation
-    ``seq`` [1, L], the rest are wrong on purpose."""
+    ``seq`` [1 or batch, L] (full sequences, prompt included), the rest are wrong on purpose."""
     from dflash.fast import FastDFlash
 
     class OracleFast(FastDFlash):
@@ -105,7 +105,8 @@ def oracle_fast_class(seq: torch.Tensor, accept: int, vocab: int):
             super().draft_step()
             j = torch.arange(self.block_size - 1, device=self.device)
             idx = (self.positions[:, None] + 1 + j).clamp(max=seq.shape[1] - 1)
-            tok = seq.expand(self.batch, -1).gather(1, idx)
+            rows = seq if seq.shape[0] == self.batch else seq.expand(self.batch, -1)
+            tok = rows.gather(1, idx)
             self.proposals.copy_(torch.where(j[None] < accept - 1, tok, (tok + 1) % vocab))
 
     return OracleFast

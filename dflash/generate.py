@@ -177,6 +177,8 @@ def generate(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if not isinstance(draft, DFlashDraftModel):
+        raise TypeError(f"draft must be a dflash.DFlashDraftModel, got {type(draft).__name__}")
     if backend == "auto":
         backend = "fast" if fast_supported(target, draft) else "reference"
     if backend == "fast":

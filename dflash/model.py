@@ -158,6 +158,16 @@ class DFlashAttention(nn.Module):
         b, n, _ = x.shape
         return x.view(b, n, heads, self.head_dim).transpose(1, 2)
 
+    def project_qkv(self, hidden: torch.Tensor, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Queries of the block rows [b, nH, q, D]; keys/values of [context ++ block] rows
+        [b, kvH, C+q, D]: shared projections, per-head RMSNorm, then RoPE at the rows' positions."""
+        q_len = hidden.shape[1]
+        rows = torch.cat([context, hidden], dim=1)
+        q = self.q_norm(self._heads(self.q_proj(hidden), self.num_heads))
+        k = self.k_norm(self._heads(self.k_proj(rows), self.num_kv_heads))
+        v = self._heads(self.v_proj(rows), self.num_kv_heads)
+        return apply_rope(q, cos[:, -q_len:], sin[:, -q_len:]), apply_rope(k, cos, sin), v
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -169,12 +179,7 @@ class DFlashAttention(nn.Module):
     ) -> torch.Tensor:
         """hidden [b, q, H] block rows; context [b, C, H] fused context rows; cos/sin [b, C+q, D]."""
         b, q_len, _ = hidden.shape
-        rows = torch.cat([context, hidden], dim=1)
-        q = self.q_norm(self._heads(self.q_proj(hidden), self.num_heads))
-        k = self.k_norm(self._heads(self.k_proj(rows), self.num_kv_heads))
-        v = self._heads(self.v_proj(rows), self.num_kv_heads)
-        q = apply_rope(q, cos[:, -q_len:], sin[:, -q_len:])
-        k = apply_rope(k, cos, sin)
+        q, k, v = self.project_qkv(hidden, context, cos, sin)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         groups = self.num_heads // self.num_kv_heads

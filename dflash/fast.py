@@ -65,9 +65,9 @@ class FastDFlash:
         inv_freq, self.attention_scaling = rope_inv_freq(cfg)
         self.inv_freq = inv_freq.to(device)
         attn = [layer.self_attn for layer in draft.layers]
-        self.k_weight = torch.stack([a.k_proj.weight for a in attn]).contiguous()
-        self.v_weight = torch.stack([a.v_proj.weight for a in attn]).contiguous()
-        self.k_norm_weight = torch.stack([a.k_norm.weight for a in attn]).contiguous()
+        self.k_weight = torch.stack([a.k_proj.weight.detach() for a in attn])
+        self.v_weight = torch.stack([a.v_proj.weight.detach() for a in attn])
+        self.k_norm_weight = torch.stack([a.k_norm.weight.detach() for a in attn])
         cache_shape = (cfg.num_hidden_layers, batch, rows, cfg.num_key_value_heads, cfg.head_dim)
         self.k_cache = torch.zeros(cache_shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros_like(self.k_cache)
@@ -90,6 +90,14 @@ class FastDFlash:
         self.seed = torch.zeros(1, **long)
         self.offset = torch.zeros(1, **long)
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+
+    def refresh_weights(self) -> None:
+        """Re-copy the stacked context K/V weights from the draft (in place, so captured graphs stay valid)."""
+        attn = [layer.self_attn for layer in self.draft.layers]
+        for i, a in enumerate(attn):
+            self.k_weight[i].copy_(a.k_proj.weight)
+            self.v_weight[i].copy_(a.v_proj.weight)
+            self.k_norm_weight[i].copy_(a.k_norm.weight)
 
     # ------------------------------------------------------------------ setup per generation
     def reset(self, prompts: Sequence[torch.Tensor], max_new_tokens: Sequence[int], stops: Sequence[list[int]],
@@ -232,6 +240,23 @@ class FastDFlash:
                 "features": self.features, "offset": self.offset}
 
 
+_ENGINE: dict = {}
+
+
+def cached_engine(target_model, draft: DFlashDraftModel, **options) -> FastDFlash:
+    """The engine of the previous call when the models and shapes are the same (its buffers and
+    CUDA graphs are reused, so repeated calls neither reallocate nor recapture), else a new one."""
+    key = (id(target_model), id(draft), FastDFlash, tuple(sorted(options.items())))
+    engine = _ENGINE.get("engine")
+    if engine is not None and _ENGINE.get("key") == key and engine.target_model is target_model and engine.draft is draft:
+        engine.refresh_weights()
+        return engine
+    _ENGINE.clear()  # drop the old engine's buffers before allocating the new ones
+    engine = FastDFlash(target_model, draft, **options)
+    _ENGINE.update(key=key, engine=engine)
+    return engine
+
+
 def unsupported_reason(target, draft: DFlashDraftModel) -> str | None:
     """Why backend='fast' cannot run this pair, or None."""
     model = target.model if hasattr(target, "layer_ids") else target
@@ -312,14 +337,15 @@ def generate_fast(target, draft: DFlashDraftModel, input_ids, max_new_tokens, st
     limit = getattr(adapter.config, "max_position_embeddings", None)
     if limit is not None and needed > limit:
         raise ValueError(f"prompt + max_new_tokens = {needed} exceeds the target's max_position_embeddings {limit}")
-    engine = FastDFlash(adapter.model, draft, batch=n, capacity=max_length, block_size=block,
-                        kernel_backend=kernel_backend, use_cuda_graphs=use_cuda_graphs)
+    engine = cached_engine(adapter.model, draft, batch=n, capacity=max_length, block_size=block,
+                           kernel_backend=kernel_backend, use_cuda_graphs=use_cuda_graphs)
     greedy = temperature < GREEDY_EPS
     sampling = None if greedy else {"temperature": float(temperature), "top_p": float(top_p), "top_k": int(top_k)}
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=engine.device).manual_seed(seed)
-        engine.seed.fill_(seed)
+    if seed is None:  # unseeded calls still differ from each other, following torch's global RNG
+        seed = int(torch.randint(2**62, ()))
+    generator = torch.Generator(device=engine.device).manual_seed(seed)
+    engine.seed.fill_(seed)
+    engine.offset.zero_()
     with torch.inference_mode():
         t0 = _sync(engine.device)
         engine.reset(checked, limits, stops, sampling, generator)

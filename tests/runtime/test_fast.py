@@ -179,3 +179,20 @@ def test_fast_bad_input():
         generate_fast(gpt2_like, draft, ids[0], 4)
     # a failed call leaves nothing behind: the next call is correct
     assert torch.equal(generate_fast(target, draft, ids[0], 6).sequences[0], target_greedy(target, ids[0], 6))
+
+
+def test_engine_reused_and_weights_refreshed():
+    target = make_target("qwen3")
+    draft = make_draft(target, layers=2, block_size=4)
+    ids = torch.randint(0, 48, (5,))
+    first = generate_fast(target, draft, ids, 8).sequences
+    engine = fast_module._ENGINE["engine"]
+    assert torch.equal(generate_fast(target, draft, ids, 8).sequences, first)
+    assert fast_module._ENGINE["engine"] is engine
+    with torch.no_grad():
+        draft.layers[1].self_attn.k_proj.weight.mul_(-1.5)
+    generate_fast(target, draft, ids, 8)
+    assert fast_module._ENGINE["engine"] is engine
+    assert torch.equal(engine.k_weight[1], draft.layers[1].self_attn.k_proj.weight)
+    generate_fast(target, draft, ids, 8, block_size=2)
+    assert fast_module._ENGINE["engine"] is not engine

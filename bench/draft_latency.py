@@ -157,7 +157,7 @@ def set_state(engine, context: int, block: int, vocab: int) -> None:
     engine.done.fill_(False)
 
 
-def run(args) -> list[dict]:
+def run(args, partial_csv: Path | None = None):
     device = common.pick_device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
@@ -189,9 +189,10 @@ def run(args) -> list[dict]:
     with torch.inference_mode():
         for name in models:
             spec = MODELS[name]
+            # FastDFlash and the reference forward take the block size per call: one pair per model
+            target, draft = build_pair(spec, device, dtype, max(blocks))
             for batch in batches:
                 for block in blocks:
-                    target, draft = build_pair(spec, device, dtype, block)
                     cap = max(contexts) + block
                     refs = {}
                     engine = make_engine(target, draft, batch, cap, block, graphs=False)
@@ -241,12 +242,15 @@ def run(args) -> list[dict]:
                         print(f"{name:9s} b{batch:<3d} ctx{context:<6d} B{block:<3d} ref {r:9.3f} ms  fast {f:9.3f} ms"
                               f"  graph {'n/a (no GPU)' if gm != gm else f'{gm:9.3f} ms'}  floor(mem) {floor_mem:8.3f} ms"
                               f"  [{time.perf_counter() - t_start:5.0f} s]", flush=True)
-                    del engine, refs, target, draft
+                    if partial_csv:
+                        common.write_csv(partial_csv, rows, {**env, **bw, **mm})
+                    del engine, refs
                     if graph_ok:
                         del genv
                     gc.collect()
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
+            del target, draft
     return rows, env, bw, mm
 
 
@@ -322,16 +326,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="output folder (default $OUT, else bench/results)")
     p.add_argument("--tag", default=None, help="file name stem (default draft_latency-<device>)")
     args = p.parse_args(argv)
-    rows, env, bw, mm = run(args)
     device = common.pick_device(args.device)
+    out = common.out_dir(args.out)
+    stem = args.tag or f"draft_latency-{device.type}"
+    rows, env, bw, mm = run(args, partial_csv=out / f"{stem}.partial.csv")
+    (out / f"{stem}.partial.csv").unlink(missing_ok=True)
     print()
     print(common.table(wide(rows), WIDE_COLUMNS))
     print(f"# %mem = memory floor / median (memory floor at {bw['copy_GBps']:.1f} GB/s measured copy bandwidth); "
           f"ref/fast, ref/graph = speedup over the reference")
     if device.type != "cuda":
         print("# graph columns: n/a = CUDA graphs unavailable (no GPU in this run), not skipped silently")
-    out = common.out_dir(args.out)
-    stem = args.tag or f"draft_latency-{device.type}"
     csv_path = common.write_csv(out / f"{stem}.csv", rows, {**env, **bw, **mm})
     print(f"# wrote {csv_path}")
     png = plot(rows, out / f"{stem}.png")

@@ -1,0 +1,84 @@
+"""CPU microbenchmarks (pytest-benchmark) of the reference vs fast paths at small shapes.
+
+Not part of the test suite (`pytest -q tests` does not collect bench/). Run:
+    .venv/bin/python -m pytest bench/microbench -q --benchmark-columns=median,iqr,rounds --benchmark-sort=name
+Compare groups: each group holds the reference path and the fast path of one step on the same inputs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dflash_kernels as dk
+from dflash_kernels._dispatch import backend_status
+
+EXT = backend_status("ext", torch.device("cpu"))[0]
+ext_only = pytest.mark.skipif(not EXT, reason="dflash_kernels._C (ext) is not built")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    import draft_latency
+
+    torch.manual_seed(0)
+    target, draft = draft_latency.build_pair(draft_latency.MODELS["tiny"] | dict(hidden=128, inter=384, vocab=2048),
+                                             torch.device("cpu"), torch.float32, 8)
+    return target, draft
+
+
+@pytest.mark.parametrize("context", [256, 1024])
+@pytest.mark.parametrize("path", ["reference", "fast"])
+def test_draft_step(benchmark, pair, path, context):
+    import draft_latency
+
+    target, draft = pair
+    benchmark.group = f"draft step B=8 ctx={context}"
+    with torch.inference_mode():
+        if path == "reference":
+            ref = draft_latency.Reference(target, draft, 1, context, torch.device("cpu"), torch.float32)
+            ref.prepare(8)
+            fn = ref.step
+        else:
+            eng = draft_latency.make_engine(target, draft, 1, context + 8, 8, graphs=False)
+            draft_latency.set_state(eng, context, 8, target.config.vocab_size)
+            eng.kv_bound = context + 8
+            fn = eng.draft_step
+        benchmark(torch.inference_mode()(fn))
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("ext", marks=ext_only)])
+def test_verify_greedy(benchmark, backend):
+    benchmark.group = "verify_greedy N=4 B=16 V=32000 fp32"
+    logits = torch.randn(4, 16, 32000)
+    drafts = logits.argmax(-1)[:, :-1].clone()
+    drafts[:, 7:] += 1
+    benchmark(dk.verify_greedy, logits, drafts, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("ext", marks=ext_only)])
+def test_commit_round(benchmark, backend):
+    benchmark.group = "commit_round R=16 B=16"
+    r, b, cap = 16, 16, 2048
+    drafts = torch.randint(0, 1000, (r, b - 1))
+    acc, bonus = torch.randint(0, b, (r,)), torch.randint(0, 1000, (r,))
+    base = dict(out_tokens=torch.randint(0, 1000, (r, cap)), lengths=torch.randint(1, 1000, (r,)),
+                anchor=torch.randint(0, 1000, (r,)), done=torch.zeros(r, dtype=torch.bool),
+                max_lengths=torch.full((r,), cap))
+    base["positions"] = base["lengths"] - 1
+
+    def setup():
+        st = {k: v.clone() for k, v in base.items()}
+        return (drafts, acc, bonus), dict(stop_tokens=torch.tensor([5]), backend=backend, check=False, **st)
+
+    benchmark.pedantic(dk.commit_round, setup=setup, rounds=200, warmup_rounds=5)
+
+
+@pytest.mark.parametrize("path", ["reference", "fast"])
+def test_generate(benchmark, pair, path):
+    from dflash.generate import generate
+
+    target, draft = pair
+    benchmark.group = "generate 32 tokens B=8 (random draft, tau ~ 1)"
+    ids = torch.randint(0, 2000, (64,))
+    benchmark.pedantic(generate, args=(target, draft, ids, 32), kwargs=dict(block_size=8, backend=path),
+                       rounds=5, warmup_rounds=1)

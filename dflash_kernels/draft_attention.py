@@ -110,7 +110,7 @@ def draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weig
 
 @triton.jit
 def _draft_attn_split_kernel(
-    q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, lens_ptr, table_ptr, qw_ptr, kw_ptr, inv_freq_ptr, po_ptr, plse_ptr,
+    q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, lens_ptr, table_ptr, qw_ptr, kw_ptr, inv_freq_ptr, po_ptr, pm_ptr, pl_ptr,
     B, G, NH, HALF, page_size, window, attention_scaling, eps, qk_scale, NSPLIT,
     stride_qn, stride_qb, stride_qh, stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
     stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch, stride_tn,
@@ -207,20 +207,19 @@ def _draft_attn_split_kernel(
         v_hi = tl.load(v_base + HALF + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
         acc_lo = tl.dot(p, v_lo, input_precision=DOT_PREC)
         acc_hi = tl.dot(p, v_hi, input_precision=DOT_PREC)
-    has = l_i > 0
-    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    # Partials in the natural [N, S+1, B, nH, D] layout so the merge can treat (block row, head) as rows.
+    # Unnormalised partials (acc, running max m, sum l) in the natural [N, S+1, B, nH, D] layout so the
+    # merge treats (block row, head) as rows; no log/exp round trip of l (its error grows with |lse|).
     row = (qi * NH + head).to(tl.int64)
     ps = (n * (NSPLIT + 1) + split) * B * NH
     o_base = po_ptr + (ps + row)[:, None] * (2 * HALF)
-    tl.store(o_base + dh[None, :], acc_lo * inv_l[:, None], mask=qmask)
-    tl.store(o_base + HALF + dh[None, :], acc_hi * inv_l[:, None], mask=qmask)
-    tl.store(plse_ptr + ps + row, lse, mask=r_ok)
+    tl.store(o_base + dh[None, :], acc_lo, mask=qmask)
+    tl.store(o_base + HALF + dh[None, :], acc_hi, mask=qmask)
+    tl.store(pm_ptr + ps + row, m_i, mask=r_ok)
+    tl.store(pl_ptr + ps + row, l_i, mask=r_ok)
 
 
 @triton.jit
-def _merge_splits_kernel(po_ptr, plse_ptr, out_ptr, ROWS, D, S1, stride_on, stride_or,
+def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, ROWS, D, S1, stride_on, stride_or,
                          BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -232,13 +231,14 @@ def _merge_splits_kernel(po_ptr, plse_ptr, out_ptr, ROWS, D, S1, stride_on, stri
     acc = tl.zeros((BLOCK_ROWS, BLOCK_D), tl.float32)
     for s in range(0, S1):
         base = (n * S1 + s) * ROWS + rows.to(tl.int64)
-        lse = tl.load(plse_ptr + base, mask=r_ok, other=float("-inf"))
+        m_s = tl.load(pm_ptr + base, mask=r_ok, other=float("-inf"))
+        l_s = tl.load(pl_ptr + base, mask=r_ok, other=0.0)
         o = tl.load(po_ptr + base[:, None] * D + d[None, :], mask=mask, other=0.0)
-        m_new = tl.maximum(m, lse)
+        m_new = tl.maximum(m, m_s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(lse - m_safe)
-        l = l * alpha + w
+        w = tl.exp2(m_s - m_safe)
+        l = l * alpha + l_s * w
         acc = acc * alpha[:, None] + o * w[:, None]
         m = m_new
     res = acc / tl.where(l > 0, l, 1.0)[:, None]
@@ -276,13 +276,14 @@ def _draft_attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight
     block_n = 64 if interpreting() else (64 if d <= 128 else 32)
     nsplit = num_splits or _pick_splits(n, kvh, capacity, block_n, q.device)
     po = torch.empty((n, nsplit + 1, b, nh, d), dtype=torch.float32, device=q.device)
-    plse = torch.empty((n, nsplit + 1, b, nh), dtype=torch.float32, device=q.device)
+    pm = torch.empty((n, nsplit + 1, b, nh), dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
     inv_freq = inv_freq.to(torch.float32)
     dot_prec = "ieee" if q.dtype == torch.float32 or k_cache.dtype == torch.float32 else "tf32"
     _draft_attn_split_kernel[(n, kvh, nsplit + 1)](
         q_ptr=q, k_ptr=k, v_ptr=v, kc_ptr=k_cache, vc_ptr=v_cache, lens_ptr=cache_lens,
         table_ptr=table if table is not None else cache_lens, qw_ptr=q_norm_weight, kw_ptr=k_norm_weight,
-        inv_freq_ptr=inv_freq, po_ptr=po, plse_ptr=plse,
+        inv_freq_ptr=inv_freq, po_ptr=po, pm_ptr=pm, pl_ptr=pl,
         B=b, G=g, NH=nh, HALF=half, page_size=page_size, window=sliding_window or 0,
         attention_scaling=float(attention_scaling), eps=float(eps), qk_scale=d ** -0.5 * _LOG2E, NSPLIT=nsplit,
         stride_qn=q.stride(0), stride_qb=q.stride(1), stride_qh=q.stride(2),
@@ -300,7 +301,7 @@ def _draft_attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight
     rows = b * nh
     block_rows = min(next_pow2(rows), 256 if interpreting() else 16)
     _merge_splits_kernel[(n, triton.cdiv(rows, block_rows))](
-        po_ptr=po, plse_ptr=plse, out_ptr=out, ROWS=rows, D=d, S1=nsplit + 1,
+        po_ptr=po, pm_ptr=pm, pl_ptr=pl, out_ptr=out, ROWS=rows, D=d, S1=nsplit + 1,
         stride_on=out.stride(0), stride_or=d, BLOCK_ROWS=block_rows, BLOCK_D=next_pow2(d),
     )
     return out

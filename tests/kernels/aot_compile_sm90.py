@@ -96,7 +96,7 @@ def main():
                     dict(FILTER=filt, BLOCK_REQ=64, BLOCK_S=32))
 
     att = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, kc_ptr=bf, vc_ptr=bf, lens_ptr="*i64", table_ptr="*i32", qw_ptr=bf,
-               kw_ptr=bf, inv_freq_ptr=f32, po_ptr=f32, plse_ptr=f32, attention_scaling="fp32", eps="fp32",
+               kw_ptr=bf, inv_freq_ptr=f32, po_ptr=f32, pm_ptr=f32, pl_ptr=f32, attention_scaling="fp32", eps="fp32",
                qk_scale="fp32", stride_kcp="i64", stride_vcp="i64")
     for table, sliding, causal in ((False, False, False), (True, False, False), (True, True, True),
                                    (True, True, False)):
@@ -104,7 +104,7 @@ def main():
                     da._draft_attn_split_kernel, att,
                     dict(HAS_TABLE=table, SLIDING=sliding, CAUSAL=causal, DOT_PREC="tf32", BLOCK_R=64, BLOCK_N=64,
                          BLOCK_B=16, BLOCK_HALF=64), num_warps=8)
-    compile_one("draft_attention merge", da._merge_splits_kernel, dict(po_ptr=f32, plse_ptr=f32, out_ptr=bf),
+    compile_one("draft_attention merge", da._merge_splits_kernel, dict(po_ptr=f32, pm_ptr=f32, pl_ptr=f32, out_ptr=bf),
                 dict(BLOCK_ROWS=16, BLOCK_D=128))
     compile_one("inject_context_kv", ik._inject_kernel,
                 dict(ctx_ptr=bf, kw_ptr=bf, vw_ptr=bf, knw_ptr=bf, pos_ptr="*i64", cu_ptr="*i64", lens_ptr="*i64",

@@ -5,7 +5,9 @@ T_draft / T_verify / T_other.
 Pairs:
   random      random target + random draft (CPU default: a tiny Qwen3 pair; GPU: Qwen3-8B shapes,
               bf16). A random draft is almost never accepted (τ ≈ 1): those rows measure cost, not
-              speed-up.
+              speed-up. The target's weights are dense random values of the real shapes, arranged so
+              that its greedy continuation has a wide margin (see make_margin_target): outputs then
+              do not depend on rounding, so AR and block runs agree token for token even in bf16.
   oracle-a    ORACLE MODE (labelled everywhere): the same models, but after the real draft step the
               proposals are replaced on the device by the target's own greedy continuation, correct
               for the first a-1 tokens and wrong after, so each round accepts a tokens (τ ≈ a). The
@@ -85,8 +87,29 @@ def build_random_pair(spec: dict, device, dtype, block: int):
                 p.normal_(0, 0.02)
             else:
                 p.uniform_(0.8, 1.2)
+        make_margin_target(target)
     target.generation_config.eos_token_id = None
     return target, draft
+
+
+def make_margin_target(target, seed: int = 0) -> None:
+    """Give a random target a greedy continuation that does not depend on rounding.
+
+    A plain random bf16 target has near-ties (top-2 logits one bf16 ulp apart) every few tokens, so
+    runs with different block sizes (different GEMM shapes) legitimately diverge, and an oracle built
+    from the AR run stops matching. Here the layers are dense random (std 0.002, every value nonzero:
+    the cost of each step is unchanged), the embedding has std 1 and dominates the residual stream, and
+    ``lm_head[perm[x]] = embed[x]``: the target's next token is ``perm[last token]`` with a margin of
+    about H against O(sqrt(H)) for the others."""
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            if p.dim() >= 2 and "embed_tokens" not in name and "lm_head" not in name:
+                p.normal_(0, 0.002)
+        emb = target.model.embed_tokens.weight
+        emb.normal_(0, 1)
+        gen = torch.Generator().manual_seed(seed)
+        perm = torch.randperm(emb.shape[0], generator=gen).to(emb.device)
+        target.lm_head.weight[perm] = emb.to(target.lm_head.weight.dtype)
 
 
 def param_bytes(module, skip=()) -> int:

@@ -121,7 +121,7 @@ class Reference:
         cfg = self.draft.config
         V = self.target.config.vocab_size
         self.block_size = block
-        self.new = block  # new context rows per step (the fast step's static shape)
+        self.new = min(block, self.context)  # new context rows per step (the fast step's static shape)
         self.features = torch.randn(self.batch, self.new, cfg.num_taps * cfg.hidden_size, device=self.device,
                                     dtype=self.dtype)
         self.block = torch.full((self.batch, block), cfg.mask_token_id, device=self.device, dtype=torch.long)

@@ -1,8 +1,13 @@
 """Tolerance rule shared by the kernel tests.
 
 A kernel's error against an fp64 reference may be at most 2x the error of the same PyTorch op run in the
-same low precision, plus one output-dtype ulp of the reference value at that element (the rounding of the
-final store; the CPU interpreter truncates bf16 stores instead of rounding them, which costs up to 1 ulp).
+same low precision, plus a small floor:
+* one output-dtype ulp of the reference value at that element (the rounding of the final store; the CPU
+  interpreter truncates bf16 stores instead of rounding them, which costs up to 1 ulp), and
+* 8 fp32 ulps of the largest reference value: the kernels compute in fp32, and two different fp32
+  operation orders differ by a few ulps (for fp32 inputs the torch baseline is itself only ~1-2 ulps, so
+  "2x" alone fails about once per hundred random draws of draft_attention; measured 6.4 ulps vs 1.4).
+  For bf16 outputs this term is ~1e-4 of a bf16 ulp, so it does not weaken the low-precision check.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ def assert_within_rule(out: torch.Tensor, ref64: torch.Tensor, lowp: torch.Tenso
         return
     baseline = (lowp.double() - ref64).abs().max()
     err = (out.double() - ref64).abs()
-    allowed = 2 * baseline + ulp(ref64, out.dtype)
+    allowed = 2 * baseline + ulp(ref64, out.dtype) + 8 * torch.finfo(torch.float32).eps * ref64.abs().max()
     bad = err > allowed
     assert not bad.any(), (f"{what}: kernel error {err.max().item():.3e} exceeds 2 x torch {out.dtype} error "
                            f"{baseline.item():.3e} + 1 ulp at {int(bad.sum())} of {err.numel()} elements")

@@ -171,7 +171,8 @@ def git_commit() -> str:
                              timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "bench", "dflash", "dflash_kernels", "csrc"],
                                cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "")
+        head = out.stdout.strip() or os.environ.get("DFLASH_COMMIT", "unknown (no git checkout)")
+        return head + ("+dirty" if dirty and out.stdout.strip() else "")
     except Exception:  # pragma: no cover
         return "unknown"
 

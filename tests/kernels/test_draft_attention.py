@@ -147,6 +147,7 @@ def test_rope_tables_match_transformers(rope_type):
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    torch.set_default_device("cpu")  # a pure reference check (the autouse fixture restores the device)
     params = {"rope_type": rope_type, "rope_theta": 10000.0}
     if rope_type == "yarn":
         params.update(factor=4.0, original_max_position_embeddings=256)

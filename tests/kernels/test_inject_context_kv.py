@@ -81,7 +81,7 @@ def test_cache_batch_idx_and_positions_from_rope_init(backend):
                       max_position_embeddings=4096,
                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                        "original_max_position_embeddings": 1024})
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](cfg, torch.get_default_device())
     assert scaling != 1.0
     ctx, kw, vw, knw, pos, cu, lens, cap = _case(2, 32, 1, d, [3, 4], [2, 0], torch.float32)
     idx = torch.tensor([2, 0])

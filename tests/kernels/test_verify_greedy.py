@@ -3,8 +3,9 @@ import torch
 
 from dflash_kernels import _ext
 from dflash_kernels.verify import verify_greedy
+from _device import DEVICE
 
-BACKENDS = ["torch", "triton"] + (["ext"] if _ext.status(torch.device("cpu"))[0] else [])
+BACKENDS = ["torch", "triton"] + (["ext"] if _ext.status(torch.device(DEVICE))[0] else [])
 
 
 def _expected(logits, draft):
@@ -90,10 +91,10 @@ def test_strided_and_int32_drafts(backend):
 
 def test_ext_backend_rule():
     logits, draft = _make(2, 3, 50, torch.float32)
-    if _ext.status(torch.device("cpu"))[0]:
+    if _ext.status(logits.device)[0]:
         acc, bonus = verify_greedy(logits, draft, backend="ext")
         exp_acc, exp_bonus = _expected(logits, draft)
-        assert torch.equal(acc.cpu(), exp_acc) and torch.equal(bonus.cpu(), exp_bonus)
+        assert torch.equal(acc, exp_acc) and torch.equal(bonus, exp_bonus)
     else:
         with pytest.raises(RuntimeError, match="ext"):
             verify_greedy(logits, draft, backend="ext")

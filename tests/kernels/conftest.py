@@ -1,0 +1,16 @@
+"""Run the kernel tests on the GPU when there is one (compiled Triton), else on the CPU interpreter.
+
+Tests create tensors with factory functions and no device argument; the default device decides.
+"""
+import pytest
+import torch
+
+from _device import DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _kernel_test_device():
+    previous = torch.get_default_device()
+    torch.set_default_device(DEVICE)
+    yield
+    torch.set_default_device(previous)

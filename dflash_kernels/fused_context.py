@@ -10,7 +10,7 @@ import triton.language as tl
 
 from dflash_kernels._dispatch import resolve_backend
 from dflash_kernels._triton_utils import (
-    FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, rms_norm_reference,
+    FLOAT_DTYPES, check_tensor, interpreting, next_pow2, rms_norm_reference,
 )
 
 OP = "fused_context"

@@ -111,7 +111,7 @@ def draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weig
 @triton.jit
 def _draft_attn_split_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, lens_ptr, table_ptr, qw_ptr, kw_ptr, inv_freq_ptr, po_ptr, pm_ptr, pl_ptr,
-    B, G, NH, HALF, page_size, window, attention_scaling, eps, qk_scale, NSPLIT,
+    B, G, NH, HALF, page_size, CAP, window, attention_scaling, eps, qk_scale, NSPLIT,
     stride_qn, stride_qb, stride_qh, stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
     stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch, stride_tn,
     HAS_TABLE: tl.constexpr, SLIDING: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -143,13 +143,15 @@ def _draft_attn_split_kernel(
     acc_lo = tl.zeros((BLOCK_R, BLOCK_HALF), tl.float32)
     acc_hi = tl.zeros((BLOCK_R, BLOCK_HALF), tl.float32)
     if split < NSPLIT:
+        # Never read past the cache capacity (or the block table), whatever cache_lens says.
+        ctx_end = tl.minimum(ctx_len, CAP)
         lo = ctx_len * 0
         if SLIDING:
             # The earliest context key any block query can see is the one query 0 sees.
-            lo = tl.maximum(ctx_len - window + 1, 0)
-        chunk = tl.cdiv(tl.cdiv(ctx_len - lo, NSPLIT), BLOCK_N) * BLOCK_N
+            lo = tl.minimum(tl.maximum(ctx_len - window + 1, 0), ctx_end)
+        chunk = tl.cdiv(tl.cdiv(ctx_end - lo, NSPLIT), BLOCK_N) * BLOCK_N
         start = lo + split * chunk
-        end = tl.minimum(start + chunk, ctx_len)
+        end = tl.minimum(start + chunk, ctx_end)
         for t0 in range(start, end, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             t_ok = t < end
@@ -270,6 +272,7 @@ def _draft_attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight
     table, paged = page_table(OP, n, block_table, cache_batch_idx, q.device)
     page_size = k_cache.shape[1]
     capacity = block_table.shape[1] * page_size if paged else page_size
+    cap_rows = capacity
     if max_context_len is not None:
         capacity = min(capacity, max(1, int(max_context_len)))
     half = d // 2
@@ -284,7 +287,7 @@ def _draft_attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight
         q_ptr=q, k_ptr=k, v_ptr=v, kc_ptr=k_cache, vc_ptr=v_cache, lens_ptr=cache_lens,
         table_ptr=table if table is not None else cache_lens, qw_ptr=q_norm_weight, kw_ptr=k_norm_weight,
         inv_freq_ptr=inv_freq, po_ptr=po, pm_ptr=pm, pl_ptr=pl,
-        B=b, G=g, NH=nh, HALF=half, page_size=page_size, window=sliding_window or 0,
+        B=b, G=g, NH=nh, HALF=half, page_size=page_size, CAP=cap_rows, window=sliding_window or 0,
         attention_scaling=float(attention_scaling), eps=float(eps), qk_scale=d ** -0.5 * _LOG2E, NSPLIT=nsplit,
         stride_qn=q.stride(0), stride_qb=q.stride(1), stride_qh=q.stride(2),
         stride_kn=k.stride(0), stride_kb=k.stride(1), stride_kh=k.stride(2),
@@ -329,7 +332,8 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             ``inject_context_kv``); row t of a request is absolute position t. Either contiguous
             ``[N_cap, max_len, kvH, D]`` (request n uses batch row ``cache_batch_idx[n]``, default n) or paged
             ``[num_pages, page_size, kvH, D]`` with ``block_table``. Slices ``cache[l]`` of the 5-D caches work.
-        cache_lens: ``[N]`` int32/int64 on the device: cached context rows per request (0 allowed).
+        cache_lens: ``[N]`` int32/int64 on the device: cached context rows per request (0 allowed). Reads
+            stop at the cache capacity (max_len, or max_pages * page_size) even if cache_lens is larger.
         q_norm_weight, k_norm_weight: ``[D]`` the layer's ``q_norm.weight`` / ``k_norm.weight``.
         inv_freq: ``[D/2]`` fp32 and ``attention_scaling``: from
             ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS[rope_type](config, device)``.

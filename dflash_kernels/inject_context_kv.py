@@ -95,7 +95,7 @@ def inject_context_kv_reference(ctx, k_weight, v_weight, k_norm_weight, position
 @triton.jit
 def _inject_kernel(
     ctx_ptr, kw_ptr, vw_ptr, knw_ptr, pos_ptr, cu_ptr, lens_ptr, table_ptr, inv_freq_ptr, kc_ptr, vc_ptr,
-    M, H, N_REQ, KVH, HALF, page_size, attention_scaling, eps,
+    M, H, N_REQ, KVH, HALF, page_size, CAP, attention_scaling, eps,
     stride_cm, stride_wl, stride_wr, stride_wk, stride_vwl, stride_vwr, stride_vwk, stride_nl,
     stride_kcl, stride_kcp, stride_kcs, stride_kch, stride_vcl, stride_vcp, stride_vcs, stride_vch, stride_tn,
     HAS_TABLE: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -143,6 +143,8 @@ def _inject_kernel(
     req = tl.minimum(req, N_REQ - 1).to(tl.int64)
     first = tl.load(cu_ptr + req, mask=row_ok, other=0).to(tl.int64)
     t = tl.load(lens_ptr + req, mask=row_ok, other=0).to(tl.int64) + (rows64 - first)
+    # Rows past the cache capacity are dropped rather than wrapped or read past the block table.
+    row_ok = row_ok & (t < CAP)
     if HAS_TABLE:
         page = tl.load(table_ptr + req * stride_tn + t // page_size, mask=row_ok, other=0).to(tl.int64)
     else:
@@ -176,6 +178,7 @@ def _inject_triton(ctx, k_weight, v_weight, k_norm_weight, positions, cu_ctx_len
         lens_ptr=cache_lens, table_ptr=table if table is not None else cache_lens,
         inv_freq_ptr=inv_freq.to(torch.float32), kc_ptr=k_cache, vc_ptr=v_cache,
         M=m, H=h, N_REQ=n_req, KVH=kvh, HALF=half, page_size=k_cache.shape[2],
+        CAP=table.shape[1] * k_cache.shape[2] if table is not None else k_cache.shape[2],
         attention_scaling=float(attention_scaling), eps=float(eps), stride_cm=ctx.stride(0),
         stride_wl=k_weight.stride(0), stride_wr=k_weight.stride(1), stride_wk=k_weight.stride(2),
         stride_vwl=v_weight.stride(0), stride_vwr=v_weight.stride(1), stride_vwk=v_weight.stride(2),
@@ -211,7 +214,8 @@ def inject_context_kv(ctx: torch.Tensor, k_weight: torch.Tensor, v_weight: torch
         k_cache, v_cache: contiguous ``[L, N_cap, max_len, kvH, D]`` (request n -> batch row
             ``cache_batch_idx[n]``, default n) or paged ``[L, num_pages, page_size, kvH, D]`` with
             ``block_table`` ``[N_req, max_pages]`` (page ids shared by all layers). Any float dtype.
-            The caller guarantees capacity; only the M rows x L layers x kvH heads are written.
+            Only the M rows x L layers x kvH heads are written; rows past the capacity (max_len, or
+            max_pages * page_size) are dropped.
         inv_freq: ``[D/2]`` fp32, ``attention_scaling``: from transformers' ``ROPE_INIT_FUNCTIONS``.
         eps: RMSNorm epsilon of k_norm.
         backend: ``"auto" | "triton" | "torch"``.

@@ -116,3 +116,14 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="block_table"):
         inject_context_kv(ctx, kw, vw, knw, pos, cu, lens, kc, vc, block_table=torch.zeros(3, 2, dtype=torch.int32),
                           **rope)
+
+
+def test_rows_past_capacity_are_dropped_not_wrapped():
+    ctx, kw, vw, knw, pos, cu, lens, cap = _case(1, 16, 1, 8, [6], [0], torch.float32)
+    kc = torch.full((1, 1, 4, 1, 8), float("nan"))        # capacity 4 < 6 new rows
+    vc = kc.clone()
+    inject_context_kv(ctx, kw, vw, knw, pos, cu, lens, kc, vc, inv_freq=_inv_freq(8), backend="triton")
+    full_k = torch.full((1, 1, 6, 1, 8), float("nan"))
+    full_v = full_k.clone()
+    inject_context_kv(ctx, kw, vw, knw, pos, cu, lens, full_k, full_v, inv_freq=_inv_freq(8), backend="triton")
+    assert torch.equal(kc, full_k[:, :, :4]) and torch.equal(vc, full_v[:, :, :4])

@@ -127,7 +127,7 @@ def _vocab_split(v: int, rows: int) -> tuple[int, int, int]:
 
 def _rows_per_program(rows: int, block_v: int) -> int:
     if interpreting():
-        return max(1, min(next_pow2(rows), max(1, 16384 // block_v)))
+        return max(1, min(next_pow2(rows), max(1, 65536 // block_v)))
     return 1
 
 

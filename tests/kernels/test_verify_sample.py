@@ -215,3 +215,27 @@ def test_per_request_parameter_errors():
         verify_sample(logits, draft, temperature=torch.ones(3), seed=0, offset=0)
     with pytest.raises(TypeError, match="top_k"):
         verify_sample(logits, draft, temperature=1.0, top_k=torch.ones(2), seed=0, offset=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_distribution_across_vocab_splits(backend):
+    """V > one vocab split (2048 under the interpreter): the LSE and Gumbel winners are merged across splits."""
+    b, v, n = 2, 2100, 1000
+    logits = torch.full((b, v), -6.0)
+    main = torch.tensor([5, 1030, 1500, 2099])
+    logits[0, main] = torch.tensor([2.0, 0.5, 1.5, 1.0])
+    logits[1, main] = torch.tensor([0.3, 1.8, 0.1, 1.2])
+    draft = torch.tensor([1500])
+    p = torch.softmax(logits.double(), -1)
+    exact = _exact(p, draft)                                            # [b, v]
+    acc, tok = verify_sample(logits[None].expand(n, b, v).contiguous(), draft[None].expand(n, 1).contiguous(),
+                             temperature=1.0, seed=21, offset=int(torch.randint(0, 2**40, ())), backend=backend)
+    # Cells: (accepted, main token) plus one "any other token" cell per accepted count.
+    is_main = (tok[:, None] == main[None, :])
+    cell = torch.where(is_main.any(1), acc * 5 + is_main.float().argmax(1), acc * 5 + 4)
+    counts = torch.bincount(cell, minlength=b * 5).double()
+    other = torch.ones(v, dtype=torch.bool)
+    other[main] = False
+    probs = torch.cat([torch.cat([exact[a, main], exact[a, other].sum()[None]]) for a in range(b)])
+    stat, crit = _chi2(counts, probs, n)
+    assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f}\n{counts}\n{probs * n}"

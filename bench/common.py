@@ -107,6 +107,32 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, 
             "p90_ms": times[min(n - 1, (9 * n) // 10)], "reps": n}
 
 
+def instantiate_random(target_config, draft_config, device: torch.device, dtype: torch.dtype,
+                       norm_range: tuple[float, float] = (0.5, 1.5)):
+    """A random HF Qwen3 target and DFlash draft created in ``dtype`` directly on ``device``, with
+    every matrix ~N(0, 0.02) and every norm weight uniform in ``norm_range`` (HF may skip init under
+    a device context, so nothing is left zero or uninitialised)."""
+    from transformers import Qwen3ForCausalLM
+
+    from dflash import DFlashDraftModel
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            target = Qwen3ForCausalLM(target_config).eval()
+            draft = DFlashDraftModel(draft_config).eval()
+    finally:
+        torch.set_default_dtype(old)
+    with torch.no_grad():
+        for p in list(target.parameters()) + list(draft.parameters()):
+            if p.dim() >= 2:
+                p.normal_(0, 0.02)
+            else:
+                p.uniform_(*norm_range)
+    return target, draft
+
+
 def capture_graph(fn: Callable[[], object]) -> "torch.cuda.CUDAGraph":
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

@@ -54,9 +54,9 @@ PROVIDERS = ("reference", "fast-eager", "fast-graph")
 def build_pair(spec: dict, device: torch.device, dtype: torch.dtype, block: int):
     """A random Qwen3 target (right hidden/vocab, enough layers for the taps; its layers are
     minimal-width because the draft step only touches its embedding and LM head) and a random draft."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config
 
-    from dflash import DFlashConfig, DFlashDraftModel
+    from dflash import DFlashConfig
 
     tcfg = Qwen3Config(vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=64,
                        num_hidden_layers=max(spec["taps"]) + 1, num_attention_heads=1, num_key_value_heads=1,
@@ -68,21 +68,7 @@ def build_pair(spec: dict, device: torch.device, dtype: torch.dtype, block: int)
                         num_target_layers=spec["target_layers"], target_layer_ids=spec["taps"], block_size=block,
                         mask_token_id=spec["vocab"] - 2, vocab_size=spec["vocab"], max_position_embeddings=65536,
                         rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # create in the working dtype directly on the device
-    try:
-        with torch.device(device):
-            target = Qwen3ForCausalLM(tcfg).eval()
-            draft = DFlashDraftModel(dcfg).eval()
-    finally:
-        torch.set_default_dtype(old)
-    with torch.no_grad():  # HF may skip init under a device context: make sure nothing is zero/garbage
-        for p in list(target.parameters()) + list(draft.parameters()):
-            if p.dim() >= 2:
-                p.normal_(0, 0.02)
-            else:
-                p.uniform_(0.5, 1.5)
-    return target, draft
+    return common.instantiate_random(tcfg, dcfg, device, dtype)
 
 
 def step_cost(spec: dict, batch: int, context: int, block: int, elem: int, draft) -> tuple[float, float]:

@@ -59,9 +59,9 @@ SMOLLM2_PROMPTS = [
 
 # ------------------------------------------------------------------------------------------ models
 def build_random_pair(spec: dict, device, dtype, block: int):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config
 
-    from dflash import DFlashConfig, DFlashDraftModel
+    from dflash import DFlashConfig
 
     tcfg = Qwen3Config(vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["inter"],
                        num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
@@ -73,20 +73,8 @@ def build_random_pair(spec: dict, device, dtype, block: int):
                         num_target_layers=spec["layers"], block_size=block, mask_token_id=spec["vocab"] - 2,
                         vocab_size=spec["vocab"], max_position_embeddings=40960,
                         rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            target = Qwen3ForCausalLM(tcfg).eval()
-            draft = DFlashDraftModel(dcfg).eval()
-    finally:
-        torch.set_default_dtype(old)
+    target, draft = common.instantiate_random(tcfg, dcfg, device, dtype, norm_range=(0.8, 1.2))
     with torch.no_grad():
-        for p in list(target.parameters()) + list(draft.parameters()):
-            if p.dim() >= 2:
-                p.normal_(0, 0.02)
-            else:
-                p.uniform_(0.8, 1.2)
         make_margin_target(target)
     target.generation_config.eos_token_id = None
     return target, draft

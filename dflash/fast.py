@@ -42,7 +42,7 @@ class FastDFlash:
     """Preallocated state and the two decode steps for ``batch`` requests of at most ``capacity`` tokens."""
 
     def __init__(self, target_model, draft: DFlashDraftModel, *, batch: int, capacity: int, block_size: int,
-                 kernel_backend: str | None = None, use_cuda_graphs: bool | None = None):
+                 kernel_backend: str | None = None, use_cuda_graphs: bool | None = None, prefill_chunk: int = 512):
         check_lean_target(target_model)
         cfg = draft.config
         if cfg.attention_bias:
@@ -50,6 +50,7 @@ class FastDFlash:
         self.target_model = target_model
         self.draft = draft
         self.batch, self.capacity, self.block_size = batch, capacity, block_size
+        self.prefill_chunk = prefill_chunk
         device = target_model.lm_head.weight.device
         self.device = device
         self.backend = kernel_backend or default_kernel_backend(device)
@@ -118,19 +119,20 @@ class FastDFlash:
             p = prompt.shape[0]
             longest = max(longest, p)
             row = torch.tensor([r], device=self.device)
-            logits, feats = self.target.forward(prompt[None], torch.zeros(1, dtype=torch.long, device=self.device),
-                                                p, rows=row)
+            for c0 in range(0, p, self.prefill_chunk):
+                c1 = min(p, c0 + self.prefill_chunk)
+                start = torch.full((1,), c0, dtype=torch.long, device=self.device)
+                logits, feats = self.target.forward(prompt[None, c0:c1], start, c1, rows=row)
+                if self.use_draft:  # the chunk's context rows go straight into the draft cache
+                    ctx = fused_context(feats[0], self.draft.fc.weight, self.draft.hidden_norm.weight,
+                                        self.draft.config.rms_norm_eps, backend=self.backend)
+                    self._inject(ctx, torch.arange(c0, c1, device=self.device),
+                                 torch.tensor([0, c1 - c0], device=self.device), start, cache_batch_idx=row)
             last = logits[0, -1]
             if sampling is None:
                 first = int(torch.argmax(last))
             else:
                 first = int(sample(last, sampling["temperature"], sampling["top_p"], sampling["top_k"], generator))
-            if self.use_draft:
-                ctx = fused_context(feats[0], self.draft.fc.weight, self.draft.hidden_norm.weight,
-                                    self.draft.config.rms_norm_eps, backend=self.backend)
-                self._inject(ctx, torch.arange(p, device=self.device),
-                             torch.tensor([0, p], device=self.device), torch.zeros(1, dtype=torch.long, device=self.device),
-                             cache_batch_idx=row)
             self.out_tokens[r, :p] = prompt
             self.out_tokens[r, p] = first
             self.lengths[r] = p + 1

@@ -196,3 +196,18 @@ def test_engine_reused_and_weights_refreshed():
     assert torch.equal(engine.k_weight[1], draft.layers[1].self_attn.k_proj.weight)
     generate_fast(target, draft, ids, 8, block_size=2)
     assert fast_module._ENGINE["engine"] is not engine
+
+
+def test_chunked_prefill_equals_one_pass():
+    target = make_target("llama")
+    draft = make_draft(target, layers=2, block_size=4)
+    prompt = torch.randint(0, 48, (40,))
+    engines = [FastDFlash(target, draft, batch=1, capacity=64, block_size=4, prefill_chunk=c) for c in (7, 512)]
+    with torch.inference_mode():
+        for e in engines:
+            e.reset([prompt], [8], [[]], None, None)
+    chunked, whole = engines
+    assert torch.equal(chunked.anchor, whole.anchor)
+    for a, b in ((chunked.k_cache, whole.k_cache), (chunked.v_cache, whole.v_cache),
+                 (chunked.target.k_cache, whole.target.k_cache), (chunked.target.v_cache, whole.target.v_cache)):
+        torch.testing.assert_close(a[:, :, :40], b[:, :, :40], rtol=1e-5, atol=1e-5)

@@ -131,17 +131,22 @@ def _rows_per_program(rows: int, block_v: int) -> int:
     return 1
 
 
+def _split_launch_setup(logits):
+    """Shared setup of the split-vocab launchers: two int64 [N] outputs, logits with a unit last
+    stride, and the vocab split of the N*B rows."""
+    n, b, v = logits.shape
+    outputs = tuple(torch.empty(n, dtype=torch.int64, device=logits.device) for _ in range(2))
+    if logits.stride(2) != 1:
+        logits = logits.contiguous()
+    return logits, outputs, n * b, _vocab_split(v, n * b)
+
+
 def _verify_greedy_triton(logits, draft_tokens):
     n, b, v = logits.shape
     dev = logits.device
-    accepted = torch.empty(n, dtype=torch.int64, device=dev)
-    bonus = torch.empty(n, dtype=torch.int64, device=dev)
+    logits, (accepted, bonus), r, (block_v, chunk, s) = _split_launch_setup(logits)
     if n == 0:
         return accepted, bonus
-    if logits.stride(2) != 1:
-        logits = logits.contiguous()
-    r = n * b
-    block_v, chunk, s = _vocab_split(v, r)
     pval = torch.empty((r, s), dtype=torch.float32, device=dev)
     pidx = torch.empty((r, s), dtype=torch.int32, device=dev)
     br = _rows_per_program(r, block_v)
@@ -510,14 +515,9 @@ def _sampling_params(op: str, n: int, temperature, top_k, top_p, device):
 def _verify_sample_triton(logits, draft_tokens, temp_t, topk_t, topp_t, per_request, seed_t, offset_t, top_k, top_p):
     n, b, v = logits.shape
     dev = logits.device
-    accepted = torch.empty(n, dtype=torch.int64, device=dev)
-    token = torch.empty(n, dtype=torch.int64, device=dev)
+    logits, (accepted, token), r, (block_v, chunk, s) = _split_launch_setup(logits)
     if n == 0:
         return accepted, token
-    if logits.stride(2) != 1:
-        logits = logits.contiguous()
-    r = n * b
-    block_v, chunk, s = _vocab_split(v, r)
     pm = torch.empty((r, s), dtype=torch.float32, device=dev)
     ps = torch.empty_like(pm)
     pbest = torch.empty_like(pm)

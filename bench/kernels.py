@@ -194,7 +194,6 @@ class Case:
 
     # -------------------------------------------------------------------------------- call
     def call(self, x: dict, backend: str):
-        d = self.dims
         if self.op == "fused_context":
             return dk.fused_context(x["taps"], x["w"], x["nw"], 1e-6, backend=backend)
         if self.op == "inject_context_kv":

@@ -20,7 +20,6 @@ Round:
 """
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
 import torch

@@ -197,7 +197,6 @@ def test_inject_then_attend_matches_one_shot_reference(backend):
     from dflash_kernels.inject_context_kv import inject_context_kv
 
     layers, h, nh, kvh, d, b = 2, 24, 4, 2, 8, 4
-    dtype = torch.float32
     rounds = [[5, 0, 17], [3, 1, 0]]                      # new context rows per request per round
     n = len(rounds[0])
     totals = [sum(r[i] for r in rounds) for i in range(n)]

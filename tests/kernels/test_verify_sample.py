@@ -86,7 +86,6 @@ def test_top_k_top_p_distribution(backend):
     # the two largest (ascending cumulative .111, .278 <= 0.3 are removed).
     base = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], dtype=torch.float64)
     perm = torch.randperm(6)
-    b = 2
     p_rows = torch.stack([base[perm], base[torch.randperm(6)]])
     logits = p_rows.log().float()
     where = torch.argsort(perm)  # where[k] = position of base[k] in row 0

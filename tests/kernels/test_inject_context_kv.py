@@ -13,7 +13,6 @@ def _inv_freq(d, theta=10000.0):
 
 
 def _case(layers, h, kvh, d, new_rows, cached, dtype):
-    len(new_rows)
     m = sum(new_rows)
     ctx = torch.randn(m, h).to(dtype)
     kw = (torch.randn(layers, kvh * d, h) / h ** 0.5).to(dtype)

@@ -49,6 +49,10 @@ def main(argv=None) -> int:
     dc = cfg["dflash_config"]
     size = os.path.getsize(os.path.join(args.out, "model.safetensors"))
     steps = max((h["step"] for h in history if "loss" in h), default=0)
+    evals = [h for h in history if "tau_est" in h]
+    best = max(evals, key=lambda e: e["tau_est"]) if evals else None  # first max = the one saved to best/
+    best_txt = (f" The exported weights are from step {best['step']} (best teacher-forced τ estimate "
+                f"{best['tau_est']:.3f} on held-out data)." if best else "")
     rows = "\n".join(
         f"| {i + 1} | {r['prompt'].splitlines()[0][:60]} | {r['tokens']} | {r['tau']:.2f} | "
         + (f"{r['tokens'] / max(r['dflash_decode_s'], 1e-9):.1f} | {r['ar_tokens'] / max(r['ar_decode_s'], 1e-9):.1f} | {'yes' if r['identical'] else 'NO'} |"
@@ -87,7 +91,7 @@ Paper recipe (`dflash.train`): 16 random anchors per sequence inside the respons
 visit), all blocks of a sequence packed into one draft forward under the block mask (dense-mask
 SDPA on CPU), loss = weighted CE with w_k = exp(-(k-1)/γ), γ = {4 if dc['block_size'] == 8 else 7},
 normalised as a weighted mean; AdamW lr 6e-4, cosine, warmup 0.04, grad-clip 1.0; target embedding
-and LM head frozen. {steps} optimizer steps. Details and deviations: see Notes.
+and LM head frozen. {steps} optimizer steps were run.{best_txt} Details and deviations: see Notes.
 
 ### Loss curve
 {loss_curve(history)}

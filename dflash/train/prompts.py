@@ -12,6 +12,7 @@ import hashlib
 import os
 import random
 import sysconfig
+from typing import Sequence
 
 NAMES = ["Alice", "Ben", "Carla", "David", "Emma", "Farid", "Grace", "Hiro", "Isla", "Jamal", "Kira", "Liam",
          "Maya", "Noah", "Olga", "Pedro", "Quinn", "Rosa", "Sam", "Tara", "Umar", "Vera", "Wen", "Yusuf", "Zoe"]
@@ -159,14 +160,17 @@ def split_of(text: str, eval_fraction: float = 0.05) -> str:
     return "eval" if (h % 10000) < eval_fraction * 10000 else "train"
 
 
-def build_prompts(n: int, split: str = "train", seed: int = 0) -> list[str]:
-    """``n`` distinct user prompts of the given split ("train" or "eval"), deterministic in ``seed``."""
+def build_prompts(n: int, split: str = "train", seed: int = 0, kinds: Sequence[str] | None = None) -> list[str]:
+    """``n`` distinct user prompts of the given split ("train" or "eval"), deterministic in ``seed``.
+
+    ``kinds`` keeps only prompts of those kinds ("math", "code", "general", "passage", "stdlib");
+    the random stream is the same, so the result is a subset of the unfiltered sequence."""
     rng = random.Random(f"{split}-{seed}")
     passages = _passages()
     funcs = _stdlib_functions()
-    kinds = [("math", 0.35), ("code", 0.2), ("general", 0.15), ("passage", 0.15 if passages else 0.0),
-             ("stdlib", 0.15 if passages else 0.3)]
-    names, weights = zip(*kinds)
+    mix = [("math", 0.35), ("code", 0.2), ("general", 0.15), ("passage", 0.15 if passages else 0.0),
+           ("stdlib", 0.15 if passages else 0.3)]
+    names, weights = zip(*mix)
     out: list[str] = []
     seen: set[str] = set()
     tries = 0
@@ -186,10 +190,11 @@ def build_prompts(n: int, split: str = "train", seed: int = 0) -> list[str]:
         if p in seen or split_of(p) != split:
             continue
         seen.add(p)
-        out.append(p)
+        if kinds is None or kind in kinds:
+            out.append(p)
     return out
 
 
 # A small fixed evaluation set (one per kind), also drawn from the eval split.
-def eval_prompts(n: int = 8, seed: int = 1234) -> list[str]:
-    return build_prompts(n, "eval", seed)
+def eval_prompts(n: int = 8, seed: int = 1234, kinds: Sequence[str] | None = None) -> list[str]:
+    return build_prompts(n, "eval", seed, kinds)

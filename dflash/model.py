@@ -176,12 +176,16 @@ class DFlashAttention(nn.Module):
         sin: torch.Tensor,
         past_key_values=None,
         attention_mask: torch.Tensor | None = None,
+        attention_fn=None,
     ) -> torch.Tensor:
         """hidden [b, q, H] block rows; context [b, C, H] fused context rows; cos/sin [b, C+q, D]."""
         b, q_len, _ = hidden.shape
         q, k, v = self.project_qkv(hidden, context, cos, sin)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
+        if attention_fn is not None:
+            out = attention_fn(q, k, v)
+            return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
         groups = self.num_heads // self.num_kv_heads
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
@@ -212,10 +216,10 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
 
-    def forward(self, hidden, context, cos, sin, past_key_values=None, attention_mask=None):
+    def forward(self, hidden, context, cos, sin, past_key_values=None, attention_mask=None, attention_fn=None):
         # Only the block rows are normed per layer; every layer projects the same fused context.
         attn_in = self.input_layernorm(hidden)
-        hidden = hidden + self.self_attn(attn_in, context, cos, sin, past_key_values, attention_mask)
+        hidden = hidden + self.self_attn(attn_in, context, cos, sin, past_key_values, attention_mask, attention_fn)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -272,6 +276,7 @@ class DFlashDraftModel(nn.Module):
         target_hidden: torch.Tensor | None = None,
         past_key_values=None,
         use_cache: bool = False,
+        attention_fn=None,
         **kwargs,
     ) -> torch.Tensor:
         """One draft pass.
@@ -285,6 +290,8 @@ class DFlashDraftModel(nn.Module):
             target_hidden: [b, C, T*H], the target's tapped hidden states of the new context rows (C may be 0).
             past_key_values: a :class:`DraftKVCache` (or HF ``DynamicCache``) holding earlier context
                 K/V; the new rows (context and block) are appended, so crop the block rows off after the call.
+            attention_fn: optional ``(q [b, nH, q, D], k [b, kvH, K, D], v) -> [b, nH, q, D]`` replacing
+                the masked SDPA of every layer (training passes FlexAttention with a block mask).
         Returns:
             [b, q, H] final-normed hidden states of the block rows.
         """
@@ -307,7 +314,7 @@ class DFlashDraftModel(nn.Module):
         cos, sin = self.rotary_emb(position_ids, noise_embedding.dtype)
         h = noise_embedding
         for layer in self.layers:
-            h = layer(h, context, cos, sin, past_key_values, attention_mask)
+            h = layer(h, context, cos, sin, past_key_values, attention_mask, attention_fn)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor, output_head) -> torch.Tensor:

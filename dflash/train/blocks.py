@@ -16,7 +16,6 @@ keys are ``[context rows 0..Lmax-1, block rows]``. The block mask lets a block r
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -187,27 +186,13 @@ def draft_forward_flex(draft, batch: PackedBatch, embed_weight: torch.Tensor, bl
     ``BlockMask`` (memory O(blocks) instead of a dense mask). Uses the draft's own modules."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from dflash.model import apply_rope
-
     fa = torch.compile(flex_attention) if compile else flex_attention
     if block_mask is None:
         block_mask = flex_block_mask(batch)
-    noise = (F.embedding(batch.block_ids, embed_weight) * draft.config.input_embedding_scale).to(batch.target_hidden.dtype)
-    b, q_len, _ = noise.shape
-    context = draft.fuse_context(batch.target_hidden)
-    cos, sin = draft.rotary_emb(batch.position_ids, noise.dtype)
-    h = noise
-    for layer in draft.layers:
-        att = layer.self_attn
-        x = layer.input_layernorm(h)
-        rows = torch.cat([context, x], dim=1)
-        q = att.q_norm(att._heads(att.q_proj(x), att.num_heads))
-        k = att.k_norm(att._heads(att.k_proj(rows), att.num_kv_heads))
-        v = att._heads(att.v_proj(rows), att.num_kv_heads)
-        q = apply_rope(q, cos[:, -q_len:], sin[:, -q_len:])
-        k = apply_rope(k, cos, sin)
-        out = fa(q, k, v, block_mask=block_mask, scale=att.head_dim ** -0.5,
-                 enable_gqa=att.num_heads != att.num_kv_heads)
-        h = h + att.o_proj(out.transpose(1, 2).reshape(b, q_len, att.num_heads * att.head_dim))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return draft.norm(h)
+
+    def attend(q, k, v):
+        return fa(q, k, v, block_mask=block_mask, scale=q.shape[-1] ** -0.5, enable_gqa=q.shape[1] != k.shape[1])
+
+    noise = F.embedding(batch.block_ids, embed_weight) * draft.config.input_embedding_scale
+    return draft(position_ids=batch.position_ids, noise_embedding=noise.to(batch.target_hidden.dtype),
+                 target_hidden=batch.target_hidden, attention_fn=attend)

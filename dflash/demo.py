@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 DEFAULT_DRAFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "smollm2-135m-dflash")
 DEFAULT_PROMPT = ("Mia has 24 apples. She gives 9 of them to her friend and then buys 15 more. "

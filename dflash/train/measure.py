@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 
 def measure(draft_dir: str, prompts, *, max_new_tokens: int = 128, block_size: int | None = None,

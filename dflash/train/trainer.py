@@ -9,7 +9,6 @@ Checkpoint folder (``--out``):
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os

@@ -33,7 +33,7 @@ from dflash_kernels import commit_round, draft_attention, fused_context, inject_
 
 
 def default_kernel_backend(device: torch.device) -> str:
-    """"auto" on GPU; the PyTorch references on CPU, where the Triton interpreter is for tests only."""
+    """``"auto"`` on GPU; the PyTorch references on CPU, where the Triton interpreter is for tests only."""
     return "auto" if device.type == "cuda" else "torch"
 
 
@@ -64,10 +64,13 @@ class FastDFlash:
         dtype = draft.fc.weight.dtype
         inv_freq, self.attention_scaling = rope_inv_freq(cfg)
         self.inv_freq = inv_freq.to(device)
-        attn = [layer.self_attn for layer in draft.layers]
-        self.k_weight = torch.stack([a.k_proj.weight.detach() for a in attn])
-        self.v_weight = torch.stack([a.v_proj.weight.detach() for a in attn])
-        self.k_norm_weight = torch.stack([a.k_norm.weight.detach() for a in attn])
+        # Stacked [L, ...] copies for inject_context_kv, filled (and later refreshed) by refresh_weights.
+        first = draft.layers[0].self_attn
+        layers = cfg.num_hidden_layers
+        self.k_weight = first.k_proj.weight.new_empty((layers, *first.k_proj.weight.shape))
+        self.v_weight = first.v_proj.weight.new_empty((layers, *first.v_proj.weight.shape))
+        self.k_norm_weight = first.k_norm.weight.new_empty((layers, *first.k_norm.weight.shape))
+        self.refresh_weights()
         cache_shape = (cfg.num_hidden_layers, batch, rows, cfg.num_key_value_heads, cfg.head_dim)
         self.k_cache = torch.zeros(cache_shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros_like(self.k_cache)
@@ -93,11 +96,12 @@ class FastDFlash:
 
     def refresh_weights(self) -> None:
         """Re-copy the stacked context K/V weights from the draft (in place, so captured graphs stay valid)."""
-        attn = [layer.self_attn for layer in self.draft.layers]
-        for i, a in enumerate(attn):
-            self.k_weight[i].copy_(a.k_proj.weight)
-            self.v_weight[i].copy_(a.v_proj.weight)
-            self.k_norm_weight[i].copy_(a.k_norm.weight)
+        with torch.no_grad():
+            for i, layer in enumerate(self.draft.layers):
+                attn = layer.self_attn
+                self.k_weight[i].copy_(attn.k_proj.weight)
+                self.v_weight[i].copy_(attn.v_proj.weight)
+                self.k_norm_weight[i].copy_(attn.k_norm.weight)
 
     # ------------------------------------------------------------------ setup per generation
     def reset(self, prompts: Sequence[torch.Tensor], max_new_tokens: Sequence[int], stops: Sequence[list[int]],

@@ -15,7 +15,8 @@ def _default_cache(*parts: str) -> str:
 def _cmd_data(args) -> int:
     import torch
 
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from dflash import smollm2
     from dflash.train.data import generate_dataset
     from dflash.train.prompts import build_prompts
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--batch-size", type=int, default=32)
     d.add_argument("--shard-size", type=int, default=64)
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--threads", type=int, default=1)
+    d.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, i.e. all cores)")
     d.set_defaults(func=_cmd_data)
 
     try:

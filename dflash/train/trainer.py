@@ -193,6 +193,8 @@ def add_fit_args(sub) -> None:
     f = sub.add_parser("fit", help="train a draft for SmolLM2-135M on a generated data folder (resumable)")
     f.add_argument("--data", default=_default_cache("data", "smollm2"), help="folder written by `dflash train data`")
     f.add_argument("--out", default=_default_cache("runs", "smollm2-b8-l2"), help="checkpoint folder (resumes if it has last.pt)")
+    f.add_argument("--max-shards", type=int, default=None,
+                   help="train on the first N train shards only (fixes the data while `data` is still appending)")
     f.add_argument("--layers", type=int, default=2)
     f.add_argument("--block-size", type=int, default=8)
     f.add_argument("--gamma", type=float, default=None, help="loss decay γ (default: 7 for B=16, 5 for B=10, 4 for B=8)")
@@ -218,7 +220,7 @@ def add_fit_args(sub) -> None:
     f.add_argument("--log-every", type=int, default=10)
     f.add_argument("--save-every-min", type=float, default=5.0)
     f.add_argument("--max-minutes", type=float, default=None, help="stop (after saving) when this wall time is used")
-    f.add_argument("--threads", type=int, default=1)
+    f.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, i.e. all cores)")
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--device", default="cpu")
     f.set_defaults(func=fit_main)
@@ -238,7 +240,7 @@ def add_evaluate_args(sub) -> None:
     v = sub.add_parser("evaluate", help="teacher-forced τ estimate of a draft folder on a data folder")
     v.add_argument("draft")
     v.add_argument("--data", default=os.path.join(_default_cache("data", "smollm2"), "eval"))
-    v.add_argument("--threads", type=int, default=1)
+    v.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, i.e. all cores)")
     v.set_defaults(func=evaluate_main)
 
 
@@ -256,7 +258,8 @@ def fit_main(args) -> int:
     from dflash import smollm2
     from dflash.train.data import load_dataset
 
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     os.makedirs(args.out, exist_ok=True)
@@ -292,7 +295,7 @@ def fit_main(args) -> int:
         f"mask id {cfg.mask_token_id}, {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M trainable params")
 
     def load_train():
-        recs = load_dataset(os.path.join(args.data, "train"), cfg.target_layer_ids)
+        recs = load_dataset(os.path.join(args.data, "train"), cfg.target_layer_ids, max_shards=args.max_shards)
         return [r for r in recs if len(r["ids"]) - r["prompt_len"] >= 3]
 
     def subset_of(recs):
@@ -390,7 +393,8 @@ def evaluate_main(args) -> int:
     from dflash import smollm2
     from dflash.train.data import load_dataset
 
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     draft = DFlashDraftModel.from_pretrained(args.draft, dtype=torch.float32)
     target, _ = smollm2.load()
     trainer = Trainer(draft, target.get_input_embeddings().weight.float(), target.lm_head.weight.float())

@@ -20,4 +20,4 @@ cmake -S . -B "$B" -DDFLASH_TORCH=OFF -DCMAKE_CUDA_COMPILER="$NVCC" -DDFLASH_CUD
 cmake --build "$B" -j "$MAX_JOBS" > "$B/build.log"
 ctest --test-dir "$B" --output-on-failure -V | grep -E "CUDA:|passed|FAIL|tests"
 echo "== timing"
-$PY csrc/tests/gpu_timing.py
+PYTHONPATH=. $PY csrc/tests/gpu_timing.py

@@ -1,30 +1,19 @@
 """Timing of the ext ops on a CUDA device (CUDA-graph replays, so launch overhead is included
-once per call as in the decode loop). Prints one line per case; no assertions beyond equality."""
+once per call as in the decode loop). Prints one line per case; no assertions beyond equality.
+Run from the repository root with ``PYTHONPATH=.`` (it reuses ``bench.common``)."""
 import torch
 
 import dflash_kernels
+from bench.common import capture_graph, time_fn
 from dflash_kernels.commit import commit_round
 from dflash_kernels.verify import verify_greedy
 
 
-def graph_time(fn, iters=200):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters * 1e3  # us
+def graph_time(fn) -> float:
+    """Median microseconds of one CUDA-graph replay of ``fn`` (launch overhead included once, as in
+    the decode loop)."""
+    g = capture_graph(fn)
+    return time_fn(g.replay, torch.device("cuda"), warmup=5, reps=200, budget_s=1.0)["median_ms"] * 1e3
 
 
 def main():

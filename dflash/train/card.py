@@ -9,6 +9,8 @@ import argparse
 import json
 import os
 
+from dflash.model import DFlashDraftModel
+
 
 def loss_curve(history: list[dict], points: int = 16) -> str:
     train = [h for h in history if "loss" in h]
@@ -48,6 +50,7 @@ def main(argv=None) -> int:
         cfg = json.load(f)
     dc = cfg["dflash_config"]
     size = os.path.getsize(os.path.join(args.out, "model.safetensors"))
+    params = sum(p.numel() for p in DFlashDraftModel.from_pretrained(args.out).parameters())
     steps = max((h["step"] for h in history if "loss" in h), default=0)
     evals = [h for h in history if "tau_est" in h]
     best = max(evals, key=lambda e: e["tau_est"]) if evals else None  # first max = the one saved to best/
@@ -75,7 +78,7 @@ z-lab format: `config.json` + `model.safetensors` (bf16, {size / 1e6:.1f} MB); l
 | mask token id | {dc['mask_token_id']} (`<empty_output>`, a special token absent from normal text) |
 | tapped target layers | {dc['target_layer_ids']} (default rule for {cfg['num_hidden_layers']} draft layers, 30 target layers) |
 | RoPE θ / RMSNorm eps | {cfg['rope_parameters']['rope_theta']} / {cfg['rms_norm_eps']} (SmolLM2's) |
-| trainable parameters | {sum(1 for _ in [0]) and ''}{{params}} |
+| trainable parameters | {params / 1e6:.2f} M |
 
 ## Data
 Offline prompt set from `dflash.train.prompts` (nothing downloaded at run time): programmatic maths
@@ -120,10 +123,6 @@ outputs identical to greedy autoregressive decoding: **{'yes' if m['all_identica
 Target model: SmolLM2-135M-Instruct, Apache-2.0 (Hugging Face). Prompt texts: public domain
 (Shakespeare, Milton via Project Gutenberg) and the Python standard library (PSF licence).
 """
-    from dflash.model import DFlashDraftModel
-
-    params = sum(p.numel() for p in DFlashDraftModel.from_pretrained(args.out).parameters())
-    text = text.replace("{params}", f"{params / 1e6:.2f} M")
     with open(os.path.join(args.out, "MODEL_CARD.md"), "w", encoding="utf-8") as f:
         f.write(text)
     print(f"wrote {os.path.join(args.out, 'MODEL_CARD.md')}")

@@ -1,0 +1,52 @@
+"""Training data: batched greedy generation with captured features, and shard loading."""
+import os
+
+import torch
+
+from dflash.train.data import compute_features, generate_batch, load_dataset
+
+from test_train_blocks import V, tiny_target
+
+
+def test_generate_batch_matches_greedy_and_feature_pass():
+    """Left-padded ragged batch: each response is the target's own greedy continuation (stopping at the
+    first stop token), and the features captured while generating equal a clean forward pass over
+    ``prompt + response[:-1]``."""
+    target = tiny_target(layers=4)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(4, V, (n,), generator=g).tolist() for n in (5, 1, 9)]
+    stop = int(target(torch.tensor([prompts[0]])).logits[0, -1].argmax())  # first response token of prompt 0
+    taps = (1, 3)
+    recs = generate_batch(target, prompts, max_new_tokens=7, stop_ids=[stop], capture_layers=taps)
+    assert len(recs) == len(prompts)
+    for p, r in zip(prompts, recs):
+        assert r["prompt_len"] == len(p) and r["ids"][: len(p)].tolist() == p
+        resp = r["ids"][len(p):].tolist()
+        ref = target.generate(torch.tensor([p]), max_new_tokens=7, do_sample=False, eos_token_id=stop,
+                              pad_token_id=0)[0, len(p):].tolist()
+        assert resp == ref
+        assert r["finished"] == (resp[-1] == stop)
+        assert r["features"].dtype == torch.bfloat16 and r["features"].shape == (len(r["ids"]) - 1, len(taps) * 64)
+        clean = compute_features(target, r["ids"], list(taps))
+        err = (r["features"].float() - clean).abs().max() / clean.abs().max()
+        assert err < 2 ** -7, err  # bf16 storage (2^-8 relative rounding) plus padding-order noise
+    assert recs[0]["ids"][len(prompts[0]):].tolist() == [stop]
+
+
+def test_load_dataset_selects_taps_and_limits_shards(tmp_path):
+    def rec(n, seed):
+        g = torch.Generator().manual_seed(seed)
+        feats = torch.randn(n - 1, 3 * 4, generator=g).to(torch.bfloat16)
+        return {"ids": torch.arange(n, dtype=torch.int32), "prompt_len": 2, "features": feats,
+                "layer_ids": [1, 5, 9], "finished": True}
+
+    shards = [[rec(6, 0), rec(4, 1)], [rec(5, 2)], [rec(7, 3)]]
+    for i, s in enumerate(shards):
+        torch.save(s, os.path.join(tmp_path, f"shard_{i:05d}.pt"))
+    assert len(load_dataset(str(tmp_path))) == 4
+    two = load_dataset(str(tmp_path), layer_ids=[9, 1], max_shards=2)
+    assert len(two) == 3
+    for got, want in zip(two, shards[0] + shards[1]):
+        f = want["features"]
+        assert got["layer_ids"] == [9, 1]
+        assert torch.equal(got["features"], torch.cat([f[:, 8:12], f[:, 0:4]], dim=-1))

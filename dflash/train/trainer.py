@@ -286,10 +286,14 @@ def fit_main(args) -> int:
                       negatives=args.negatives if args.vocab_subset == "data" else 0)
     last = os.path.join(args.out, "last.pt")
     best_tau = -1.0
+    # Sequences of the current epoch not yet visited; saved with the checkpoint so that a resumed run
+    # visits them in the same order as an uninterrupted one.
+    order: list[int] = []
     if os.path.isfile(last):
         state = torch.load(last, weights_only=False)
         trainer.load_state_dict(state)
         best_tau = state.get("best_tau", -1.0)
+        order = list(state.get("epoch_order", []))
         log(f"resumed from {last} at step {trainer.step} (best τ-estimate so far {best_tau:.3f})")
     log(f"draft: {cfg.num_hidden_layers} layers, B={cfg.block_size}, γ={trainer.gamma}, taps {cfg.target_layer_ids}, "
         f"mask id {cfg.mask_token_id}, {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M trainable params")
@@ -311,7 +315,6 @@ def fit_main(args) -> int:
     eval_recs = load_dataset(os.path.join(args.data, "eval"), cfg.target_layer_ids)[: args.eval_seqs]
     log(f"data: {len(train)} train sequences ({sum(len(r['ids']) - r['prompt_len'] for r in train)} response tokens), "
         f"{len(eval_recs)} eval sequences")
-    order: list[int] = []
     t_start = time.perf_counter()
     t_save = t_start
     acc_c = torch.zeros(args.block_size)
@@ -359,8 +362,8 @@ def fit_main(args) -> int:
         now = time.perf_counter()
         timeout = args.max_minutes is not None and (now - t_start) / 60 >= args.max_minutes
         if now - t_save >= args.save_every_min * 60 or s == args.steps or timeout:
-            _save_atomic({**trainer.state_dict(), "best_tau": best_tau, "args": vars(args) | {"func": None},
-                          "config": cfg.to_dict()}, last)
+            _save_atomic({**trainer.state_dict(), "best_tau": best_tau, "epoch_order": order,
+                          "args": vars(args) | {"func": None}, "config": cfg.to_dict()}, last)
             t_save = now
             log(f"checkpoint saved: {last} (step {s})")
         if timeout:

@@ -9,7 +9,13 @@ import argparse
 import json
 import os
 
+import torch
+
 from dflash.model import DFlashDraftModel
+from dflash.train.blocks import default_gamma
+
+
+ATTENTION_PATHS = {"dense": "dense-mask SDPA", "flex": "FlexAttention"}
 
 
 def loss_curve(history: list[dict], points: int = 16) -> str:
@@ -41,7 +47,6 @@ def main(argv=None) -> int:
     ap.add_argument("--command", required=True, help="exact reproduce commands (markdown)")
     ap.add_argument("--notes", default="")
     args = ap.parse_args(argv)
-    history = []
     with open(os.path.join(args.run, "history.jsonl"), encoding="utf-8") as f:
         history = [json.loads(line) for line in f if line.strip()]
     with open(args.measure, encoding="utf-8") as f:
@@ -49,6 +54,9 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     dc = cfg["dflash_config"]
+    # The run's own hyperparameters (saved with every checkpoint), so the card cannot drift from them.
+    run = torch.load(os.path.join(args.run, "last.pt"), map_location="cpu", weights_only=False)["args"]
+    gamma = run["gamma"] if run["gamma"] is not None else default_gamma(dc["block_size"])
     size = os.path.getsize(os.path.join(args.out, "model.safetensors"))
     params = sum(p.numel() for p in DFlashDraftModel.from_pretrained(args.out).parameters())
     steps = max((h["step"] for h in history if "loss" in h), default=0)
@@ -90,11 +98,11 @@ batches; the tapped-layer features were captured during that generation. Evaluat
 from a disjoint hash split of the same generators.
 
 ## Training
-Paper recipe (`dflash.train`): 16 random anchors per sequence inside the response (resampled every
-visit), all blocks of a sequence packed into one draft forward under the block mask (dense-mask
-SDPA on CPU), loss = weighted CE with w_k = exp(-(k-1)/γ), γ = {4 if dc['block_size'] == 8 else 7},
-normalised as a weighted mean; AdamW lr 6e-4, cosine, warmup 0.04, grad-clip 1.0; target embedding
-and LM head frozen. {steps} optimizer steps were run.{best_txt} Details and deviations: see Notes.
+Paper recipe (`dflash.train`): {run['anchors']} random anchors per sequence inside the response (resampled every
+visit), all blocks of a sequence packed into one draft forward under the block mask
+({ATTENTION_PATHS[run['attention']]}), loss = weighted CE with w_k = exp(-(k-1)/γ), γ = {gamma:g},
+normalised as a weighted mean; AdamW lr {run['lr']:g}, cosine, warmup {run['warmup_ratio']:g}, grad-clip {run['grad_clip']:g};
+target embedding and LM head frozen. {steps} optimizer steps were run.{best_txt} Details and deviations: see Notes.
 
 ### Loss curve
 {loss_curve(history)}

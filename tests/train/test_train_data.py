@@ -34,14 +34,16 @@ def test_generate_batch_matches_greedy_and_feature_pass():
     assert recs[0]["ids"][len(prompts[0]):].tolist() == [stop]
 
 
-def test_load_dataset_selects_taps_and_limits_shards(tmp_path):
-    def rec(n, seed):
-        g = torch.Generator().manual_seed(seed)
-        feats = torch.randn(n - 1, 3 * 4, generator=g).to(torch.bfloat16)
-        return {"ids": torch.arange(n, dtype=torch.int32), "prompt_len": 2, "features": feats,
-                "layer_ids": [1, 5, 9], "finished": True}
+def _random_record(n, taps, hidden, gen, prompt_len=4):
+    """A shard record of length ``n`` with random ids and random bf16 features of ``taps``."""
+    return {"ids": torch.randint(20, 2000, (n,), generator=gen, dtype=torch.int32), "prompt_len": prompt_len,
+            "features": torch.randn(n - 1, len(taps) * hidden, generator=gen).to(torch.bfloat16),
+            "layer_ids": list(taps), "finished": True}
 
-    shards = [[rec(6, 0), rec(4, 1)], [rec(5, 2)], [rec(7, 3)]]
+
+def test_load_dataset_selects_taps_and_limits_shards(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    shards = [[_random_record(n, [1, 5, 9], 4, g) for n in lens] for lens in ((6, 4), (5,), (7,))]
     for i, s in enumerate(shards):
         torch.save(s, os.path.join(tmp_path, f"shard_{i:05d}.pt"))
     assert len(load_dataset(str(tmp_path))) == 4
@@ -55,12 +57,7 @@ def test_load_dataset_selects_taps_and_limits_shards(tmp_path):
 
 def _write_shard(folder, n_seqs, seed, taps=(1, 27), hidden=576):
     g = torch.Generator().manual_seed(seed)
-    recs = []
-    for _ in range(n_seqs):
-        n = int(torch.randint(14, 22, (1,), generator=g))
-        feats = torch.randn(n - 1, len(taps) * hidden, generator=g).to(torch.bfloat16)
-        recs.append({"ids": torch.randint(20, 2000, (n,), generator=g, dtype=torch.int32), "prompt_len": 4,
-                     "features": feats, "layer_ids": list(taps), "finished": True})
+    recs = [_random_record(int(torch.randint(14, 22, (1,), generator=g)), taps, hidden, g) for _ in range(n_seqs)]
     os.makedirs(folder, exist_ok=True)
     torch.save(recs, os.path.join(folder, "shard_00000.pt"))
 

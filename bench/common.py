@@ -133,19 +133,6 @@ def instantiate_random(target_config, draft_config, device: torch.device, dtype:
     return target, draft
 
 
-def capture_graph(fn: Callable[[], object]) -> "torch.cuda.CUDAGraph":
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
-
-
 # ---------------------------------------------------------------------------------------- ceilings
 _CEILINGS: dict[str, dict] = {}
 

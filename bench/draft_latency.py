@@ -7,7 +7,7 @@ the B-1 proposal rows, argmax. Providers, timed side by side in one run on the s
   reference   DFlashDraftModel.forward (eager: torch.cat into a DraftKVCache, SDPA) with a cache
               prefilled to `context` rows, then LM head + argmax: the official loop's draft call.
               It gets B new context rows per step, like the fast step's static shape.
-  fast-eager  FastDFlash.draft_step() with use_cuda_graphs=False (kernel backend "auto" on GPU:
+  fast-eager  DFlashEngine.draft_step() with use_cuda_graphs=False (kernel backend "auto" on GPU:
               Triton/CUDA kernels; on CPU the ops' PyTorch references, backend "torch").
   fast-graph  the same step captured once per (batch, block) as a CUDA graph, timed by replays.
               GPU only: on CPU every row says it is unavailable.
@@ -127,20 +127,9 @@ class Reference:
 
 
 def make_engine(target, draft, batch: int, capacity: int, block: int, graphs: bool):
-    from dflash.fast import FastDFlash
+    from dflash.engine import DFlashEngine
 
-    return FastDFlash(target, draft, batch=batch, capacity=capacity, block_size=block, use_cuda_graphs=graphs)
-
-
-def set_state(engine, context: int, block: int, vocab: int) -> None:
-    """Context cache holding `context` random rows per request; last round committed min(B, ctx) rows."""
-    engine.k_cache[:, :, :context + block].normal_()
-    engine.v_cache[:, :, :context + block].normal_()
-    engine.positions.fill_(context)
-    engine.num_new.fill_(min(block, context))
-    engine.anchor.copy_(torch.randint(0, vocab - 2, engine.anchor.shape, device=engine.device))
-    engine.features.normal_()
-    engine.done.fill_(False)
+    return DFlashEngine(target, draft, batch=batch, capacity=capacity, block_size=block, use_cuda_graphs=graphs)
 
 
 def run(args, partial_csv: Path | None = None):
@@ -164,7 +153,7 @@ def run(args, partial_csv: Path | None = None):
         "floor": f"memory floor = bytes / {bw['copy_GBps']:.1f} GB/s (copy of {bw['copy_bytes'] / 2**20:.0f} MiB random "
                  f"bf16, read+write, measured now); compute floor = FLOPs / {mm['mm_TFLOPs']:.3f} TFLOP/s "
                  f"({mm['mm_n']}^3 {mm['mm_dtype']} matmul, measured now)",
-        "providers": "reference (DFlashDraftModel + DraftKVCache, eager) | fast-eager (FastDFlash.draft_step, "
+        "providers": "reference (DFlashDraftModel + DraftKVCache, eager) | fast-eager (DFlashEngine.draft_step, "
                      f"kernel backend {'auto' if device.type == 'cuda' else 'torch'}) | fast-graph (CUDA graph replay)",
     })
     if not graph_ok:
@@ -175,7 +164,7 @@ def run(args, partial_csv: Path | None = None):
     with torch.inference_mode():
         for name in models:
             spec = MODELS[name]
-            # FastDFlash and the reference forward take the block size per call: one pair per model
+            # DFlashEngine and the reference forward take the block size per call: one pair per model
             target, draft = build_pair(spec, device, dtype, max(blocks))
             for batch in batches:
                 for block in blocks:
@@ -200,20 +189,18 @@ def run(args, partial_csv: Path | None = None):
                         timings["reference"] = common.time_fn(ref.step, device, warmup=args.warmup, reps=args.reps,
                                                               budget_s=args.budget)
                         # fast eager
-                        set_state(engine, context, block, spec["vocab"])
-                        engine.kv_bound = context + block
+                        engine.fill_random_context(context)
                         timings["fast-eager"] = common.time_fn(engine.draft_step, device, warmup=args.warmup,
                                                                reps=args.reps, budget_s=args.budget)
                         # fast graph
                         if graph_ok:
                             if context == contexts[0]:
                                 genv = make_engine(target, draft, batch, cap, block, graphs=True)
-                            set_state(genv, context, block, spec["vocab"])
-                            genv.kv_bound = genv.capacity + block  # what reset() sets for graphs
-                            genv._run("draft", genv.draft_step)  # captures on first call
-                            g = genv.graphs["draft"]
-                            timings["fast-graph"] = common.time_fn(g.replay, device, warmup=args.warmup,
-                                                                   reps=args.reps, budget_s=args.budget)
+                            genv.fill_random_context(context)
+                            genv.run_step("draft")  # captures on first call
+                            timings["fast-graph"] = common.time_fn(lambda: genv.run_step("draft"), device,
+                                                                   warmup=args.warmup, reps=args.reps,
+                                                                   budget_s=args.budget)
                         for prov in PROVIDERS:
                             t = timings.get(prov)
                             if t is None:

@@ -106,12 +106,12 @@ def param_bytes(module, skip=()) -> int:
 
 # ------------------------------------------------------------------------------------------ oracle
 def oracle_fast_class(seq: torch.Tensor, accept: int, vocab: int):
-    """FastDFlash whose draft step runs for real, then overwrites the proposals on the device (no host
+    """DFlashEngine whose draft step runs for real, then overwrites the proposals on the device (no host
     read, so the step stays capturable): the first accept-1 are the target's greedy continuation
     ``seq`` [1 or batch, L] (full sequences, prompt included), the rest are wrong on purpose."""
-    from dflash.fast import FastDFlash
+    from dflash.engine import DFlashEngine
 
-    class OracleFast(FastDFlash):
+    class OracleFast(DFlashEngine):
         def draft_step(self):
             super().draft_step()
             j = torch.arange(self.block_size - 1, device=self.device)
@@ -156,33 +156,21 @@ def oracle_draft(draft, seq: torch.Tensor, accept: int):
 # ------------------------------------------------------------------------------------------ runs
 def run_fast(target, draft, ids: torch.Tensor, max_new: int, block: int, stops, engine_cls=None,
              use_graphs=None) -> dict:
-    """generate_fast's loop for one request, timing every round (the first round captures graphs)."""
-    from dflash.fast import FastDFlash
-    from dflash.generate import _sync, as_target
+    """One request through the engine, timing every round (the first round captures the graphs)."""
+    from dflash.api import as_target
+    from dflash.engine import DFlashEngine
+    from dflash.sampling import SamplingParams
 
     adapter = as_target(target, draft)
-    cls = engine_cls or FastDFlash
+    cls = engine_cls or DFlashEngine
     p = ids.shape[0]
     cap = -(-(p + max_new) // 64) * 64
     engine = cls(adapter.model, draft, batch=1, capacity=cap, block_size=block, use_cuda_graphs=use_graphs)
-    dev = engine.device
-    rounds = []
-    with torch.inference_mode():
-        t0 = _sync(dev)
-        engine.reset([ids], [max_new], [list(stops)], None, None)
-        t_prefill = _sync(dev) - t0
-        done = engine.done.to("cpu", copy=True)
-        while not bool(done.all()):
-            ta = time.perf_counter()
-            dt, vt = engine.round()
-            snap = torch.cat([engine.done.long(), engine.num_new]).cpu()
-            wall = time.perf_counter() - ta
-            done = snap[:1].bool()
-            rounds.append((dt, vt, wall, int(snap[1])))
-        n = int(engine.lengths[0])
-        seq = engine.out_tokens[0, :n].clone()
-    return summarize(rounds, t_prefill, seq, p, skip_first=engine.use_graphs, runtime="fast",
-                     graphs=engine.use_graphs, backend=engine.backend)
+    res = engine.generate([ids], [max_new], [list(stops)], SamplingParams(), seed=0)[0]
+    rounds = [(dt, vt, wall, n) for (dt, vt, wall), n in zip(res.extra["round_times"], res.acceptance_lengths)]
+    graphs = engine.graph_mode is not None
+    return summarize(rounds, res.prefill_time, res.sequences[0], p, skip_first=graphs, runtime="fast",
+                     graphs=graphs, backend=engine.backend)
 
 
 def summarize(rounds, t_prefill, seq, prompt_len, *, skip_first: bool, runtime: str, graphs: bool, backend: str):
@@ -204,7 +192,7 @@ def summarize(rounds, t_prefill, seq, prompt_len, *, skip_first: bool, runtime: 
 
 
 def run_reference(target, draft, ids, max_new, block, stops) -> dict:
-    from dflash.generate import generate
+    from dflash import generate
 
     res = generate(target, draft, ids, max_new, stop_token_ids=stops, block_size=block, backend="reference")
     rounds = max(1, len(res.acceptance_lengths))

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.skipif(DEV == "cuda" and not torch.cuda.is_available(),
 
 import dflash_kernels as dk  # noqa: E402
 from dflash_kernels._dispatch import backend_status  # noqa: E402
+from dflash.sampling import SamplingParams  # noqa: E402
 
 H, T, L, NH, KVH, D, V = 4096, 5, 5, 32, 8, 128, 151936
 BF = torch.bfloat16
@@ -217,12 +218,12 @@ def test_graph_replay_of_both_steps_equals_target_greedy_and_eager(layer_types, 
         eng = _oracle_engine(target, draft, prompts, expected, accept, block, graphs)
         accs = []
         with torch.inference_mode():
-            eng.reset(prompts, limits, [[] for _ in prompts], None, None)
+            eng.reset(prompts, limits, [[] for _ in prompts], SamplingParams(), 0)
             while not bool(eng.done.all()):
                 eng.round()
                 accs.append(eng.num_new.clone())
         if graphs:
-            assert set(eng.graphs) == {"draft", "verify"}, "both steps must be captured"
+            assert {key[0] for key in eng.graphs} == {"draft", "verify"}, "both steps must be captured"
         seqs = [eng.out_tokens[r, :int(eng.lengths[r])].clone() for r in range(len(prompts))]
         for r, e in enumerate(expected):
             assert torch.equal(seqs[r], e), f"graphs={graphs}: request {r} differs from the target's greedy output"
@@ -233,7 +234,7 @@ def test_graph_replay_of_both_steps_equals_target_greedy_and_eager(layer_types, 
 
 
 def test_fast_equals_reference_runtime_real_draft():
-    from dflash.generate import generate
+    from dflash import generate
 
     torch.manual_seed(1)
     target, draft = _tiny_pair(block=4)
@@ -247,28 +248,28 @@ def test_fast_equals_reference_runtime_real_draft():
 
 
 def test_sampling_graph_equals_eager():
-    from dflash.fast import generate_fast
+    from dflash import generate
 
     torch.manual_seed(2)
     target, draft = _tiny_pair(block=4)
     ids = torch.randint(0, 500, (9,), device=DEV)
     kw = dict(temperature=0.8, top_k=40, top_p=0.95, seed=3)
-    a = generate_fast(target, draft, ids, 32, use_cuda_graphs=GRAPHS, **kw)
-    b = generate_fast(target, draft, ids, 32, use_cuda_graphs=False, **kw)
+    a = generate(target, draft, ids, 32, backend="fast", use_cuda_graphs=GRAPHS, **kw)
+    b = generate(target, draft, ids, 32, backend="fast", use_cuda_graphs=False, **kw)
     assert torch.equal(a.sequences, b.sequences) and a.acceptance_lengths == b.acceptance_lengths
 
 
 def test_draft_step_matches_reference_draft_bf16():
     """Kernel draft step vs the reference draft on the same state (bf16, near-ties may flip a few)."""
-    from dflash.fast import FastDFlash
+    from dflash.engine import DFlashEngine
 
     torch.manual_seed(3)
     target, draft = _tiny_pair(dtype=BF, block=16)
     prompt = torch.randint(0, 500, (200,), device=DEV)
-    eng = FastDFlash(target, draft, batch=1, capacity=256, block_size=16, use_cuda_graphs=GRAPHS)
+    eng = DFlashEngine(target, draft, batch=1, capacity=256, block_size=16, use_cuda_graphs=GRAPHS)
     with torch.inference_mode():
-        eng.reset([prompt], [40], [[]], None, None)
-        eng._run("draft", eng.draft_step)
+        eng.reset([prompt], [40], [[]], SamplingParams(), 0)
+        eng.run_step("draft")
         feats = target(prompt[None], output_hidden_states=True).hidden_states
         ctx = torch.cat([feats[i + 1] for i in draft.config.target_layer_ids], dim=-1)
         block = torch.full((1, 16), draft.config.mask_token_id, device=DEV)

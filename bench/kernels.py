@@ -28,6 +28,7 @@ import torch  # noqa: E402
 
 import dflash_kernels as dk  # noqa: E402
 from dflash_kernels._dispatch import backend_status  # noqa: E402
+from dflash.graphs import capture  # noqa: E402
 
 OPS = ("fused_context", "inject_context_kv", "draft_attention", "verify_greedy", "verify_sample", "commit_round")
 BACKENDS = {
@@ -347,7 +348,7 @@ def graph_timing(case: Case, sets: list[dict], backend: str, device, args) -> di
                 case.restore(x)
                 case.call(x, backend)
             fns.append(fn)
-        gs = [common.capture_graph(f) for f in fns]
+        gs = [capture(f, "cuda") for f in fns]
     except Exception as exc:
         torch.cuda.synchronize()
         return {"graph": f"not capturable: {type(exc).__name__}: {str(exc)[:80]}"}

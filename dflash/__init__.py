@@ -1,11 +1,14 @@
 """dflash: DFlash speculative decoding runtime (z-lab ``dflash`` compatible API)."""
+from dflash.api import generate
 from dflash.config import DFlashConfig, build_target_layer_ids
-from dflash.generate import GenerateResult, generate
-from dflash.model import DFlashDraftModel, DraftKVCache
+from dflash.draft import DraftKVCache
+from dflash.model import DFlashDraftModel
+from dflash.results import BatchResult, GenerateResult
 from dflash.sampling import sample
 from dflash.target import TargetAdapter, extract_context_feature
 
 __all__ = [
+    "BatchResult",
     "DFlashConfig",
     "DFlashDraftModel",
     "DraftKVCache",

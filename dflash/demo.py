@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     import torch
 
     from dflash import smollm2
-    from dflash.generate import generate
+    from dflash import generate
     from dflash.model import DFlashDraftModel
 
     if args.threads:

@@ -75,7 +75,7 @@ def test_commit_round(benchmark, backend):
 
 @pytest.mark.parametrize("path", ["reference", "fast"])
 def test_generate(benchmark, pair, path):
-    from dflash.generate import generate
+    from dflash import generate
 
     target, draft = pair
     benchmark.group = "generate 32 tokens B=8 (random draft, tau ~ 1)"

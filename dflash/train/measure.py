@@ -16,7 +16,7 @@ def measure(draft_dir: str, prompts, *, max_new_tokens: int = 128, block_size: i
     import torch
 
     from dflash import smollm2
-    from dflash.generate import generate
+    from dflash import generate
     from dflash.model import DFlashDraftModel
 
     if target is None:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dflash import DFlashDraftModel, TargetAdapter
-from dflash.generate import generate
+from dflash import generate
 from tiny_models import make_draft, make_target
 
 

@@ -7,10 +7,15 @@ import os
 import pytest
 import torch
 
-import dflash.fast as fast_module
-from dflash.fast import FastDFlash, generate_fast
-from dflash.generate import generate
+import dflash.engine as engine_module
+from dflash import generate
+from dflash.sampling import SamplingParams
+from dflash.engine import DFlashEngine
 from tiny_models import make_draft, make_target
+
+
+def fast(*args, **kwargs):
+    return generate(*args, backend="fast", **kwargs)
 
 
 def target_greedy(target, ids, max_new, stops=None):
@@ -20,7 +25,7 @@ def target_greedy(target, ids, max_new, stops=None):
     return out[0]
 
 
-class OracleFast(FastDFlash):
+class OracleFast(DFlashEngine):
     """Real draft step, then its proposals replaced by each request's known continuation, corrupted
     at random, so that every acceptance length occurs in a batch."""
 
@@ -42,8 +47,8 @@ class OracleFast(FastDFlash):
 def run_oracle(monkeypatch, target, draft, prompts, limits, stops, block, **kw):
     OracleFast.oracle = [target_greedy(target, p, m)[len(p):] for p, m in zip(prompts, limits)]
     OracleFast.prompt_lens = [len(p) for p in prompts]
-    monkeypatch.setattr(fast_module, "FastDFlash", OracleFast)
-    return generate_fast(target, draft, prompts, limits, stop_token_ids=stops, block_size=block, **kw)
+    monkeypatch.setattr(engine_module, "DFlashEngine", OracleFast)
+    return fast(target, draft, prompts, limits, stop_token_ids=stops, block_size=block, **kw)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -77,7 +82,7 @@ def test_each_request_equals_running_alone():
     target = make_target("qwen3")
     draft = make_draft(target, layers=1, block_size=4)
     prompts = [torch.randint(0, 48, (n,)) for n in (3, 11, 7)]
-    batched = generate_fast(target, draft, prompts, 12)
+    batched = fast(target, draft, prompts, 12)
     for p, seq in zip(prompts, batched.sequences):
         alone = generate(target, draft, p, 12, backend="reference")
         assert torch.equal(seq, alone.sequences[0])
@@ -116,9 +121,9 @@ def test_draft_step_matches_reference_draft():
     draft = make_draft(target, layers=2, block_size=8, layer_types=["full_attention", "sliding_attention"],
                        sliding_window=4)
     prompt = torch.randint(0, 48, (13,))
-    engine = FastDFlash(target, draft, batch=1, capacity=64, block_size=8)
+    engine = DFlashEngine(target, draft, batch=1, capacity=64, block_size=8)
     with torch.inference_mode():
-        engine.reset([prompt], [20], [[]], None, None)
+        engine.reset([prompt], [20], [[]], SamplingParams(), 0)
         engine.draft_step()
         feats = target(prompt[None], output_hidden_states=True).hidden_states
         ctx = torch.cat([feats[i + 1] for i in draft.config.target_layer_ids], dim=-1)
@@ -134,8 +139,8 @@ def test_sampling_reproducible_and_valid():
     target = make_target("qwen3", vocab=8)
     draft = make_draft(target, block_size=4, mask_token_id=3)
     ids = torch.randint(0, 8, (6,))
-    a = generate_fast(target, draft, ids, 16, temperature=0.9, top_k=5, top_p=0.95, seed=3)
-    b = generate_fast(target, draft, ids, 16, temperature=0.9, top_k=5, top_p=0.95, seed=3)
+    a = fast(target, draft, ids, 16, temperature=0.9, top_k=5, top_p=0.95, seed=3)
+    b = fast(target, draft, ids, 16, temperature=0.9, top_k=5, top_p=0.95, seed=3)
     assert torch.equal(a.sequences, b.sequences)
     assert a.sequences.shape[1] == 22 and sum(a.acceptance_lengths) == 15
 
@@ -150,10 +155,10 @@ def test_memory_is_stable_over_many_calls():
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
     for _ in range(10):
-        generate_fast(target, draft, ids, 8)
+        fast(target, draft, ids, 8)
     before = rss_mb()
     for _ in range(100):
-        generate_fast(target, draft, ids, 8)
+        fast(target, draft, ids, 8)
     assert rss_mb() - before < 20, "memory grew across generate calls"
 
 
@@ -162,50 +167,50 @@ def test_fast_bad_input():
     draft = make_draft(target, block_size=4)
     ids = torch.randint(0, 48, (2, 5))
     with pytest.raises(ValueError, match="max_length"):
-        generate_fast(target, draft, ids[0], 40, max_length=32)
+        fast(target, draft, ids[0], 40, max_length=32)
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        generate_fast(target, draft, ids[0], 600)
+        fast(target, draft, ids[0], 600)
     with pytest.raises(ValueError, match="attention_mask"):
-        generate_fast(target, draft, ids, 4, attention_mask=torch.ones(2, 4, dtype=torch.long))
+        fast(target, draft, ids, 4, attention_mask=torch.ones(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="left padding"):
-        generate_fast(target, draft, ids, 4, attention_mask=torch.tensor([[1, 0, 1, 1, 1], [1] * 5]))
+        fast(target, draft, ids, 4, attention_mask=torch.tensor([[1, 0, 1, 1, 1], [1] * 5]))
     with pytest.raises(ValueError, match="max_new_tokens"):
-        generate_fast(target, draft, list(ids), [4, 4, 4])
+        fast(target, draft, list(ids), [4, 4, 4])
     with pytest.raises(ValueError, match="vocabulary"):
-        generate_fast(target, draft, [ids[0], torch.tensor([1, 99])], 4)
+        fast(target, draft, [ids[0], torch.tensor([1, 99])], 4)
     gpt2_like = make_target("qwen3")
     gpt2_like.config.model_type = "gpt2"
     with pytest.raises(TypeError, match="gpt2"):
-        generate_fast(gpt2_like, draft, ids[0], 4)
+        fast(gpt2_like, draft, ids[0], 4)
     # a failed call leaves nothing behind: the next call is correct
-    assert torch.equal(generate_fast(target, draft, ids[0], 6).sequences[0], target_greedy(target, ids[0], 6))
+    assert torch.equal(fast(target, draft, ids[0], 6).sequences[0], target_greedy(target, ids[0], 6))
 
 
 def test_engine_reused_and_weights_refreshed():
     target = make_target("qwen3")
     draft = make_draft(target, layers=2, block_size=4)
     ids = torch.randint(0, 48, (5,))
-    first = generate_fast(target, draft, ids, 8).sequences
-    engine = fast_module._ENGINE["engine"]
-    assert torch.equal(generate_fast(target, draft, ids, 8).sequences, first)
-    assert fast_module._ENGINE["engine"] is engine
+    first = fast(target, draft, ids, 8).sequences
+    engine = engine_module._ENGINE["engine"]
+    assert torch.equal(fast(target, draft, ids, 8).sequences, first)
+    assert engine_module._ENGINE["engine"] is engine
     with torch.no_grad():
         draft.layers[1].self_attn.k_proj.weight.mul_(-1.5)
-    generate_fast(target, draft, ids, 8)
-    assert fast_module._ENGINE["engine"] is engine
+    fast(target, draft, ids, 8)
+    assert engine_module._ENGINE["engine"] is engine
     assert torch.equal(engine.k_weight[1], draft.layers[1].self_attn.k_proj.weight)
-    generate_fast(target, draft, ids, 8, block_size=2)
-    assert fast_module._ENGINE["engine"] is not engine
+    fast(target, draft, ids, 8, block_size=2)
+    assert engine_module._ENGINE["engine"] is not engine
 
 
 def test_chunked_prefill_equals_one_pass():
     target = make_target("llama")
     draft = make_draft(target, layers=2, block_size=4)
     prompt = torch.randint(0, 48, (40,))
-    engines = [FastDFlash(target, draft, batch=1, capacity=64, block_size=4, prefill_chunk=c) for c in (7, 512)]
+    engines = [DFlashEngine(target, draft, batch=1, capacity=64, block_size=4, prefill_chunk=c) for c in (7, 512)]
     with torch.inference_mode():
         for e in engines:
-            e.reset([prompt], [8], [[]], None, None)
+            e.reset([prompt], [8], [[]], SamplingParams(), 0)
     chunked, whole = engines
     assert torch.equal(chunked.anchor, whole.anchor)
     for a, b in ((chunked.k_cache, whole.k_cache), (chunked.v_cache, whole.v_cache),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.generate import generate
+from dflash import generate
 
 from tiny_models import as_oracle, make_draft, make_target
 

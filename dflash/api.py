@@ -1,0 +1,218 @@
+"""``dflash.generate``: argument checks, batch normalisation, and the choice of runtime.
+
+Two runtimes implement the same contract: :mod:`dflash.reference` (the official semantics, one
+request, HF forward) and :mod:`dflash.engine` (static state, kernels, captured steps, batches).
+Every argument is checked here, before any work, with an error that names it.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from dflash.draft import DraftModel
+from dflash.engine import cached_engine, unsupported_reason
+from dflash.reference import reference_generate
+from dflash.results import BatchResult, GenerateResult
+from dflash.sampling import SamplingParams
+from dflash.target import TargetAdapter, check_target
+
+BACKENDS = ("auto", "fast", "reference")
+GRAPH_MODES = (None, True, False, "emulate")
+
+
+def as_target(target, draft: DraftModel) -> TargetAdapter:
+    """The target as a :class:`TargetAdapter` tapping the draft's ``target_layer_ids``."""
+    if not isinstance(draft, DraftModel):
+        raise TypeError(f"draft must be a dflash.DFlashDraftModel, got {type(draft).__name__}")
+    if isinstance(target, TargetAdapter):
+        if target.layer_ids != draft.config.target_layer_ids:
+            return TargetAdapter(target.model, draft.config.target_layer_ids)
+        return target
+    check_target(target)
+    return TargetAdapter(target, draft.config.target_layer_ids)
+
+
+def fast_supported(target, draft: DraftModel) -> bool:
+    """Whether backend='fast' can run this pair (else 'auto' uses the reference loop)."""
+    return unsupported_reason(target, draft) is None
+
+
+def check_prompt(target: TargetAdapter, draft: DraftModel, input_ids, max_new_tokens: int, block_size: int | None,
+                 *, max_batch: int | None = 1) -> tuple[torch.Tensor, int]:
+    """Check the pair and one prompt; returns (input_ids [b, P] on the target's device, block size)."""
+    tcfg = target.config
+    if tcfg.hidden_size != draft.config.hidden_size:
+        raise ValueError(
+            f"draft hidden_size {draft.config.hidden_size} != target hidden_size {tcfg.hidden_size}: "
+            "a DFlash draft shares the target's embedding and LM head, so the widths must match"
+        )
+    vocab = target.embed_weight.shape[0]
+    mask_id = draft.config.mask_token_id
+    if mask_id is None or not 0 <= mask_id < vocab:
+        raise ValueError(
+            f"draft mask_token_id {mask_id!r} is outside the target vocabulary [0, {vocab}); "
+            "set dflash_config.mask_token_id to a row of the target's embedding table"
+        )
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.LongTensor, got {type(input_ids).__name__}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq] or [seq], got shape {tuple(input_ids.shape)}")
+    if max_batch is not None and input_ids.shape[0] > max_batch:
+        raise ValueError(
+            f"input_ids has batch {input_ids.shape[0]}; the reference backend runs one request at a time — "
+            "pass one prompt, or use backend='fast' for batches"
+        )
+    if input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
+        raise ValueError("input_ids is empty: pass at least one prompt token")
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+        raise ValueError(f"input_ids holds token ids outside the target vocabulary [0, {vocab})")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if block_size is None:
+        block_size = draft.config.block_size
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    return input_ids.to(target.device, torch.long), block_size
+
+
+def stop_list(stop_token_ids, what: str = "stop_token_ids") -> list[int]:
+    """None, an int or a sequence of ints -> a list of ints."""
+    if stop_token_ids is None:
+        return []
+    if isinstance(stop_token_ids, int) and not isinstance(stop_token_ids, bool):
+        return [stop_token_ids]
+    try:
+        return [int(s) for s in stop_token_ids]
+    except (TypeError, ValueError):
+        raise TypeError(f"{what} must be None, an int or a list of ints, got {stop_token_ids!r}") from None
+
+
+def normalize_batch(input_ids, attention_mask) -> tuple[list[torch.Tensor], bool]:
+    """Ragged prompts from a list of 1-D tensors, a [P]/[1, P] tensor, or a left-padded [N, P] + mask;
+    returns (prompts, batched) where ``batched`` says whether to return a :class:`BatchResult`."""
+    if isinstance(input_ids, (list, tuple)):
+        if not input_ids:
+            raise ValueError("input_ids is an empty list: pass at least one prompt")
+        for i, p in enumerate(input_ids):
+            if not isinstance(p, torch.Tensor) or p.dim() != 1:
+                raise ValueError(f"input_ids[{i}] must be a 1-D LongTensor")
+        return list(input_ids), True
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a LongTensor or a list of 1-D LongTensors, got {type(input_ids).__name__}")
+    if input_ids.dim() == 1:
+        return [input_ids], False
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq] or [seq], got shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        return list(input_ids), input_ids.shape[0] > 1
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+    prompts = []
+    for i in range(input_ids.shape[0]):
+        keep = attention_mask[i].bool()
+        first = int(keep.float().argmax()) if keep.any() else input_ids.shape[1]
+        if not keep[first:].all():
+            raise ValueError(f"attention_mask row {i} is not left padding (ones must be contiguous at the end)")
+        prompts.append(input_ids[i, first:])
+    return prompts, input_ids.shape[0] > 1
+
+
+def generate(
+    target,
+    draft: DraftModel,
+    input_ids,
+    max_new_tokens: int | Sequence[int],
+    stop_token_ids: Sequence[int] | Sequence[Sequence[int]] | int | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    block_size: int | None = None,
+    backend: str = "auto",
+    seed: int | None = None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    max_length: int | None = None,
+    kernel_backend: str | None = None,
+    use_cuda_graphs: bool | str | None = None,
+):
+    """Speculative generation with a DFlash draft.
+
+    Args:
+        target: a Hugging Face LLaMA/Qwen3 causal LM (or a :class:`TargetAdapter`).
+        draft: the :class:`DFlashDraftModel` trained for it.
+        input_ids: [1, P] or [P] prompt token ids; with backend "fast" also a list of 1-D prompts or a
+            left-padded [N, P] with ``attention_mask`` (returns a :class:`BatchResult`).
+        max_new_tokens: tokens to generate at most (>= 1); "fast": also one per request.
+        stop_token_ids: generation ends after the first of these tokens (it is kept); "fast": also one
+            list per request.
+        temperature: 0 = greedy (output equals the target's greedy output); > 0 samples, with
+            ``top_p``/``top_k`` applied to the target distribution (output distributed as the target's).
+        block_size: B (default: the draft's); 1 = plain autoregressive decoding with the same machinery.
+        backend: "reference" (the pure-PyTorch loop of :mod:`dflash.reference`, one request), "fast"
+            (:mod:`dflash.engine`: static state, kernels, captured steps, batches), or "auto": fast where
+            it can run (LLaMA/Qwen3 targets, supported draft layers), else reference.
+        seed: makes sampling reproducible (the two backends draw different random streams).
+        attention_mask, max_length (the engine's capacity, default prompt + max_new_tokens rounded up to
+            64), kernel_backend ("auto" | "triton" | "torch" | "ext"), use_cuda_graphs (None = on CUDA;
+            True; False; "emulate" = record each step once and replay it, with CUDA-graph semantics, on
+            any device): backend "fast" only.
+    Returns:
+        :class:`GenerateResult` with ``.sequences`` [1, P + n] and ``.acceptance_lengths``; for batched
+        input, a :class:`BatchResult` whose fields are per-request lists.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    sampling = SamplingParams(temperature, top_p, top_k)
+    target = as_target(target, draft)
+    if seed is None:  # unseeded calls still differ from each other, following torch's global RNG
+        seed = int(torch.randint(2**62, ()))
+    if backend == "auto":
+        backend = "fast" if fast_supported(target, draft) else "reference"
+    if backend == "reference":
+        fast_only = {"attention_mask": attention_mask, "max_length": max_length, "kernel_backend": kernel_backend,
+                     "use_cuda_graphs": use_cuda_graphs}
+        given = sorted(k for k, v in fast_only.items() if v is not None)
+        if given:
+            raise ValueError(f"options {given} need backend='fast'")
+        input_ids, block = check_prompt(target, draft, input_ids, max_new_tokens, block_size)
+        stops = stop_list(stop_token_ids)
+        with torch.inference_mode():
+            return reference_generate(target, draft, input_ids, max_new_tokens, stops, sampling, block, seed)
+
+    reason = unsupported_reason(target, draft)
+    if reason is not None:
+        raise ValueError(f"backend='fast' cannot run this pair: {reason}; use backend='reference'")
+    if use_cuda_graphs not in GRAPH_MODES:
+        raise ValueError(f"use_cuda_graphs must be one of {GRAPH_MODES}, got {use_cuda_graphs!r}")
+    prompts, batched = normalize_batch(input_ids, attention_mask)
+    n = len(prompts)
+    limits = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n
+    if len(limits) != n:
+        raise ValueError(f"max_new_tokens has {len(limits)} entries for {n} prompts")
+    per_request_stops = (isinstance(stop_token_ids, (list, tuple)) and len(stop_token_ids) > 0
+                         and all(isinstance(s, (list, tuple)) for s in stop_token_ids))
+    if per_request_stops and len(stop_token_ids) != n:
+        raise ValueError(f"stop_token_ids has {len(stop_token_ids)} lists for {n} prompts")
+    checked, stops = [], []
+    for r, p in enumerate(prompts):
+        ids, block = check_prompt(target, draft, p, limits[r], block_size, max_batch=None)
+        checked.append(ids[0])
+        stops.append(stop_list(stop_token_ids[r] if per_request_stops else stop_token_ids))
+    needed = max(p.shape[0] + m for p, m in zip(checked, limits))
+    if max_length is None:
+        max_length = -(-needed // 64) * 64
+    if needed > max_length:
+        raise ValueError(f"max_length={max_length} is too small: the longest request (prompt + max_new_tokens) "
+                         f"needs {needed}")
+    limit = getattr(target.config, "max_position_embeddings", None)
+    if limit is not None and needed > limit:
+        raise ValueError(f"prompt + max_new_tokens = {needed} exceeds the target's max_position_embeddings {limit}")
+    engine = cached_engine(target.model, draft, batch=n, capacity=max_length, block_size=block,
+                           kernel_backend=kernel_backend, use_cuda_graphs=use_cuda_graphs)
+    results: list[GenerateResult] = engine.generate(checked, limits, stops, sampling, seed)
+    return BatchResult(results) if batched else results[0]

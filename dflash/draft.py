@@ -1,0 +1,397 @@
+"""The DFlash draft network in pure PyTorch (z-lab ``DFlashDraftModel`` semantics and state-dict keys)
+and its checkpoint I/O. The runtimes build on :class:`DraftModel`; :mod:`dflash.model` adds z-lab's
+``spec_generate`` on top.
+
+One draft call sees C new context rows (the target's tapped hidden states, fused by ``fc`` and
+``hidden_norm``) and q block rows (embeddings of ``[anchor, MASK, ...]``). Every layer projects
+both with the same k/v weights, applies per-head RMSNorm then RoPE at absolute positions, and lets
+the block queries attend over [cached context, new context, block] — non-causally on full-attention
+layers, causally inside the block and within a sliding window on sliding layers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.config import CONFIG_NAME, DFlashConfig
+
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+
+
+class RMSNorm(nn.Module):
+    """Qwen3/LLaMA RMSNorm: fp32 statistics, cast back, then scale by the weight."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: DFlashConfig) -> tuple[torch.Tensor, float]:
+    """``(inv_freq [D/2] fp32, attention_scaling)`` for the config's rope type, computed by
+    transformers' own initialisers so every scaling type (linear, llama3, yarn, ...) matches it."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = dict(config.rope_parameters)
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = float(params["rope_theta"])
+        dim = config.head_dim
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)), 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"config: rope_type {rope_type!r} is not supported; known: {sorted(ROPE_INIT_FUNCTIONS)}")
+    hf_config = Qwen3Config(
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_parameters=params,
+    )
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        inv_freq, self.attention_scaling = rope_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [b, n] -> cos, sin [b, n, D] in ``dtype`` (computed in fp32, like HF)."""
+        freqs = position_ids.float()[..., None] * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, n, D]; cos/sin [b, n, D]."""
+    cos, sin = cos[:, None], sin[:, None]
+    return x * cos + rotate_half(x) * sin
+
+
+class DraftKVCache:
+    """Per-layer K/V of the draft's context rows, ``[b, kv_heads, S, D]`` each.
+
+    Same methods as transformers' ``DynamicCache`` that the draft uses (``update``,
+    ``get_seq_length``, ``crop``), so either can be passed as ``past_key_values``.
+    """
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx == len(self.keys):
+            self.keys.append(key)
+            self.values.append(value)
+        else:
+            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key], dim=-2)
+            self.values[layer_idx] = torch.cat([self.values[layer_idx], value], dim=-2)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.keys[layer_idx].shape[-2] if len(self.keys) > layer_idx else 0
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` positions (negative: drop that many from the end)."""
+        if max_length < 0:
+            max_length = self.get_seq_length() + max_length
+        self.keys = [k[..., :max_length, :] for k in self.keys]
+        self.values = [v[..., :max_length, :] for v in self.values]
+
+
+def layer_attention_mask(
+    q_len: int, k_len: int, *, causal: bool, window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """Boolean [q_len, k_len] mask (True = attend) of the PyPI draft: query i sits at key index
+    ``k_len - q_len + i``; causal keeps keys at or before it, a window W keeps keys closer than W
+    (on both sides when not causal). ``None`` means attend to everything."""
+    if not causal and window is None:
+        return None
+    q_idx = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    k_idx = torch.arange(k_len, device=device)[None, :]
+    mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    if causal:
+        mask &= k_idx <= q_idx
+    if window is not None:
+        mask &= (q_idx - k_idx) < window
+        if not causal:
+            mask &= (k_idx - q_idx) < window
+    return mask
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.causal = config.layer_is_causal(layer_idx)
+        self.window = config.layer_window(layer_idx)
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        b, n, _ = x.shape
+        return x.view(b, n, heads, self.head_dim).transpose(1, 2)
+
+    def project_qkv(self, hidden: torch.Tensor, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Queries of the block rows [b, nH, q, D]; keys/values of [context ++ block] rows
+        [b, kvH, C+q, D]: shared projections, per-head RMSNorm, then RoPE at the rows' positions."""
+        q_len = hidden.shape[1]
+        rows = torch.cat([context, hidden], dim=1)
+        q = self.q_norm(self._heads(self.q_proj(hidden), self.num_heads))
+        k = self.k_norm(self._heads(self.k_proj(rows), self.num_kv_heads))
+        v = self._heads(self.v_proj(rows), self.num_kv_heads)
+        return apply_rope(q, cos[:, -q_len:], sin[:, -q_len:]), apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        context: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        past_key_values=None,
+        attention_mask: torch.Tensor | None = None,
+        attention_fn=None,
+    ) -> torch.Tensor:
+        """hidden [b, q, H] block rows; context [b, C, H] fused context rows; cos/sin [b, C+q, D]."""
+        b, q_len, _ = hidden.shape
+        q, k, v = self.project_qkv(hidden, context, cos, sin)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        if attention_fn is not None:
+            out = attention_fn(q, k, v)
+            return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
+        groups = self.num_heads // self.num_kv_heads
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+        if attention_mask is None:
+            attention_mask = layer_attention_mask(
+                q_len, k.shape[-2], causal=self.causal, window=self.window, device=hidden.device
+            )
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DFlashMLP(config)
+
+    def forward(self, hidden, context, cos, sin, past_key_values=None, attention_mask=None, attention_fn=None):
+        # Only the block rows are normed per layer; every layer projects the same fused context.
+        attn_in = self.input_layernorm(hidden)
+        hidden = hidden + self.self_attn(attn_in, context, cos, sin, past_key_values, attention_mask, attention_fn)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DraftModel(nn.Module):
+    """Block-diffusion draft conditioned on target features (the network of z-lab's ``DFlashDraftModel``).
+
+    The draft owns no embedding or LM head: callers embed block tokens with the target's
+    embedding table and score the returned hidden states with the target's LM head
+    (:meth:`compute_logits`).
+    """
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.fc = nn.Linear(config.num_taps * hidden, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.reset_parameters()
+
+    # z-lab attribute names
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int | None:
+        return self.config.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.config.target_layer_ids
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def fuse_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """[..., T*H] concatenated taps -> [..., H] = hidden_norm(fc(taps))."""
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def forward(
+        self,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        noise_embedding: torch.Tensor | None = None,
+        target_hidden: torch.Tensor | None = None,
+        past_key_values=None,
+        use_cache: bool = False,
+        attention_fn=None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """One draft pass.
+
+        Args:
+            position_ids: [b, C+q] int64, absolute positions of the C new context rows then the q block rows.
+            attention_mask: optional bool [b or 1, 1, q, K] (True = attend) over all K keys
+                ([cached context, new context, block]); overrides the per-layer default masks
+                (used by training to pack many blocks into one pass).
+            noise_embedding: [b, q, H], target embeddings of the block tokens (× input_embedding_scale).
+            target_hidden: [b, C, T*H], the target's tapped hidden states of the new context rows (C may be 0).
+            past_key_values: a :class:`DraftKVCache` (or HF ``DynamicCache``) holding earlier context
+                K/V; the new rows (context and block) are appended, so crop the block rows off after the call.
+            attention_fn: optional ``(q [b, nH, q, D], k [b, kvH, K, D], v) -> [b, nH, q, D]`` replacing
+                the masked SDPA of every layer (training passes FlexAttention with a block mask).
+        Returns:
+            [b, q, H] final-normed hidden states of the block rows.
+        """
+        if noise_embedding is None or target_hidden is None:
+            raise ValueError("forward: noise_embedding and target_hidden are required")
+        b, q_len, hidden = noise_embedding.shape
+        if hidden != self.config.hidden_size:
+            raise ValueError(f"noise_embedding: hidden size {hidden} != draft hidden_size {self.config.hidden_size}")
+        if target_hidden.shape[-1] != self.fc.in_features:
+            raise ValueError(
+                f"target_hidden: last dim {target_hidden.shape[-1]} != {self.config.num_taps} taps × "
+                f"{self.config.hidden_size}; concatenate the outputs of target_layer_ids {self.config.target_layer_ids}"
+            )
+        if position_ids.shape[-1] != target_hidden.shape[1] + q_len:
+            raise ValueError(
+                f"position_ids: {position_ids.shape[-1]} positions for {target_hidden.shape[1]} context + {q_len} block rows"
+            )
+        position_ids = position_ids.expand(b, -1)
+        context = self.fuse_context(target_hidden)
+        cos, sin = self.rotary_emb(position_ids, noise_embedding.dtype)
+        h = noise_embedding
+        for layer in self.layers:
+            h = layer(h, context, cos, sin, past_key_values, attention_mask, attention_fn)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor, output_head) -> torch.Tensor:
+        """Target LM head on draft hidden states, × output_multiplier, optional soft-cap."""
+        logits = output_head(hidden)
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = cap * torch.tanh(logits / cap)
+        return logits
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_pretrained(self, save_directory: str | os.PathLike, *, max_shard_size: int | None = None) -> None:
+        """Write ``config.json`` and ``model.safetensors`` (sharded with an index when the
+        weights exceed ``max_shard_size`` bytes), in the z-lab layout."""
+        from safetensors.torch import save_file
+
+        os.makedirs(save_directory, exist_ok=True)
+        self.config.to_json_file(os.path.join(save_directory, CONFIG_NAME))
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        if max_shard_size is None or total <= max_shard_size:
+            save_file(state, os.path.join(save_directory, WEIGHTS_NAME), metadata={"format": "pt"})
+            return
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, tensor in state.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            if shards[-1] and size + nbytes > max_shard_size:
+                shards.append({})
+                size = 0
+            shards[-1][name] = tensor
+            size += nbytes
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(save_directory, fname), metadata={"format": "pt"})
+            weight_map.update({name: fname for name in shard})
+        with open(os.path.join(save_directory, WEIGHTS_INDEX_NAME), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    ) -> "DraftModel":
+        """Load a z-lab draft folder (``config.json`` + ``model.safetensors`` or a sharded index)."""
+        from safetensors.torch import load_file
+
+        path = os.fspath(path)
+        config = DFlashConfig.from_json_file(path)
+        single = os.path.join(path, WEIGHTS_NAME)
+        index = os.path.join(path, WEIGHTS_INDEX_NAME)
+        if os.path.isfile(single):
+            files = [single]
+        elif os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index}: missing key 'weight_map'")
+            files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+        else:
+            raise FileNotFoundError(f"no weights in {path}: expected {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME}")
+        state: dict[str, torch.Tensor] = {}
+        for file in files:
+            if not os.path.isfile(file):
+                raise FileNotFoundError(f"weight shard listed in the index is missing: {file}")
+            state.update(load_file(file))
+        with torch.device("meta"):
+            model = cls(config)
+        expected = set(model.state_dict())
+        missing = sorted(expected - set(state))
+        unexpected = sorted(set(state) - expected)
+        if missing or unexpected:
+            raise ValueError(f"{path}: state dict mismatch; missing keys {missing[:8]}, unexpected keys {unexpected[:8]}")
+        model.load_state_dict(state, assign=True)
+        model.rotary_emb = RotaryEmbedding(config)
+        if dtype is None:
+            dtype = next(iter(state.values())).dtype
+        return model.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,353 @@
+"""The engine behind ``backend="fast"``: static buffers, kernel-backed draft and verify steps,
+captured steps (CUDA graphs, or their emulation on any device), batch > 1.
+
+State lives on the device and the two steps have static shapes, so each is captured once per
+setting that changes its work (see :meth:`DFlashEngine.graph_key`) and replayed every round; the
+host reads one small tensor (done flags and committed counts) per round. Everything a call may
+change — sampling parameters, stop tokens, seed and offset, lengths — lives in persistent device
+buffers written in place before replay, so an engine reused across calls gives the same tokens as
+a fresh one.
+
+Invariant per request ``r`` (``positions[r]`` = position of the anchor, the last committed token):
+the target cache and the draft context cache both hold exactly ``positions[r]`` valid rows, the
+tokens before the anchor. Rolling back a rejected block costs nothing: its rows lie beyond
+``positions`` and are overwritten next round.
+
+Round:
+  draft step   inject the previous round's committed rows (fused_context + inject_context_kv),
+               then every draft layer over [context cache ++ block] (draft_attention; block rows at
+               or beyond ``v = min(B, max_length - position)`` are masked, as the reference drafts a
+               v-row block at the tail), final norm, LM head on rows 1..B-1, argmax -> proposals.
+  verify step  lean target forward over [anchor, proposals] at positions[r] (taps into a buffer),
+               verify_greedy / verify_sample, commit_round (tokens, lengths, positions, anchor,
+               stop and length limits, done flags).
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from dflash.draft import DraftModel, rope_inv_freq
+from dflash.graphs import capture
+from dflash.lean_target import LeanTarget, check_lean_target
+from dflash.results import GenerateResult, device_clock
+from dflash.sampling import SamplingParams, sample
+from dflash_kernels import commit_round, draft_attention, fused_context, inject_context_kv, verify_greedy, verify_sample
+
+
+def default_kernel_backend(device: torch.device) -> str:
+    """``"auto"`` on GPU; the PyTorch references on CPU, where the Triton interpreter is for tests only."""
+    return "auto" if device.type == "cuda" else "torch"
+
+
+def graph_mode_for(use_cuda_graphs, device: torch.device) -> str | None:
+    """``use_cuda_graphs`` (None | True | False | "emulate") -> "cuda", "emulate" or None (eager)."""
+    if use_cuda_graphs == "emulate":
+        return "emulate"
+    if use_cuda_graphs is None:
+        return "cuda" if device.type == "cuda" else None
+    if use_cuda_graphs is True:
+        if device.type != "cuda":
+            raise ValueError(f"use_cuda_graphs=True needs CUDA tensors, the models are on {device}; "
+                             "pass use_cuda_graphs='emulate' for the same semantics on this device")
+        return "cuda"
+    if use_cuda_graphs is False:
+        return None
+    raise ValueError(f"use_cuda_graphs must be None, True, False or 'emulate', got {use_cuda_graphs!r}")
+
+
+class DFlashEngine:
+    """Preallocated state and the two decode steps for ``batch`` requests of at most ``capacity`` tokens."""
+
+    def __init__(self, target_model, draft: DraftModel, *, batch: int, capacity: int, block_size: int,
+                 kernel_backend: str | None = None, use_cuda_graphs: bool | str | None = None,
+                 prefill_chunk: int = 512):
+        check_lean_target(target_model)
+        cfg = draft.config
+        if cfg.attention_bias:
+            raise ValueError("draft: attention_bias drafts are not supported by backend='fast'; use backend='reference'")
+        self.target_model = target_model
+        self.draft = draft
+        self.batch, self.capacity, self.block_size = batch, capacity, block_size
+        self.prefill_chunk = prefill_chunk
+        device = target_model.lm_head.weight.device
+        self.device = device
+        self.backend = kernel_backend or default_kernel_backend(device)
+        # commit_round has no Triton kernel: with "triton" it takes the compiled op or its reference.
+        self.commit_backend = "auto" if self.backend == "triton" else self.backend
+        self.graph_mode = graph_mode_for(use_cuda_graphs, device)
+        self.use_draft = block_size > 1
+        # Rows beyond a request's length are scratch for one block: capacity + B keeps them in bounds.
+        rows = capacity + block_size
+        self.target = LeanTarget(target_model, cfg.target_layer_ids if self.use_draft else [],
+                                 batch=batch, capacity=rows)
+        dtype = draft.fc.weight.dtype
+        inv_freq, self.attention_scaling = rope_inv_freq(cfg)
+        self.inv_freq = inv_freq.to(device)
+        # Stacked [L, ...] copies for inject_context_kv, filled (and later refreshed) by refresh_weights.
+        first = draft.layers[0].self_attn
+        layers = cfg.num_hidden_layers
+        self.k_weight = first.k_proj.weight.new_empty((layers, *first.k_proj.weight.shape))
+        self.v_weight = first.v_proj.weight.new_empty((layers, *first.v_proj.weight.shape))
+        self.k_norm_weight = first.k_norm.weight.new_empty((layers, *first.k_norm.weight.shape))
+        self.refresh_weights()
+        cache_shape = (cfg.num_hidden_layers, batch, rows, cfg.num_key_value_heads, cfg.head_dim)
+        self.k_cache = torch.zeros(cache_shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        long = dict(dtype=torch.long, device=device)
+        B = block_size
+        self.out_tokens = torch.zeros(batch, capacity, **long)
+        self.lengths = torch.zeros(batch, **long)
+        self.positions = torch.zeros(batch, **long)
+        self.anchor = torch.zeros(batch, **long)
+        self.done = torch.ones(batch, dtype=torch.bool, device=device)
+        self.max_lengths = torch.zeros(batch, **long)
+        self.num_new = torch.zeros(batch, **long)
+        self.proposals = torch.zeros(batch, B - 1, **long)
+        self.features = torch.zeros(batch, B, cfg.num_taps * cfg.hidden_size, dtype=dtype, device=device)
+        self.block_offsets = torch.arange(B, device=device)
+        self.cu_block = torch.arange(batch + 1, device=device) * B
+        # Per-call settings, written in place by reset() (a captured step keeps reading these tensors).
+        self.temperature = torch.ones(batch, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(batch, **long)
+        self.top_p = torch.ones(batch, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(1, **long)
+        self.offset = torch.zeros(1, **long)
+        self.stop_tables: dict[int, torch.Tensor] = {}  # stop-table width -> [batch, width], -1 padded
+        # Host-side settings of the current call; each combination is its own captured step.
+        self.sampling = SamplingParams()
+        self.stop_width = 0
+        self.kv_bound = 0  # host-side bound on positions + B, grown by B per round (no sync)
+        self.graphs: dict[tuple, object] = {}
+
+    def refresh_weights(self) -> None:
+        """Re-copy the stacked context K/V weights from the draft (in place, so captured graphs stay valid)."""
+        with torch.no_grad():
+            for i, layer in enumerate(self.draft.layers):
+                attn = layer.self_attn
+                self.k_weight[i].copy_(attn.k_proj.weight)
+                self.v_weight[i].copy_(attn.v_proj.weight)
+                self.k_norm_weight[i].copy_(attn.k_norm.weight)
+
+    # ------------------------------------------------------------------ setup per generation
+    def reset(self, prompts: Sequence[torch.Tensor], max_new_tokens: Sequence[int], stops: Sequence[list[int]],
+              sampling: SamplingParams, seed: int) -> None:
+        """Write the call's settings into the persistent buffers, prefill every request (eagerly, one
+        at a time) and set the per-request state. ``stops[r]`` are request r's stop tokens (may be empty)."""
+        if len(prompts) > self.batch:
+            raise ValueError(f"reset: {len(prompts)} prompts for an engine of batch {self.batch}")
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.sampling = sampling
+        self.temperature.fill_(max(sampling.temperature, 1e-5))
+        self.top_k.fill_(sampling.top_k)
+        self.top_p.fill_(sampling.top_p)
+        self.seed.fill_(seed)
+        self.offset.zero_()
+        self.done.fill_(True)
+        self.num_new.zero_()
+        self.stop_width = max((len(s) for s in stops), default=0)
+        if self.stop_width:
+            table = self.stop_tables.get(self.stop_width)
+            if table is None:
+                table = self.stop_tables[self.stop_width] = torch.empty(
+                    (self.batch, self.stop_width), dtype=torch.long, device=self.device)
+            rows = [list(s) + [-1] * (self.stop_width - len(s)) for s in stops]
+            rows += [[-1] * self.stop_width] * (self.batch - len(stops))
+            table.copy_(torch.tensor(rows, dtype=torch.long))
+        longest = 0
+        for r, prompt in enumerate(prompts):
+            p = prompt.shape[0]
+            longest = max(longest, p)
+            row = torch.tensor([r], device=self.device)
+            for c0 in range(0, p, self.prefill_chunk):
+                c1 = min(p, c0 + self.prefill_chunk)
+                start = torch.full((1,), c0, dtype=torch.long, device=self.device)
+                logits, feats = self.target.forward(prompt[None, c0:c1], start, c1, rows=row)
+                if self.use_draft:  # the chunk's context rows go straight into the draft cache
+                    ctx = fused_context(feats[0], self.draft.fc.weight, self.draft.hidden_norm.weight,
+                                        self.draft.config.rms_norm_eps, backend=self.backend)
+                    self._inject(ctx, torch.arange(c0, c1, device=self.device),
+                                 torch.tensor([0, c1 - c0], device=self.device), start, cache_batch_idx=row)
+            first = int(sample(logits[0, -1], sampling.temperature, sampling.top_p, sampling.top_k, generator))
+            self.out_tokens[r, :p] = prompt
+            self.out_tokens[r, p] = first
+            self.lengths[r] = p + 1
+            self.positions[r] = p
+            self.anchor[r] = first
+            self.max_lengths[r] = p + max_new_tokens[r]
+            self.done[r] = bool(first in stops[r] or max_new_tokens[r] <= 1)
+        # Captured steps need static shapes: attend over the whole cache; eagerly, only as far as needed.
+        self.kv_bound = self.capacity + self.block_size if self.graph_mode else longest + self.block_size
+
+    def fill_random_context(self, context: int, generator: torch.Generator | None = None) -> None:
+        """Benchmark state without a prefill: every request holds ``context`` random context rows, the
+        last round committed ``min(B, context)`` of them, and the anchor is a random token."""
+        vocab = self.target_model.get_input_embeddings().weight.shape[0]
+        rows = min(context + self.block_size, self.k_cache.shape[2])
+        for cache in (self.k_cache, self.v_cache, self.features):
+            view = cache[:, :, :rows] if cache.dim() == 5 else cache
+            view.copy_(torch.randn(view.shape, generator=generator).to(view.dtype))
+        self.positions.fill_(context)
+        self.num_new.fill_(min(self.block_size, context))
+        self.max_lengths.fill_(self.capacity)
+        self.anchor.copy_(torch.randint(0, vocab, self.anchor.shape, generator=generator))
+        self.done.fill_(False)
+        self.kv_bound = self.capacity + self.block_size if self.graph_mode else context + self.block_size
+
+    def _inject(self, ctx, positions, cu_lens, cache_lens, cache_batch_idx=None):
+        cfg = self.draft.config
+        inject_context_kv(ctx, self.k_weight, self.v_weight, self.k_norm_weight, positions, cu_lens, cache_lens,
+                          self.k_cache, self.v_cache, inv_freq=self.inv_freq, attention_scaling=self.attention_scaling,
+                          eps=cfg.rms_norm_eps, cache_batch_idx=cache_batch_idx, backend=self.backend)
+
+    # ------------------------------------------------------------------ the two steps
+    def draft_step(self) -> None:
+        """Inject last round's committed rows, run the draft over the block, write proposals."""
+        draft, cfg, n, B = self.draft, self.draft.config, self.batch, self.block_size
+        start = self.positions - self.num_new  # first row of the rows committed last round
+        ctx = fused_context(self.features.view(n * B, -1), draft.fc.weight, draft.hidden_norm.weight,
+                            cfg.rms_norm_eps, backend=self.backend)
+        # All B rows of every request are written; only num_new of them become valid context
+        # (positions advanced by exactly that), so the shapes stay static.
+        self._inject(ctx, (start[:, None] + self.block_offsets).view(-1), self.cu_block, start)
+        # The reference drafts [anchor, MASK x (v-1)] with v = min(B, max_length - position): the
+        # block rows at or beyond v are masked out as keys, so rows < v see exactly that block.
+        block_lens = (self.max_lengths - self.positions).clamp(1, B)
+        block = torch.cat([self.anchor[:, None], torch.full_like(self.proposals, cfg.mask_token_id)], dim=1)
+        h = F.embedding(block, self.target_model.get_input_embeddings().weight).to(ctx.dtype)
+        h = h * cfg.input_embedding_scale
+        for li, layer in enumerate(draft.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(n, B, attn.num_heads, attn.head_dim)
+            k = attn.k_proj(x).view(n, B, attn.num_kv_heads, attn.head_dim)
+            v = attn.v_proj(x).view(n, B, attn.num_kv_heads, attn.head_dim)
+            o = draft_attention(q, k, v, self.k_cache[li], self.v_cache[li], self.positions, attn.q_norm.weight,
+                                attn.k_norm.weight, inv_freq=self.inv_freq, attention_scaling=self.attention_scaling,
+                                eps=cfg.rms_norm_eps, sliding_window=attn.window, causal=attn.causal,
+                                max_context_len=self.kv_bound, backend=self.backend)
+            h = h + attn.o_proj(o.reshape(n, B, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = draft.norm(h[:, 1:])
+        logits = draft.compute_logits(h.to(self.target_model.lm_head.weight.dtype), self.target_model.lm_head)
+        self.proposals.copy_(torch.argmax(logits, dim=-1))
+
+    def verify_step(self) -> None:
+        """Target forward over [anchor, proposals], acceptance, commit."""
+        block = torch.cat([self.anchor[:, None], self.proposals], dim=1)
+        logits, feats = self.target.forward(block, self.positions, self.kv_bound)
+        if self.sampling.greedy:
+            accepted, bonus = verify_greedy(logits, self.proposals, backend=self.backend)
+        else:
+            filtered = self.sampling.filtered  # filters off: no threshold pass over the vocabulary
+            accepted, bonus = verify_sample(logits, self.proposals, temperature=self.temperature,
+                                            top_k=self.top_k if filtered else 0,
+                                            top_p=self.top_p if filtered else 1.0,
+                                            seed=self.seed, offset=self.offset, backend=self.backend)
+            self.offset.add_(1)
+        if feats is not None:
+            self.features.copy_(feats)
+        self.num_new.copy_(commit_round(self.proposals, accepted, bonus, out_tokens=self.out_tokens,
+                                        lengths=self.lengths, positions=self.positions, anchor=self.anchor,
+                                        done=self.done, max_lengths=self.max_lengths,
+                                        stop_tokens=self.stop_tables.get(self.stop_width),
+                                        backend=self.commit_backend))
+
+    # ------------------------------------------------------------------ running the steps
+    def graph_key(self, name: str) -> tuple:
+        """Everything that changes a captured step's work; batch and block size are fixed per engine."""
+        if name == "draft":
+            return (name,)
+        return (name, self.sampling.greedy, self.sampling.filtered, self.stop_width)
+
+    def run_step(self, name: str) -> None:
+        """Run the "draft" or "verify" step: eagerly, or by replaying its captured graph (captured on first use)."""
+        step = {"draft": self.draft_step, "verify": self.verify_step}[name]
+        if self.graph_mode is None:
+            step()
+            return
+        key = self.graph_key(name)
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.graphs[key] = capture(step, self.graph_mode, self.mutable_state())
+        graph.replay()
+
+    def round(self) -> tuple[float, float]:
+        """One round; returns (draft seconds, verify seconds)."""
+        t0 = device_clock(self.device)
+        if self.use_draft:
+            self.run_step("draft")
+        t1 = device_clock(self.device)
+        self.run_step("verify")
+        t2 = device_clock(self.device)
+        self.kv_bound = min(self.kv_bound + self.block_size, self.capacity + self.block_size)
+        return t1 - t0, t2 - t1
+
+    def mutable_state(self) -> list[torch.Tensor]:
+        """The buffers a step writes (besides the caches' scratch rows beyond each request's length)."""
+        return [self.out_tokens, self.lengths, self.positions, self.anchor, self.done, self.num_new,
+                self.proposals, self.features, self.offset]
+
+    def generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: Sequence[int], stops: Sequence[list[int]],
+                 sampling: SamplingParams, seed: int) -> list[GenerateResult]:
+        """Decode validated prompts (1-D, on the device) to the end; one :class:`GenerateResult` each, whose
+        ``extra["round_times"]`` lists every round's (draft, verify, whole round incl. the host read) seconds."""
+        n = len(prompts)
+        with torch.inference_mode():
+            t0 = device_clock(self.device)
+            self.reset(prompts, max_new_tokens, stops, sampling, seed)
+            t1 = device_clock(self.device)
+            acceptance: list[list[int]] = [[] for _ in prompts]
+            round_times: list[tuple[float, float, float]] = []  # (draft, verify, whole round) seconds
+            done = self.done[:n].to("cpu", copy=True)
+            while not bool(done.all()):
+                ta = time.perf_counter()
+                dt, vt = self.round()
+                was_done = done
+                snapshot = torch.cat([self.done[:n].long(), self.num_new[:n]]).cpu()  # the round's one host read
+                round_times.append((dt, vt, time.perf_counter() - ta))
+                done = snapshot[:n].bool()
+                for r, n_new in enumerate(snapshot[n:].tolist()):
+                    if not was_done[r]:
+                        acceptance[r].append(int(n_new))
+            lengths = self.lengths.cpu().tolist()
+            total = device_clock(self.device) - t0
+        return [
+            GenerateResult(sequences=self.out_tokens[r:r + 1, :lengths[r]].clone(), acceptance_lengths=acceptance[r],
+                           num_prompt_tokens=prompt.shape[0], prefill_time=t1 - t0,
+                           draft_time=sum(t[0] for t in round_times), verify_time=sum(t[1] for t in round_times),
+                           total_time=total, extra={"round_times": round_times})
+            for r, prompt in enumerate(prompts)
+        ]
+
+
+_ENGINE: dict = {}
+
+
+def cached_engine(target_model, draft: DraftModel, **options) -> DFlashEngine:
+    """The engine of the previous call when the models and shapes are the same (its buffers and
+    captured steps are reused, so repeated calls neither reallocate nor recapture), else a new one."""
+    key = (id(target_model), id(draft), DFlashEngine, tuple(sorted(options.items())))
+    engine = _ENGINE.get("engine")
+    if engine is not None and _ENGINE.get("key") == key and engine.target_model is target_model and engine.draft is draft:
+        engine.refresh_weights()
+        return engine
+    _ENGINE.clear()  # drop the old engine's buffers before allocating the new ones
+    engine = DFlashEngine(target_model, draft, **options)
+    _ENGINE.update(key=key, engine=engine)
+    return engine
+
+
+def unsupported_reason(target, draft: DraftModel) -> str | None:
+    """Why backend='fast' cannot run this pair, or None."""
+    model = target.model if hasattr(target, "layer_ids") else target
+    try:
+        check_lean_target(model)
+    except TypeError as exc:
+        return str(exc)
+    if draft.config.attention_bias:
+        return "draft uses attention_bias"
+    return None

@@ -254,6 +254,8 @@ class DFlashEngine:
                                         lengths=self.lengths, positions=self.positions, anchor=self.anchor,
                                         done=self.done, max_lengths=self.max_lengths,
                                         stop_tokens=self.stop_tables.get(self.stop_width),
+                                        # value checks read the device on the host: eager steps only
+                                        check=False if self.graph_mode else None,
                                         backend=self.commit_backend))
 
     # ------------------------------------------------------------------ running the steps

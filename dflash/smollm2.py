@@ -28,6 +28,11 @@ def cache_root() -> str:
     return os.environ.get("DFLASH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dflash")
 
 
+def cache_path(*parts: str) -> str:
+    """A path under the project's cache folder (``$DFLASH_CACHE``, default ``~/.cache/dflash``)."""
+    return os.path.join(cache_root(), *parts)
+
+
 def converted_dir() -> str:
     return os.path.join(cache_root(), CACHE_SUBDIR)
 

@@ -5,11 +5,7 @@ import argparse
 import os
 import sys
 
-
-def _default_cache(*parts: str) -> str:
-    from dflash.smollm2 import cache_root
-
-    return os.path.join(cache_root(), *parts)
+from dflash.smollm2 import cache_path
 
 
 def _cmd_data(args) -> int:
@@ -40,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("data", help="generate target responses + features for the offline prompt set")
-    d.add_argument("--out", default=_default_cache("data", "smollm2"), help="data folder (default: %(default)s)")
+    d.add_argument("--out", default=cache_path("data", "smollm2"), help="data folder (default: %(default)s)")
     d.add_argument("--num-prompts", type=int, default=2048)
     d.add_argument("--num-eval", type=int, default=32)
     d.add_argument("--max-new-tokens", type=int, default=128)

@@ -188,11 +188,11 @@ class Trainer:
 
 # ------------------------------------------------------------------------------------------------ CLI
 def add_fit_args(sub) -> None:
-    from dflash.train.cli import _default_cache
+    from dflash.smollm2 import cache_path
 
     f = sub.add_parser("fit", help="train a draft for SmolLM2-135M on a generated data folder (resumable)")
-    f.add_argument("--data", default=_default_cache("data", "smollm2"), help="folder written by `dflash train data`")
-    f.add_argument("--out", default=_default_cache("runs", "smollm2-b8-l2"), help="checkpoint folder (resumes if it has last.pt)")
+    f.add_argument("--data", default=cache_path("data", "smollm2"), help="folder written by `dflash train data`")
+    f.add_argument("--out", default=cache_path("runs", "smollm2-b8-l2"), help="checkpoint folder (resumes if it has last.pt)")
     f.add_argument("--max-shards", type=int, default=None,
                    help="train on the first N train shards only (fixes the data while `data` is still appending)")
     f.add_argument("--layers", type=int, default=2)
@@ -235,11 +235,11 @@ def add_export_args(sub) -> None:
 
 
 def add_evaluate_args(sub) -> None:
-    from dflash.train.cli import _default_cache
+    from dflash.smollm2 import cache_path
 
     v = sub.add_parser("evaluate", help="teacher-forced τ estimate of a draft folder on a data folder")
     v.add_argument("draft")
-    v.add_argument("--data", default=os.path.join(_default_cache("data", "smollm2"), "eval"))
+    v.add_argument("--data", default=os.path.join(cache_path("data", "smollm2"), "eval"))
     v.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, i.e. all cores)")
     v.set_defaults(func=evaluate_main)
 

@@ -269,11 +269,12 @@ def measure_pair(label, target, draft, prompts, max_new, block, stops, device, o
             log(f"  {label} prompt {pi} {rt:12s} τ {r['tau']:5.2f}  {r['tokens_per_s']:8.1f} tok/s  "
                 f"round {r['T_round_ms']:8.2f} ms (draft {r['T_draft_ms']:.2f}, verify {r['T_verify_ms']:.2f}, "
                 f"other {r['T_other_ms']:.2f})", flush=True)
-        # lossless check (greedy): every runtime's output equals the AR output
-        ref_seq = res[runtimes[0]]["_seq"]
+        # lossless check (greedy): every runtime's output equals the AR output, length included
+        # (a runtime that stops early or overshoots max_new is not the same)
+        ref_seq = res[runtimes[0]]["_seq"].cpu()
         for rt, r in res.items():
-            n = min(len(r["_seq"]), len(ref_seq))
-            r["same_as_AR"] = bool(torch.equal(r["_seq"][:n].cpu(), ref_seq[:n].cpu()))
+            seq = r["_seq"].cpu()
+            r["same_as_AR"] = seq.shape == ref_seq.shape and bool(torch.equal(seq, ref_seq))
             ar = r if rt.startswith("ar") else res.get("ar-fast" if rt == "fast" else "ar-reference")
             if ar is None:
                 r["speedup_vs_AR"] = float("nan")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Sequence
 
 CONFIG_NAME = "config.json"
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
@@ -140,6 +140,68 @@ class DFlashConfig:
 
     def layer_window(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def expected_weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Every tensor of a draft checkpoint (z-lab state-dict names) -> (shape, the config fields
+        that imply it). The one statement of the draft's weight shapes that loading checks against."""
+        H, T, I, D = self.hidden_size, self.num_taps, self.intermediate_size, self.head_dim
+        nh, nkv = self.num_attention_heads, self.num_key_value_heads
+        hid = f"hidden_size={H}"
+        q_out = f"num_attention_heads={nh} × head_dim={D}"
+        kv_out = f"num_key_value_heads={nkv} × head_dim={D}"
+        inter = f"intermediate_size={I}"
+        shapes = {
+            "fc.weight": ((H, T * H), f"{hid}, len(target_layer_ids)={T} × {hid}"),
+            "hidden_norm.weight": ((H,), hid),
+            "norm.weight": ((H,), hid),
+        }
+        for i in range(self.num_hidden_layers):
+            p = f"layers.{i}."
+            layer = {
+                "input_layernorm.weight": ((H,), hid),
+                "post_attention_layernorm.weight": ((H,), hid),
+                "self_attn.q_proj.weight": ((nh * D, H), f"{q_out}, {hid}"),
+                "self_attn.k_proj.weight": ((nkv * D, H), f"{kv_out}, {hid}"),
+                "self_attn.v_proj.weight": ((nkv * D, H), f"{kv_out}, {hid}"),
+                "self_attn.o_proj.weight": ((H, nh * D), f"{hid}, {q_out}"),
+                "self_attn.q_norm.weight": ((D,), f"head_dim={D}"),
+                "self_attn.k_norm.weight": ((D,), f"head_dim={D}"),
+                "mlp.gate_proj.weight": ((I, H), f"{inter}, {hid}"),
+                "mlp.up_proj.weight": ((I, H), f"{inter}, {hid}"),
+                "mlp.down_proj.weight": ((H, I), f"{hid}, {inter}"),
+            }
+            if self.attention_bias:
+                layer.update({
+                    "self_attn.q_proj.bias": ((nh * D,), f"{q_out}, attention_bias=true"),
+                    "self_attn.k_proj.bias": ((nkv * D,), f"{kv_out}, attention_bias=true"),
+                    "self_attn.v_proj.bias": ((nkv * D,), f"{kv_out}, attention_bias=true"),
+                    "self_attn.o_proj.bias": ((H,), f"{hid}, attention_bias=true"),
+                })
+            shapes.update({p + name: v for name, v in layer.items()})
+        return shapes
+
+    def check_weight_shapes(self, shapes: dict[str, Sequence[int]], *, source: str = "checkpoint") -> None:
+        """Raises ValueError unless ``shapes`` (tensor name -> shape, as read from a checkpoint) has
+        exactly the tensors and shapes of :meth:`expected_weight_shapes`; names every offender."""
+        expected = self.expected_weight_shapes()
+        fix = "the weights and config.json must come from the same draft"
+        missing = [n for n in expected if n not in shapes]
+        unexpected = sorted(n for n in shapes if n not in expected)
+        if missing or unexpected:
+            parts = []
+            if missing:
+                parts.append(f"missing tensors {missing[:8]}" + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+            if unexpected:
+                parts.append(f"unexpected tensors {unexpected[:8]}"
+                             + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))
+            raise ValueError(f"{source}: {'; '.join(parts)}: config.json describes num_hidden_layers="
+                             f"{self.num_hidden_layers}, attention_bias={str(self.attention_bias).lower()}; {fix}")
+        wrong = [f"{n}: checkpoint {list(shapes[n])}, config implies {list(shape)} ({why})"
+                 for n, (shape, why) in expected.items() if tuple(shapes[n]) != shape]
+        if wrong:
+            more = f"; +{len(wrong) - 8} more" if len(wrong) > 8 else ""
+            raise ValueError(f"{source}: {len(wrong)} tensor shape(s) disagree with config.json: "
+                             + "; ".join(wrong[:8]) + more + f"; {fix}")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, source: str = "config") -> "DFlashConfig":

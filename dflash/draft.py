@@ -383,13 +383,9 @@ class DraftModel(nn.Module):
             if not os.path.isfile(file):
                 raise FileNotFoundError(f"weight shard listed in the index is missing: {file}")
             state.update(load_file(file))
+        config.check_weight_shapes({name: tuple(t.shape) for name, t in state.items()}, source=path)
         with torch.device("meta"):
             model = cls(config)
-        expected = set(model.state_dict())
-        missing = sorted(expected - set(state))
-        unexpected = sorted(set(state) - expected)
-        if missing or unexpected:
-            raise ValueError(f"{path}: state dict mismatch; missing keys {missing[:8]}, unexpected keys {unexpected[:8]}")
         model.load_state_dict(state, assign=True)
         model.rotary_emb = RotaryEmbedding(config)
         if dtype is None:

@@ -4,8 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash import DFlashDraftModel, TargetAdapter
-from dflash import generate
+from dflash import TargetAdapter, generate
 from tiny_models import make_draft, make_target
 
 
@@ -81,4 +80,7 @@ def test_draft_forward_shape_errors(pair):
     with pytest.raises(ValueError, match="position_ids"):
         draft(position_ids=torch.arange(5)[None], noise_embedding=torch.randn(1, 4, H),
               target_hidden=torch.randn(1, 2, H * draft.config.num_taps))
-    assert isinstance(draft, DFlashDraftModel)
+    # control: the same call with consistent shapes runs, so the errors above come from the shapes alone
+    out = draft(position_ids=torch.arange(6)[None], noise_embedding=torch.randn(1, 4, H),
+                target_hidden=torch.randn(1, 2, H * draft.config.num_taps))
+    assert out.shape == (1, 4, H) and bool(torch.isfinite(out).all())

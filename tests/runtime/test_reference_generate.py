@@ -79,4 +79,11 @@ def test_spec_generate_and_timings():
     result = generate(target, draft, ids[0], 10, backend="reference")
     assert result.sequences.shape == (1, 16)
     assert result.total_time >= result.prefill_time + result.draft_time + result.verify_time > 0
-    assert result.tau >= 1.0
+    assert sum(result.acceptance_lengths) == 9 and all(1 <= a <= 4 for a in result.acceptance_lengths)
+    assert result.tau == 9 / len(result.acceptance_lengths)
+    # an always-right draft: every proposal accepted, B tokens per round after the prefill token, τ = B
+    expected = target_greedy(target, ids, 1 + 3 * 4)
+    as_oracle(draft).attach(expected[0, 6:], 6, corrupt=0.0)
+    oracle = generate(target, draft, ids, 1 + 3 * 4, backend="reference")
+    assert torch.equal(oracle.sequences, expected)
+    assert oracle.acceptance_lengths == [4, 4, 4] and oracle.tau == 4.0

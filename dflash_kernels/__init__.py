@@ -1,7 +1,10 @@
 """dflash_kernels: Triton and C++/CUDA kernels for DFlash speculative decoding.
 
 Every op has a pure-PyTorch reference (its definition), a Triton kernel and, where the
-extension provides one, a compiled op; the public function takes ``backend=``.
+extension provides one, a compiled op; the public function takes ``backend=``. Importing the
+package registers each op as ``torch.ops.dflash.<op>`` (a ``torch.library`` custom op with a fake
+kernel); the public functions validate and then make exactly one such call. The compiled extension
+(``torch.ops.dflash_ext.*``) is optional and loaded on first use, never here.
 """
 from __future__ import annotations
 

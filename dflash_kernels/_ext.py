@@ -1,7 +1,9 @@
 """Loader for the compiled extension ``dflash_kernels._C`` (C++ CPU ops, CUDA ops).
 
-The ops live in ``torch.ops.dflash`` (``verify_greedy``, ``commit_round``); see
-``csrc/include/dflash_kernels.h`` for their exact definitions. They come from, in order:
+The compiled ops live in their own namespace, ``torch.ops.dflash_ext`` (``verify_greedy``,
+``commit_round``), apart from the public ``torch.ops.dflash.*`` ops that ``import dflash_kernels``
+registers: those dispatch here when their backend resolves to ``"ext"``. See
+``csrc/include/dflash_kernels.h`` for the exact definitions. The library comes from, in order:
 
 1. ``dflash_kernels._C``, built by ``pip install --no-build-isolation -e .`` (setup.py);
 2. ``DFLASH_KERNELS_LIBRARY=/path/libdflash_torch_ops.so``: a library built by CMake, loaded with
@@ -11,7 +13,8 @@ The ops live in ``torch.ops.dflash`` (``verify_greedy``, ``commit_round``); see
    cached afterwards in ``TORCH_EXTENSIONS_DIR``; needs a source checkout). The CUDA ops are
    included when torch is a CUDA build and nvcc is found.
 
-Nothing is loaded at ``import dflash_kernels``; the first :func:`status` / op call loads, once.
+Nothing is loaded at ``import dflash_kernels`` (a package without ``_C`` imports and falls back to
+Triton or the reference); the first :func:`status` / op call loads, once.
 """
 from __future__ import annotations
 
@@ -34,14 +37,14 @@ _how = ""  # how the ops were loaded, or why not
 
 def _ops_registered() -> bool:
     try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key("dflash::verify_greedy", "CPU")
+        return torch._C._dispatch_has_kernel_for_dispatch_key("dflash_ext::verify_greedy", "CPU")
     except Exception:  # pragma: no cover - private API changed
-        return hasattr(torch.ops.dflash, "verify_greedy")
+        return hasattr(torch.ops.dflash_ext, "verify_greedy")
 
 
 def _has_cuda_kernels() -> bool:
     try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key("dflash::verify_greedy", "CUDA")
+        return torch._C._dispatch_has_kernel_for_dispatch_key("dflash_ext::verify_greedy", "CUDA")
     except Exception:  # pragma: no cover
         return False
 
@@ -112,7 +115,7 @@ def load(jit: bool | None = None, verbose: bool = False) -> tuple[bool, str]:
             return _loaded, _how
         why = []
         try:
-            from dflash_kernels import _C  # noqa: F401  (registers torch.ops.dflash.*)
+            from dflash_kernels import _C  # noqa: F401  (registers torch.ops.dflash_ext.*)
 
             _loaded, _how = True, "dflash_kernels._C built by setup.py"
             return _loaded, _how
@@ -127,7 +130,7 @@ def load(jit: bool | None = None, verbose: bool = False) -> tuple[bool, str]:
             except Exception as exc:
                 why.append(f"{LIBRARY_ENV}={lib} failed to load ({exc})")
         if _ops_registered():
-            _loaded, _how = True, "torch.ops.dflash registered by a library loaded elsewhere"
+            _loaded, _how = True, "torch.ops.dflash_ext registered by a library loaded elsewhere"
             return _loaded, _how
         if jit is None:
             jit = os.environ.get(JIT_ENV, "0") == "1"
@@ -186,16 +189,16 @@ def _require(device: torch.device, op: str) -> None:
 
 
 def verify_greedy(logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.ops.dflash.verify_greedy`` (accepts int32 drafts and non-contiguous logits by copying)."""
+    """``torch.ops.dflash_ext.verify_greedy`` (accepts int32 drafts and non-contiguous logits by copying)."""
     _require(logits.device, "verify_greedy")
     if draft_tokens.dtype == torch.int32:
         draft_tokens = draft_tokens.to(torch.int64)
-    return torch.ops.dflash.verify_greedy(logits.contiguous(), draft_tokens.contiguous())
+    return torch.ops.dflash_ext.verify_greedy(logits.contiguous(), draft_tokens.contiguous())
 
 
 def commit_round(draft_tokens, accepted, bonus, stop_tokens, max_lengths, out_tokens, lengths,
                  positions, anchor, done) -> torch.Tensor:
-    """``torch.ops.dflash.commit_round`` (argument order of the schema); returns ``num_new``."""
+    """``torch.ops.dflash_ext.commit_round`` (argument order of the schema); returns ``num_new``."""
     _require(draft_tokens.device, "commit_round")
-    return torch.ops.dflash.commit_round(draft_tokens, accepted, bonus, stop_tokens, max_lengths,
-                                         out_tokens, lengths, positions, anchor, done)
+    return torch.ops.dflash_ext.commit_round(draft_tokens, accepted, bonus, stop_tokens, max_lengths,
+                                             out_tokens, lengths, positions, anchor, done)

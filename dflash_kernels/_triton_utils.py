@@ -44,7 +44,8 @@ def check_last_dim_contiguous(op: str, name: str, t: torch.Tensor) -> None:
 
 
 def as_index_tensor(op: str, name: str, value, device: torch.device) -> torch.Tensor:
-    """An int or a 1-element integer tensor -> 1-element int64 tensor on ``device`` (graph-friendly)."""
+    """An int -> a new ``[1]`` int64 tensor on ``device``; a 1-element int32/int64 tensor -> itself as ``[1]``
+    (a view, never a copy, so that a CUDA-graph replay reads the value it holds then)."""
     if isinstance(value, bool):
         raise TypeError(f"{op}: {name} must be an int or a 1-element integer tensor, got bool")
     if isinstance(value, int):
@@ -55,7 +56,7 @@ def as_index_tensor(op: str, name: str, value, device: torch.device) -> torch.Te
                              f"{tuple(value.shape)} dtype {value.dtype}")
         if value.device != device:
             raise ValueError(f"{op}: {name} is on {value.device}; put it on {device}")
-        return value.reshape(1).to(torch.int64)
+        return value.reshape(1)
     raise TypeError(f"{op}: {name} must be an int or a 1-element integer tensor, got {type(value).__name__}")
 
 

@@ -29,6 +29,8 @@ finished in this round. ``positions[r]`` stays the position of ``anchor[r]``.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from dflash_kernels._dispatch import resolve_backend
@@ -36,6 +38,7 @@ from dflash_kernels._dispatch import resolve_backend
 __all__ = ["commit_round", "commit_round_reference", "CommitRoundInputError"]
 
 _OP = "commit_round"
+_BACKENDS = ("ext", "torch")
 
 
 class CommitRoundInputError(RuntimeError, ValueError, TypeError):
@@ -192,13 +195,31 @@ def commit_round(draft_tokens: torch.Tensor, accepted: torch.Tensor, bonus: torc
         check = dev.type == "cpu" and not torch.compiler.is_compiling()
     if check:
         _check_values(draft_tokens, accepted, lengths, done, max_lengths, out_tokens.shape[1])
-    chosen = resolve_backend(_OP, backend, dev, available=("ext", "torch"))
+    chosen = resolve_backend(_OP, backend, dev, available=_BACKENDS)
+    return torch.ops.dflash.commit_round(draft_tokens, accepted, bonus, out_tokens, lengths, positions, anchor,
+                                         done, max_lengths, stop_tokens, chosen)
+
+
+@torch.library.custom_op("dflash::commit_round",
+                         mutates_args=("out_tokens", "lengths", "positions", "anchor", "done"))
+def _commit_round_op(draft_tokens: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor,
+                     out_tokens: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, anchor: torch.Tensor,
+                     done: torch.Tensor, max_lengths: torch.Tensor, stop_tokens: Optional[torch.Tensor],
+                     backend: str) -> torch.Tensor:
+    """``torch.ops.dflash.commit_round``: :func:`commit_round` after validation (no value checks here)."""
+    chosen = resolve_backend(_OP, backend, draft_tokens.device, available=_BACKENDS)
     if chosen == "ext":
         from dflash_kernels import _ext
 
         if stop_tokens is None:
-            stop_tokens = torch.empty(0, dtype=torch.int64, device=dev)
+            stop_tokens = torch.empty(0, dtype=torch.int64, device=draft_tokens.device)
         return _ext.commit_round(draft_tokens, accepted, bonus, stop_tokens, max_lengths,
                                  out_tokens, lengths, positions, anchor, done)
     return commit_round_reference(draft_tokens, accepted, bonus, out_tokens, lengths, positions,
                                   anchor, done, max_lengths, stop_tokens)
+
+
+@_commit_round_op.register_fake
+def _commit_round_fake(draft_tokens, accepted, bonus, out_tokens, lengths, positions, anchor, done, max_lengths,
+                       stop_tokens, backend):
+    return accepted.new_empty((draft_tokens.shape[0],))

@@ -16,11 +16,12 @@ from dflash_kernels._triton_utils import (
 )
 
 OP = "draft_attention"
+_BACKENDS = ("triton", "torch")
 _LOG2E = 1.4426950408889634
 
 
 def _validate(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, sliding_window,
-              block_table, cache_batch_idx, num_splits, causal=None):
+              block_table, cache_batch_idx, num_splits, causal, block_lens):
     check_tensor(OP, "q", q, ndim=4, dtypes=FLOAT_DTYPES)
     dev = q.device
     n, b, nh, d = q.shape
@@ -41,6 +42,11 @@ def _validate(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weigh
     check_tensor(OP, "cache_lens", cache_lens, ndim=1, dtypes=(torch.int32, torch.int64), device=dev)
     if cache_lens.shape[0] != n:
         raise ValueError(f"{OP}: cache_lens must be [N={n}] (cached context rows per request), got {tuple(cache_lens.shape)}")
+    if block_lens is not None:
+        check_tensor(OP, "block_lens", block_lens, ndim=1, dtypes=(torch.int64,), device=dev)
+        if block_lens.shape[0] != n:
+            raise ValueError(f"{OP}: block_lens must be [N={n}] (valid block rows per request, each in [1, B={b}]) "
+                             f"or None (all B rows valid), got {tuple(block_lens.shape)}")
     for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
         check_tensor(OP, name, w, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
         if w.shape[0] != d:
@@ -71,21 +77,25 @@ def _gather_context(cache: torch.Tensor, n: int, length: int, block_table, cache
 
 def draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, *, inv_freq,
                               attention_scaling: float = 1.0, eps: float = 1e-6, sliding_window: Optional[int] = None,
-                              causal: Optional[bool] = None, block_table=None, cache_batch_idx=None) -> torch.Tensor:
-    """Definition (HF Qwen3 numerics in q's dtype, SDPA; reads cache_lens on the host).
+                              causal: Optional[bool] = None, block_table=None, cache_batch_idx=None,
+                              block_lens=None) -> torch.Tensor:
+    """Definition (HF Qwen3 numerics in q's dtype, SDPA; reads cache_lens and block_lens on the host).
 
-    Per request n with C = cache_lens[n]: block row i sits at position C + i. q/k get per-head RMSNorm then
-    RoPE; scores over [cache[:C] ++ block keys], scale D**-0.5. Key at position p is visible to the query
-    at position P unless: causal and p > P; or a window W is set and P - p >= W (or, non-causal with a
-    window, p - P >= W). ``causal=None`` means causal iff a window is set (PyPI dflash / vLLM default).
+    Per request n with C = cache_lens[n] and v = block_lens[n] (B when None): block row i sits at position
+    C + i. q/k get per-head RMSNorm then RoPE; scores over [cache[:C] ++ block keys 0..v-1], scale D**-0.5.
+    Key at position p is visible to the query at position P unless: causal and p > P; or a window W is set
+    and P - p >= W (or, non-causal with a window, p - P >= W). ``causal=None`` means causal iff a window is
+    set (PyPI dflash / vLLM default). Rows i < v are exactly a run on the v-row block ``[:, :v]``; rows
+    i >= v are unspecified (here: the same formula, and 0 where no key is visible).
     """
     causal = (sliding_window is not None) if causal is None else causal
     n, b, nh, d = q.shape
     kvh = k.shape[2]
     out = torch.empty_like(q)
     lens = cache_lens.tolist()
+    valid = block_lens.tolist() if block_lens is not None else [b] * n
     for r in range(n):
-        c = int(lens[r])
+        c, nb = int(lens[r]), int(valid[r])
         pos = torch.arange(c, c + b, device=q.device)
         cos, sin = rope_cos_sin_reference(pos, inv_freq, attention_scaling, q.dtype)
         cos, sin = cos[:, None, :], sin[:, None, :]
@@ -93,28 +103,31 @@ def draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weig
         kn = rms_norm_reference(k[r], k_norm_weight, eps)
         qn = qn * cos + rotate_half(qn) * sin
         kn = kn * cos + rotate_half(kn) * sin
-        keys = torch.cat([_gather_context(k_cache, r, c, block_table, cache_batch_idx).to(q.dtype), kn], 0)
-        vals = torch.cat([_gather_context(v_cache, r, c, block_table, cache_batch_idx).to(q.dtype), v[r]], 0)
+        keys = torch.cat([_gather_context(k_cache, r, c, block_table, cache_batch_idx).to(q.dtype), kn[:nb]], 0)
+        vals = torch.cat([_gather_context(v_cache, r, c, block_table, cache_batch_idx).to(q.dtype), v[r, :nb]], 0)
         qpos = pos[:, None]
-        kpos = torch.arange(c + b, device=q.device)[None, :]
-        mask = torch.ones(b, c + b, dtype=torch.bool, device=q.device)
+        kpos = torch.arange(c + nb, device=q.device)[None, :]
+        mask = torch.ones(b, c + nb, dtype=torch.bool, device=q.device)
         if causal:
             mask &= kpos <= qpos
         if sliding_window is not None:
             mask &= (qpos - kpos < sliding_window) & (kpos - qpos < sliding_window)
         o = F.scaled_dot_product_attention(qn.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
                                            attn_mask=mask, scale=d ** -0.5, enable_gqa=kvh != nh)
-        out[r] = o.transpose(0, 1)
+        # Only rows past block_lens can see no key (a window behind them ends before the valid block).
+        out[r] = o.transpose(0, 1).masked_fill(~mask.any(1)[:, None, None], 0)
     return out
 
 
 @triton.jit
 def _draft_attn_split_kernel(
-    q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, lens_ptr, table_ptr, qw_ptr, kw_ptr, inv_freq_ptr, po_ptr, pm_ptr, pl_ptr,
+    q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, lens_ptr, blens_ptr, table_ptr, qw_ptr, kw_ptr, inv_freq_ptr, po_ptr, pm_ptr,
+    pl_ptr,
     B, G, NH, HALF, page_size, CAP, window, attention_scaling, eps, qk_scale, NSPLIT,
     stride_qn, stride_qb, stride_qh, stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
     stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch, stride_tn,
-    HAS_TABLE: tl.constexpr, SLIDING: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_TABLE: tl.constexpr, SLIDING: tl.constexpr, CAUSAL: tl.constexpr, HAS_BLOCK_LENS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
@@ -182,9 +195,12 @@ def _draft_attn_split_kernel(
             acc_hi = tl.dot(p, v_hi, acc_hi * alpha[:, None], input_precision=DOT_PREC)
             m_i = m_new
     else:
-        # The block's own keys: k_norm + RoPE here, never written to the cache.
+        # The block's own keys: k_norm + RoPE here, never written to the cache. Keys at rows >= block_lens[n]
+        # are neither loaded nor seen (a shortened tail block).
         j = tl.arange(0, BLOCK_B)
         j_ok = j < B
+        if HAS_BLOCK_LENS:
+            j_ok = j_ok & (j < tl.load(blens_ptr + n))
         kmask = j_ok[:, None] & dh_ok[None, :]
         k_base = k_ptr + n * stride_kn + j.to(tl.int64)[:, None] * stride_kb + h * stride_kh
         k_lo = tl.load(k_base + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
@@ -262,7 +278,7 @@ def _pick_splits(n: int, kvh: int, capacity: int, block_n: int, dev: torch.devic
 
 def _draft_attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
                             attention_scaling, eps, sliding_window, block_table, cache_batch_idx, num_splits,
-                            max_context_len, causal=None):
+                            max_context_len, causal, block_lens):
     n, b, nh, d = q.shape
     kvh = k.shape[2]
     g = nh // kvh
@@ -285,6 +301,7 @@ def _draft_attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight
     dot_prec = "ieee" if q.dtype == torch.float32 or k_cache.dtype == torch.float32 else "tf32"
     _draft_attn_split_kernel[(n, kvh, nsplit + 1)](
         q_ptr=q, k_ptr=k, v_ptr=v, kc_ptr=k_cache, vc_ptr=v_cache, lens_ptr=cache_lens,
+        blens_ptr=block_lens if block_lens is not None else cache_lens,
         table_ptr=table if table is not None else cache_lens, qw_ptr=q_norm_weight, kw_ptr=k_norm_weight,
         inv_freq_ptr=inv_freq, po_ptr=po, pm_ptr=pm, pl_ptr=pl,
         B=b, G=g, NH=nh, HALF=half, page_size=page_size, CAP=cap_rows, window=sliding_window or 0,
@@ -296,7 +313,8 @@ def _draft_attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight
         stride_vcp=v_cache.stride(0), stride_vcs=v_cache.stride(1), stride_vch=v_cache.stride(2),
         stride_tn=table.stride(0) if table is not None else 0,
         HAS_TABLE=table is not None, SLIDING=sliding_window is not None,
-        CAUSAL=(sliding_window is not None) if causal is None else causal, DOT_PREC=dot_prec,
+        CAUSAL=(sliding_window is not None) if causal is None else causal, HAS_BLOCK_LENS=block_lens is not None,
+        DOT_PREC=dot_prec,
         BLOCK_R=max(16, next_pow2(b * g)), BLOCK_N=block_n, BLOCK_B=max(16, next_pow2(b)),
         BLOCK_HALF=max(16, next_pow2(half)),
         num_warps=8 if max(16, next_pow2(b * g)) * max(16, next_pow2(half)) >= 4096 else 4,
@@ -315,8 +333,9 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     inv_freq: torch.Tensor, attention_scaling: float = 1.0, eps: float = 1e-6,
                     sliding_window: Optional[int] = None, causal: Optional[bool] = None,
                     block_table: Optional[torch.Tensor] = None,
-                    cache_batch_idx: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
-                    max_context_len: Optional[int] = None, backend: str = "auto") -> torch.Tensor:
+                    cache_batch_idx: Optional[torch.Tensor] = None, block_lens: Optional[torch.Tensor] = None,
+                    num_splits: Optional[int] = None, max_context_len: Optional[int] = None,
+                    backend: str = "auto") -> torch.Tensor:
     """Attention of one draft layer: B block queries per request over [cached context ++ block keys].
 
     Fuses the per-head ``q_norm``/``k_norm`` RMSNorm and NeoX RoPE of the block rows (at positions
@@ -346,6 +365,12 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         block_table: ``[N, max_pages]`` int32/int64 page ids of a paged cache (logical row t lives in
             page ``block_table[n, t // page_size]`` at slot ``t % page_size``).
         cache_batch_idx: ``[N]`` int, contiguous cache only.
+        block_lens: ``[N]`` int64 on the device, or None (all B rows valid): request n's block keys/values
+            at rows ``j >= block_lens[n]`` are masked out for every query (and not read). Values must be in
+            ``[1, B]`` (not checked: that would sync). Output rows ``i < block_lens[n]`` equal a run on the
+            block ``[:, :block_lens[n]]``; rows ``i >= block_lens[n]`` are unspecified (finite for finite
+            inputs) and should be ignored. For a shortened tail block ``[anchor, MASK x (v-1)]`` with static
+            shapes.
         num_splits: context splits per (request, KV head); default from the SM count and the capacity.
         max_context_len: optional host-side upper bound of ``cache_lens`` to size the splits (no sync).
         backend: ``"auto" | "triton" | "torch"``.
@@ -354,13 +379,35 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         A new ``[N, B, nH, D]`` tensor in q's dtype.
     """
     _validate(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, sliding_window,
-              block_table, cache_batch_idx, num_splits, causal)
-    chosen = resolve_backend(OP, backend, q.device, available=("triton", "torch"))
+              block_table, cache_batch_idx, num_splits, causal, block_lens)
+    chosen = resolve_backend(OP, backend, q.device, available=_BACKENDS)
+    return torch.ops.dflash.draft_attention(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
+                                            inv_freq, float(attention_scaling), float(eps), sliding_window, causal,
+                                            block_table, cache_batch_idx, block_lens, num_splits, max_context_len,
+                                            chosen)
+
+
+@torch.library.custom_op("dflash::draft_attention", mutates_args=())
+def _draft_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, cache_lens: torch.Tensor, q_norm_weight: torch.Tensor,
+                        k_norm_weight: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float, eps: float,
+                        sliding_window: Optional[int], causal: Optional[bool], block_table: Optional[torch.Tensor],
+                        cache_batch_idx: Optional[torch.Tensor], block_lens: Optional[torch.Tensor],
+                        num_splits: Optional[int], max_context_len: Optional[int], backend: str) -> torch.Tensor:
+    """``torch.ops.dflash.draft_attention``: :func:`draft_attention` after validation."""
+    chosen = resolve_backend(OP, backend, q.device, available=_BACKENDS)
     if chosen == "torch":
         return draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
                                          inv_freq=inv_freq, attention_scaling=attention_scaling, eps=eps,
                                          sliding_window=sliding_window, causal=causal, block_table=block_table,
-                                         cache_batch_idx=cache_batch_idx)
+                                         cache_batch_idx=cache_batch_idx, block_lens=block_lens)
     return _draft_attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
                                    attention_scaling, eps, sliding_window, block_table, cache_batch_idx, num_splits,
-                                   max_context_len, causal)
+                                   max_context_len, causal, block_lens)
+
+
+@_draft_attention_op.register_fake
+def _draft_attention_fake(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
+                          attention_scaling, eps, sliding_window, causal, block_table, cache_batch_idx, block_lens,
+                          num_splits, max_context_len, backend):
+    return q.new_empty(q.shape)

@@ -15,6 +15,7 @@ from dflash_kernels._triton_utils import (
 
 OP = "fused_context"
 MAX_SEPARATE_TAPS = 8
+_BACKENDS = ("triton", "torch")
 
 Taps = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -265,7 +266,21 @@ def fused_context(taps: Taps, fc_weight: torch.Tensor, norm_weight: torch.Tensor
     """
     taps_list = _split_taps(taps, fc_weight)
     _validate(taps_list, fc_weight, norm_weight, eps)
-    chosen = resolve_backend(OP, backend, taps_list[0].device, available=("triton", "torch"))
+    chosen = resolve_backend(OP, backend, taps_list[0].device, available=_BACKENDS)
+    return torch.ops.dflash.fused_context(taps_list, fc_weight, norm_weight, float(eps), chosen)
+
+
+@torch.library.custom_op("dflash::fused_context", mutates_args=())
+def _fused_context_op(taps: list[torch.Tensor], fc_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                      backend: str) -> torch.Tensor:
+    """``torch.ops.dflash.fused_context``: :func:`fused_context` after validation; ``taps`` is the list of T
+    ``[N, H]`` views the public function makes of any accepted layout."""
+    chosen = resolve_backend(OP, backend, taps[0].device, available=_BACKENDS)
     if chosen == "torch":
-        return fused_context_reference(taps_list, fc_weight, norm_weight, eps)
-    return _fused_context_triton(taps_list, fc_weight, norm_weight, eps)
+        return fused_context_reference(taps, fc_weight, norm_weight, eps)
+    return _fused_context_triton(taps, fc_weight, norm_weight, eps)
+
+
+@_fused_context_op.register_fake
+def _fused_context_fake(taps, fc_weight, norm_weight, eps, backend):
+    return taps[0].new_empty((taps[0].shape[0], fc_weight.shape[0]))

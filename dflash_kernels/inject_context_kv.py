@@ -14,6 +14,7 @@ from dflash_kernels._triton_utils import (
 )
 
 OP = "inject_context_kv"
+_BACKENDS = ("triton", "torch")
 
 
 def _validate(ctx, k_weight, v_weight, k_norm_weight, positions, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq,
@@ -222,7 +223,21 @@ def inject_context_kv(ctx: torch.Tensor, k_weight: torch.Tensor, v_weight: torch
     """
     _validate(ctx, k_weight, v_weight, k_norm_weight, positions, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq,
               block_table, cache_batch_idx)
-    chosen = resolve_backend(OP, backend, ctx.device, available=("triton", "torch"))
+    chosen = resolve_backend(OP, backend, ctx.device, available=_BACKENDS)
+    torch.ops.dflash.inject_context_kv(ctx, k_weight, v_weight, k_norm_weight, positions, cu_ctx_lens, cache_lens,
+                                       k_cache, v_cache, inv_freq, float(attention_scaling), float(eps), block_table,
+                                       cache_batch_idx, chosen)
+
+
+@torch.library.custom_op("dflash::inject_context_kv", mutates_args=("k_cache", "v_cache"))
+def _inject_context_kv_op(ctx: torch.Tensor, k_weight: torch.Tensor, v_weight: torch.Tensor,
+                          k_norm_weight: torch.Tensor, positions: torch.Tensor, cu_ctx_lens: torch.Tensor,
+                          cache_lens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          inv_freq: torch.Tensor, attention_scaling: float, eps: float,
+                          block_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],
+                          backend: str) -> None:
+    """``torch.ops.dflash.inject_context_kv``: :func:`inject_context_kv` after validation (writes k_cache, v_cache)."""
+    chosen = resolve_backend(OP, backend, ctx.device, available=_BACKENDS)
     if chosen == "torch":
         inject_context_kv_reference(ctx, k_weight, v_weight, k_norm_weight, positions, cu_ctx_lens, cache_lens,
                                     k_cache, v_cache, inv_freq=inv_freq, attention_scaling=attention_scaling, eps=eps,
@@ -230,3 +245,9 @@ def inject_context_kv(ctx: torch.Tensor, k_weight: torch.Tensor, v_weight: torch
         return
     _inject_triton(ctx, k_weight, v_weight, k_norm_weight, positions, cu_ctx_lens, cache_lens, k_cache, v_cache,
                    inv_freq, attention_scaling, eps, block_table, cache_batch_idx)
+
+
+@_inject_context_kv_op.register_fake
+def _inject_context_kv_fake(ctx, k_weight, v_weight, k_norm_weight, positions, cu_ctx_lens, cache_lens, k_cache,
+                            v_cache, inv_freq, attention_scaling, eps, block_table, cache_batch_idx, backend):
+    return None

@@ -9,6 +9,8 @@ from dflash_kernels._dispatch import resolve_backend
 from dflash_kernels._triton_utils import FLOAT_DTYPES, as_index_tensor, check_tensor, interpreting, next_pow2
 
 _BIG = 2**31 - 1
+_GREEDY_BACKENDS = ("ext", "triton", "torch")
+_SAMPLE_BACKENDS = ("triton", "torch")
 
 
 def _validate(op: str, logits, draft_tokens):
@@ -181,7 +183,15 @@ def verify_greedy(logits: torch.Tensor, draft_tokens: torch.Tensor, *, backend: 
         argmax is ``torch.argmax`` exactly: first index among ties, NaN counts as the maximum.
     """
     _validate("verify_greedy", logits, draft_tokens)
-    chosen = resolve_backend("verify_greedy", backend, logits.device, available=("ext", "triton", "torch"))
+    chosen = resolve_backend("verify_greedy", backend, logits.device, available=_GREEDY_BACKENDS)
+    return torch.ops.dflash.verify_greedy(logits, draft_tokens, chosen)
+
+
+@torch.library.custom_op("dflash::verify_greedy", mutates_args=())
+def _verify_greedy_op(logits: torch.Tensor, draft_tokens: torch.Tensor, backend: str
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.dflash.verify_greedy``: :func:`verify_greedy` after validation (``backend`` may be "auto")."""
+    chosen = resolve_backend("verify_greedy", backend, logits.device, available=_GREEDY_BACKENDS)
     if chosen == "ext":
         from dflash_kernels import _ext
 
@@ -189,6 +199,12 @@ def verify_greedy(logits: torch.Tensor, draft_tokens: torch.Tensor, *, backend: 
     if chosen == "torch":
         return verify_greedy_reference(logits, draft_tokens)
     return _verify_greedy_triton(logits, draft_tokens)
+
+
+@_verify_greedy_op.register_fake
+def _verify_greedy_fake(logits, draft_tokens, backend):
+    n = logits.shape[0]
+    return logits.new_empty((n,), dtype=torch.int64), logits.new_empty((n,), dtype=torch.int64)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -489,7 +505,9 @@ def _filter_threshold(logits: torch.Tensor, temp_t: torch.Tensor, topk_t: torch.
 
 
 def _sampling_params(op: str, n: int, temperature, top_k, top_p, device):
-    """Validate and pack the sampling parameters as device tensors of length 1 (shared) or N (per request)."""
+    """Validate the sampling parameters and pass them on as device tensors of length 1 (one value for the
+    batch, packed here) or N (per request: the caller's tensors themselves, never copied, so that a replay
+    reads their current values). Scalars are packed exactly (fp64 / int64); the op converts."""
     per_request = any(isinstance(x, torch.Tensor) for x in (temperature, top_k, top_p))
     length = n if per_request else 1
 
@@ -498,21 +516,21 @@ def _sampling_params(op: str, n: int, temperature, top_k, top_p, device):
             check_tensor(op, name, x, ndim=1, dtypes=dtypes, device=device)
             if x.shape[0] != n:
                 raise ValueError(f"{op}: per-request {name} must be [N={n}], got {tuple(x.shape)}")
-            return x.to(dtype)
+            return x
         if isinstance(x, bool) or not scalar_ok(x):
             raise ValueError(f"{op}: {name} must be {rule} or an [N] tensor, got {x!r}")
         return torch.full((length,), x, dtype=dtype, device=device)
 
-    temp_t = pack("temperature", temperature, (torch.float32, torch.float64), torch.float32,
+    temp_t = pack("temperature", temperature, (torch.float32, torch.float64), torch.float64,
                   lambda x: isinstance(x, (float, int)) and x > 0, "a float > 0 (use verify_greedy for temperature 0)")
-    topk_t = pack("top_k", top_k, (torch.int32, torch.int64), torch.int32,
+    topk_t = pack("top_k", top_k, (torch.int32, torch.int64), torch.int64,
                   lambda x: isinstance(x, int) and x >= 0, "an int >= 0 (0 disables)")
-    topp_t = pack("top_p", top_p, (torch.float32, torch.float64), torch.float32,
+    topp_t = pack("top_p", top_p, (torch.float32, torch.float64), torch.float64,
                   lambda x: isinstance(x, (float, int)) and 0.0 < x <= 1.0, "in (0, 1] (1 disables)")
-    return temp_t, topk_t, topp_t, per_request
+    return temp_t, topk_t, topp_t
 
 
-def _verify_sample_triton(logits, draft_tokens, temp_t, topk_t, topp_t, per_request, seed_t, offset_t, top_k, top_p):
+def _verify_sample_triton(logits, draft_tokens, temp_t, topk_t, topp_t, seed_t, offset_t, use_top_k, use_top_p):
     n, b, v = logits.shape
     dev = logits.device
     logits, (accepted, token), r, (block_v, chunk, s) = _split_launch_setup(logits)
@@ -524,10 +542,7 @@ def _verify_sample_triton(logits, draft_tokens, temp_t, topk_t, topp_t, per_requ
     pidx = torch.empty((r, s), dtype=torch.int32, device=dev)
     br = _rows_per_program(r, block_v)
     stride_dj = draft_tokens.stride(1) if b > 1 else 0
-    stride_param = 1 if per_request else 0
-    # Per-request parameters are on the device: filter whenever one was given (rows disable themselves).
-    use_top_k = isinstance(top_k, torch.Tensor) or 0 < top_k < v
-    use_top_p = isinstance(top_p, torch.Tensor) or top_p < 1.0
+    stride_param = 1 if temp_t.numel() > 1 else 0
     filt = use_top_k or use_top_p
     thr = _filter_threshold(logits, temp_t, topk_t, topp_t, use_top_k, use_top_p) if filt else pidx[:, 0]
     _sample_partial_kernel[(triton.cdiv(r, br), s)](
@@ -562,12 +577,12 @@ def verify_sample(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperatu
     Args:
         logits: ``[N, B, V]`` fp32/bf16/fp16, last dim contiguous (row i predicts block position i+1).
         draft_tokens: ``[N, B-1]`` int64/int32.
-        temperature: float > 0, or an ``[N]`` fp32 device tensor (per request; values > 0 are the caller's
-            responsibility, they are not read on the host).
+        temperature: float > 0, or an ``[N]`` fp32/fp64 device tensor (per request; values > 0 are the
+            caller's responsibility, they are not read on the host).
         top_k: int >= 0 (0 disables) or an ``[N]`` int tensor. top_p: float in (0, 1] (1 disables) or an
             ``[N]`` float tensor. Per-request tensors turn the filter launch on for the whole batch.
-        seed, offset: int or 1-element int64 tensor on the logits' device (tensors keep CUDA-graph replay
-            reproducible: bump ``offset`` in place between rounds).
+        seed, offset: int or 1-element int32/int64 tensor on the logits' device (tensors keep CUDA-graph
+            replay reproducible: bump ``offset`` in place between rounds).
         backend: ``"auto" | "triton" | "torch"`` (the torch reference uses torch.Generator, a different
             random stream, and reads seed/offset/parameters on the host).
 
@@ -576,13 +591,46 @@ def verify_sample(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperatu
     """
     op = "verify_sample"
     _validate(op, logits, draft_tokens)
-    temp_t, topk_t, topp_t, per_request = _sampling_params(op, logits.shape[0], temperature, top_k, top_p,
-                                                           logits.device)
+    temp_t, topk_t, topp_t = _sampling_params(op, logits.shape[0], temperature, top_k, top_p, logits.device)
     seed_t = as_index_tensor(op, "seed", seed, logits.device)
     offset_t = as_index_tensor(op, "offset", offset, logits.device)
-    chosen = resolve_backend(op, backend, logits.device, available=("triton", "torch"))
+    # Which filters run is fixed per call site: a per-request tensor always filters (its rows disable
+    # themselves on the device); a scalar filters iff its value does something.
+    v = logits.shape[2]
+    use_top_k = isinstance(top_k, torch.Tensor) or 0 < top_k < v
+    use_top_p = isinstance(top_p, torch.Tensor) or top_p < 1.0
+    chosen = resolve_backend(op, backend, logits.device, available=_SAMPLE_BACKENDS)
+    return torch.ops.dflash.verify_sample(logits, draft_tokens, temp_t, topk_t, topp_t, seed_t, offset_t,
+                                          use_top_k, use_top_p, chosen)
+
+
+@torch.library.custom_op("dflash::verify_sample", mutates_args=())
+def _verify_sample_op(logits: torch.Tensor, draft_tokens: torch.Tensor, temperature: torch.Tensor,
+                      top_k: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
+                      use_top_k: bool, use_top_p: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.dflash.verify_sample``: :func:`verify_sample` after validation.
+
+    temperature / top_k / top_p: ``[1]`` (whole batch) or ``[N]`` (per request), any float / int dtype;
+    seed / offset: 1-element int tensors. All are read on the device at run time. ``use_top_k`` /
+    ``use_top_p`` switch the filter launch on (the reference filters from the values themselves).
+    """
+    n = logits.shape[0]
+    params = (temperature, top_k, top_p)
+    if len({p.numel() for p in params}) != 1 or params[0].numel() not in (1, n):
+        raise ValueError(f"verify_sample: temperature, top_k and top_p must all be [1] or all be [N={n}], got "
+                         f"{[tuple(p.shape) for p in params]}")
+    chosen = resolve_backend("verify_sample", backend, logits.device, available=_SAMPLE_BACKENDS)
     if chosen == "torch":
+        if params[0].numel() == 1:
+            temperature, top_k, top_p = temperature.item(), int(top_k.item()), top_p.item()
         return verify_sample_reference(logits, draft_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                        seed=seed, offset=offset)
-    return _verify_sample_triton(logits, draft_tokens, temp_t, topk_t, topp_t, per_request, seed_t, offset_t,
-                                 top_k, top_p)
+    return _verify_sample_triton(logits, draft_tokens, temperature.to(torch.float32), top_k.to(torch.int32),
+                                 top_p.to(torch.float32), seed.reshape(1).to(torch.int64),
+                                 offset.reshape(1).to(torch.int64), use_top_k, use_top_p)
+
+
+@_verify_sample_op.register_fake
+def _verify_sample_fake(logits, draft_tokens, temperature, top_k, top_p, seed, offset, use_top_k, use_top_p, backend):
+    n = logits.shape[0]
+    return logits.new_empty((n,), dtype=torch.int64), logits.new_empty((n,), dtype=torch.int64)

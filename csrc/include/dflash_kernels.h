@@ -4,7 +4,7 @@
  * Everything here is plain C: no PyTorch, no CUDA headers. A C/C++ engine that does not run
  * Python links libdflash_kernels_cuda (device launchers) and/or libdflash_kernels_cpu (host
  * reference implementations with exactly the same semantics) and calls these functions with
- * raw pointers. The PyTorch ops torch.ops.dflash.* are thin wrappers over the same code.
+ * raw pointers. The PyTorch ops torch.ops.dflash_ext.* are thin wrappers over the same code.
  *
  * Conventions
  *   - All token ids, counts, lengths and positions are int64_t; flags are uint8_t (0/1, the

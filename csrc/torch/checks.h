@@ -1,4 +1,4 @@
-// Argument checks shared by the CPU, Meta and CUDA implementations of the torch.ops.dflash ops.
+// Argument checks shared by the CPU, Meta and CUDA implementations of the torch.ops.dflash_ext ops.
 // Every failure is a c10::Error (RuntimeError in Python) whose message names the argument.
 #pragma once
 
@@ -26,7 +26,7 @@ struct VerifySizes {
 };
 
 inline VerifySizes check_verify_greedy(const at::Tensor& logits, const at::Tensor& draft_tokens) {
-  constexpr const char* op = "dflash::verify_greedy";
+  constexpr const char* op = "dflash_ext::verify_greedy";
   TORCH_CHECK(logits.defined(), op, ": logits is undefined");
   const auto dt = logits.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, op,
@@ -53,7 +53,7 @@ inline CommitSizes check_commit_round(const at::Tensor& draft_tokens, const at::
                                       const at::Tensor& max_lengths, const at::Tensor& out_tokens,
                                       const at::Tensor& lengths, const at::Tensor& positions,
                                       const at::Tensor& anchor, const at::Tensor& done) {
-  constexpr const char* op = "dflash::commit_round";
+  constexpr const char* op = "dflash_ext::commit_round";
   TORCH_CHECK(draft_tokens.defined(), op, ": draft_tokens is undefined");
   const c10::Device dev = draft_tokens.device();
   check_tensor(draft_tokens, op, "draft_tokens", at::kLong, 2, dev);

@@ -1,4 +1,4 @@
-// torch.ops.dflash.*: schemas, CPU implementations and Meta (fake) implementations.
+// torch.ops.dflash_ext.*: schemas, CPU implementations and Meta (fake) implementations.
 // The CUDA implementations are in ops_cuda.cpp (built only with a CUDA torch + nvcc).
 // Light includes on purpose (no torch/extension.h): this TU is most of the CPU build time.
 #include <ATen/Dispatch.h>
@@ -22,7 +22,7 @@ namespace {
 std::tuple<at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tensor& logits,
                                                      const at::Tensor& draft_tokens) {
   const VerifySizes s = check_verify_greedy(logits, draft_tokens);
-  TORCH_CHECK(logits.device().is_cpu(), "dflash::verify_greedy: CPU kernel got logits on ",
+  TORCH_CHECK(logits.device().is_cpu(), "dflash_ext::verify_greedy: CPU kernel got logits on ",
               logits.device());
   auto opts = draft_tokens.options();
   at::Tensor accepted = at::empty({s.N}, opts);
@@ -63,7 +63,7 @@ at::Tensor commit_round_cpu(const at::Tensor& draft_tokens, const at::Tensor& ac
                             const at::Tensor& max_lengths, at::Tensor& out_tokens,
                             at::Tensor& lengths, at::Tensor& positions, at::Tensor& anchor,
                             at::Tensor& done) {
-  constexpr const char* op = "dflash::commit_round";
+  constexpr const char* op = "dflash_ext::commit_round";
   const CommitSizes s = check_commit_round(draft_tokens, accepted, bonus, stop_tokens,
                                            max_lengths, out_tokens, lengths, positions, anchor,
                                            done);
@@ -125,7 +125,7 @@ at::Tensor commit_round_meta(const at::Tensor& draft_tokens, const at::Tensor& a
 }  // namespace torch_ops
 }  // namespace dflash
 
-TORCH_LIBRARY(dflash, m) {
+TORCH_LIBRARY(dflash_ext, m) {
   m.def(
       "verify_greedy(Tensor logits, Tensor draft_tokens) -> (Tensor accepted, Tensor bonus)");
   m.def(
@@ -134,19 +134,19 @@ TORCH_LIBRARY(dflash, m) {
       "Tensor(d!) anchor, Tensor(e!) done) -> Tensor num_new");
 }
 
-TORCH_LIBRARY_IMPL(dflash, CPU, m) {
+TORCH_LIBRARY_IMPL(dflash_ext, CPU, m) {
   m.impl("verify_greedy", &dflash::torch_ops::verify_greedy_cpu);
   m.impl("commit_round", &dflash::torch_ops::commit_round_cpu);
 }
 
-TORCH_LIBRARY_IMPL(dflash, Meta, m) {
+TORCH_LIBRARY_IMPL(dflash_ext, Meta, m) {
   m.impl("verify_greedy", &dflash::torch_ops::verify_greedy_meta);
   m.impl("commit_round", &dflash::torch_ops::commit_round_meta);
 }
 
 #ifdef DFLASH_PYTHON_MODULE
 // A minimal Python module so that `import dflash_kernels._C` loads the library (the ops register
-// themselves in torch.ops.dflash at load time). No pybind11: it would double the build time.
+// themselves in torch.ops.dflash_ext at load time). No pybind11: it would double the build time.
 #include <Python.h>
 
 #ifndef DFLASH_WITH_CUDA
@@ -155,7 +155,7 @@ TORCH_LIBRARY_IMPL(dflash, Meta, m) {
 
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C",
-                                   "dflash-kernels compiled ops (torch.ops.dflash.*)", -1,
+                                   "dflash-kernels compiled ops (torch.ops.dflash_ext.*)", -1,
                                    nullptr};
   PyObject* mod = PyModule_Create(&def);
   if (mod == nullptr) return nullptr;

@@ -1,4 +1,4 @@
-// CUDA implementations of torch.ops.dflash.*: thin wrappers over the torch-free launchers of
+// CUDA implementations of torch.ops.dflash_ext.*: thin wrappers over the torch-free launchers of
 // csrc/cuda/dflash_kernels.cu (the C ABI in dflash_kernels.h). Built only when torch is a CUDA
 // build and nvcc exists. Uses c10/cuda only (not ATen/cuda/CUDAContext.h, which needs the
 // cuBLAS/cuSPARSE headers).
@@ -40,7 +40,7 @@ void check_launch(int err, const char* op) {
 
 std::tuple<at::Tensor, at::Tensor> verify_greedy_cuda(const at::Tensor& logits,
                                                       const at::Tensor& draft_tokens) {
-  constexpr const char* op = "dflash::verify_greedy";
+  constexpr const char* op = "dflash_ext::verify_greedy";
   const VerifySizes s = check_verify_greedy(logits, draft_tokens);
   TORCH_CHECK(logits.is_cuda(), op, ": CUDA kernel got logits on ", logits.device());
   const c10::cuda::CUDAGuard guard(logits.device());
@@ -74,7 +74,7 @@ at::Tensor commit_round_cuda(const at::Tensor& draft_tokens, const at::Tensor& a
                              const at::Tensor& max_lengths, at::Tensor& out_tokens,
                              at::Tensor& lengths, at::Tensor& positions, at::Tensor& anchor,
                              at::Tensor& done) {
-  constexpr const char* op = "dflash::commit_round";
+  constexpr const char* op = "dflash_ext::commit_round";
   const CommitSizes s = check_commit_round(draft_tokens, accepted, bonus, stop_tokens,
                                            max_lengths, out_tokens, lengths, positions, anchor,
                                            done);
@@ -100,7 +100,7 @@ at::Tensor commit_round_cuda(const at::Tensor& draft_tokens, const at::Tensor& a
 }  // namespace torch_ops
 }  // namespace dflash
 
-TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
+TORCH_LIBRARY_IMPL(dflash_ext, CUDA, m) {
   m.impl("verify_greedy", &dflash::torch_ops::verify_greedy_cuda);
   m.impl("commit_round", &dflash::torch_ops::commit_round_cuda);
 }

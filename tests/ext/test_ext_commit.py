@@ -251,7 +251,7 @@ def test_op_checks_values_itself(name, value, match):
 def test_op_rejects_aliased_buffers():
     kw = _valid()
     with pytest.raises(RuntimeError, match="(lengths|positions) overlaps (lengths|positions)"):
-        torch.ops.dflash.commit_round(kw["draft_tokens"], kw["accepted"], kw["bonus"], kw["stop_tokens"],
+        torch.ops.dflash_ext.commit_round(kw["draft_tokens"], kw["accepted"], kw["bonus"], kw["stop_tokens"],
                                       kw["max_lengths"], kw["out_tokens"], kw["lengths"], kw["lengths"],
                                       kw["anchor"], kw["done"])
 

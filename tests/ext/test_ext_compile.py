@@ -1,9 +1,11 @@
-"""The compiled ops under torch.compile(fullgraph=True) (Meta kernels) and torch.library.opcheck."""
+"""The compiled ops (torch.ops.dflash_ext.*, Meta kernels) and the public ops with backend="ext"
+(torch.ops.dflash.*, which dispatch to them) under torch.compile(fullgraph=True) and torch.library.opcheck."""
 import pytest
 import torch
 
 from dflash_kernels import _ext
 from dflash_kernels.commit import commit_round
+from dflash_kernels.verify import verify_greedy
 
 from _ext_common import devices, needs_ext
 
@@ -27,13 +29,13 @@ def _inputs(device, R=5, B=4, V=300, C=16):
 
 
 def step_ops(logits, draft, stop, maxl, out_tokens, lengths, positions, anchor, done):
-    acc, bonus = torch.ops.dflash.verify_greedy(logits, draft)
-    n = torch.ops.dflash.commit_round(draft, acc, bonus, stop, maxl, out_tokens, lengths, positions, anchor, done)
+    acc, bonus = torch.ops.dflash_ext.verify_greedy(logits, draft)
+    n = torch.ops.dflash_ext.commit_round(draft, acc, bonus, stop, maxl, out_tokens, lengths, positions, anchor, done)
     return acc, bonus, n
 
 
 def step_public(logits, draft, stop, maxl, out_tokens, lengths, positions, anchor, done):
-    acc, bonus = _ext.verify_greedy(logits, draft)
+    acc, bonus = verify_greedy(logits, draft, backend="ext")
     n = commit_round(draft, acc, bonus, out_tokens=out_tokens, lengths=lengths, positions=positions,
                      anchor=anchor, done=done, max_lengths=maxl, stop_tokens=stop, backend="ext")
     return acc, bonus, n
@@ -58,20 +60,20 @@ def test_fullgraph_compile_matches_eager(device, fn, compiler):
 @pytest.mark.parametrize("device", devices())
 def test_opcheck(device):
     logits, draft, stop, maxl, state = _inputs(device)
-    torch.library.opcheck(torch.ops.dflash.verify_greedy.default, (logits, draft))
-    torch.library.opcheck(torch.ops.dflash.verify_greedy.default,
+    torch.library.opcheck(torch.ops.dflash_ext.verify_greedy.default, (logits, draft))
+    torch.library.opcheck(torch.ops.dflash_ext.verify_greedy.default,
                           (logits[:, :1].contiguous(), draft[:, :0].contiguous()))  # B == 1
-    torch.library.opcheck(torch.ops.dflash.commit_round.default,
+    torch.library.opcheck(torch.ops.dflash_ext.commit_round.default,
                           (draft, *step_ops(logits, draft, stop, maxl, **{k: v.clone() for k, v in state.items()})[:2],
                            stop, maxl, *[state[k] for k in FIELDS]))
 
 
 def test_meta_shapes():
     logits = torch.empty(3, 4, 10, device="meta", dtype=torch.bfloat16)
-    acc, bonus = torch.ops.dflash.verify_greedy(logits, torch.empty(3, 3, device="meta", dtype=torch.long))
+    acc, bonus = torch.ops.dflash_ext.verify_greedy(logits, torch.empty(3, 3, device="meta", dtype=torch.long))
     assert acc.shape == bonus.shape == (3,) and acc.dtype == torch.int64 and acc.device.type == "meta"
     with pytest.raises(RuntimeError, match="draft_tokens must have shape"):
-        torch.ops.dflash.verify_greedy(logits, torch.empty(3, 2, device="meta", dtype=torch.long))
+        torch.ops.dflash_ext.verify_greedy(logits, torch.empty(3, 2, device="meta", dtype=torch.long))
 
 
 @pytest.mark.gpu

@@ -3,6 +3,7 @@
 The CPU interpreter does not check GPU rules (scf.if type agreement, dot shapes, layouts, register or
 shared-memory limits); this catches those at PTX/cubin level with the launch configs the launchers use
 on a GPU. Run without TRITON_INTERPRET:  python tests/kernels/aot_compile_sm90.py
+(``--list`` prints the planned configs, one ``kernel<TAB>label`` line each, without compiling).
 """
 from __future__ import annotations
 
@@ -57,60 +58,77 @@ def compile_one(label, fn, types, consts, num_warps=4):
     src = ASTSource(fn=fn, signature=sig_of(fn, types, consts), constexprs=consts)
     k = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
     md = k.metadata
-    print(f"{label:52s} ok {time.time() - t:5.1f}s shared={md.shared:6d}B warps={md.num_warps} "
+    print(f"{label:60s} ok {time.time() - t:5.1f}s shared={md.shared:6d}B warps={md.num_warps} "
           f"{resource_usage(k.asm['cubin'])}")
     return k
 
 
-def main():
+def configs():
+    """Every (label, kernel, argument types, constexprs, num_warps) compiled here: each launched kernel with
+    the launch configs the launchers use on a GPU."""
+    out = []
+
+    def add(label, fn, types, consts, num_warps=4):
+        out.append((label, fn, types, consts, num_warps))
+
     bf, f32 = "*bf16", "*fp32"
     fc_ptrs = {f"t{i}": bf for i in range(8)}
     fc_ptrs.update(out_ptr=bf, ws_ptr=f32, w_ptr=bf, norm_w_ptr=bf, eps="fp32", tap_stride="i64")
     for uniform, fuse in ((False, False), (True, True)):
-        compile_one(f"fused_context GEMM uniform={uniform} fuse_norm={fuse}", fc._fc_gemm_kernel, fc_ptrs,
-                    dict(NUM_TAPS=5, UNIFORM=uniform, FUSE_NORM=fuse, DOT_PREC="tf32",
-                         BLOCK_M=16, BLOCK_N=32, BLOCK_K=128))
-    compile_one("fused_context GEMM fp32 ieee", fc._fc_gemm_kernel,
-                {**fc_ptrs, **{f"t{i}": f32 for i in range(8)}, "out_ptr": f32, "w_ptr": f32, "norm_w_ptr": f32},
-                dict(NUM_TAPS=3, UNIFORM=False, FUSE_NORM=False, DOT_PREC="ieee", BLOCK_M=64, BLOCK_N=64, BLOCK_K=64))
-    compile_one("fused_context row RMSNorm", fc._rmsnorm_rows_kernel,
-                dict(out_ptr=bf, x_ptr=f32, w_ptr=bf, eps="fp32"), dict(BLOCK_H=4096))
+        add(f"fused_context GEMM uniform={uniform} fuse_norm={fuse}", fc._fc_gemm_kernel, fc_ptrs,
+            dict(NUM_TAPS=5, UNIFORM=uniform, FUSE_NORM=fuse, DOT_PREC="tf32", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128))
+    add("fused_context GEMM fp32 ieee", fc._fc_gemm_kernel,
+        {**fc_ptrs, **{f"t{i}": f32 for i in range(8)}, "out_ptr": f32, "w_ptr": f32, "norm_w_ptr": f32},
+        dict(NUM_TAPS=3, UNIFORM=False, FUSE_NORM=False, DOT_PREC="ieee", BLOCK_M=64, BLOCK_N=64, BLOCK_K=64))
+    add("fused_context row RMSNorm", fc._rmsnorm_rows_kernel, dict(out_ptr=bf, x_ptr=f32, w_ptr=bf, eps="fp32"),
+        dict(BLOCK_H=4096))
 
-    compile_one("verify argmax partial", vf._argmax_partial_kernel,
-                dict(logits_ptr=bf, pval_ptr=f32, pidx_ptr="*i32", stride_n="i64"), dict(BLOCK_ROWS=1, BLOCK_V=2048))
-    compile_one("verify greedy accept", vf._greedy_accept_kernel,
-                dict(pval_ptr=f32, pidx_ptr="*i32", draft_ptr="*i64", acc_ptr="*i64", bonus_ptr="*i64"),
-                dict(BLOCK_REQ=64, BLOCK_S=32))
-    compile_one("verify_sample filter threshold", vf._filter_threshold_kernel,
-                dict(logits_ptr=bf, thr_ptr="*i32", temp_ptr=f32, topk_ptr="*i32", topp_ptr=f32, stride_n="i64"),
-                dict(TOP_K=True, TOP_P=True, BLOCK_ROWS=1, BLOCK_V=2048))
+    add("verify argmax partial", vf._argmax_partial_kernel,
+        dict(logits_ptr=bf, pval_ptr=f32, pidx_ptr="*i32", stride_n="i64"), dict(BLOCK_ROWS=1, BLOCK_V=2048))
+    add("verify greedy accept", vf._greedy_accept_kernel,
+        dict(pval_ptr=f32, pidx_ptr="*i32", draft_ptr="*i64", acc_ptr="*i64", bonus_ptr="*i64"),
+        dict(BLOCK_REQ=64, BLOCK_S=32))
+    add("verify_sample filter threshold", vf._filter_threshold_kernel,
+        dict(logits_ptr=bf, thr_ptr="*i32", temp_ptr=f32, topk_ptr="*i32", topp_ptr=f32, stride_n="i64"),
+        dict(TOP_K=True, TOP_P=True, BLOCK_ROWS=1, BLOCK_V=2048))
     for filt in (False, True):
-        compile_one(f"verify_sample partial filter={filt}", vf._sample_partial_kernel,
-                    dict(z_ptr=bf, draft_ptr="*i64", seed_ptr="*i64", offset_ptr="*i64", thr_ptr="*i32",
-                         pm_ptr=f32, ps_ptr=f32, pbest_ptr=f32, pidx_ptr="*i32", temp_ptr=f32, stride_n="i64"),
-                    dict(FILTER=filt, BLOCK_ROWS=1, BLOCK_V=2048))
-        compile_one(f"verify_sample accept filter={filt}", vf._sample_accept_kernel,
-                    dict(z_ptr=bf, draft_ptr="*i64", seed_ptr="*i64", offset_ptr="*i64", thr_ptr="*i32",
-                         pm_ptr=f32, ps_ptr=f32, pbest_ptr=f32, pidx_ptr="*i32", acc_ptr="*i64", tok_ptr="*i64",
-                         temp_ptr=f32, stride_n="i64"),
-                    dict(FILTER=filt, BLOCK_REQ=64, BLOCK_S=32))
+        add(f"verify_sample partial filter={filt}", vf._sample_partial_kernel,
+            dict(z_ptr=bf, draft_ptr="*i64", seed_ptr="*i64", offset_ptr="*i64", thr_ptr="*i32",
+                 pm_ptr=f32, ps_ptr=f32, pbest_ptr=f32, pidx_ptr="*i32", temp_ptr=f32, stride_n="i64"),
+            dict(FILTER=filt, BLOCK_ROWS=1, BLOCK_V=2048))
+        add(f"verify_sample accept filter={filt}", vf._sample_accept_kernel,
+            dict(z_ptr=bf, draft_ptr="*i64", seed_ptr="*i64", offset_ptr="*i64", thr_ptr="*i32",
+                 pm_ptr=f32, ps_ptr=f32, pbest_ptr=f32, pidx_ptr="*i32", acc_ptr="*i64", tok_ptr="*i64",
+                 temp_ptr=f32, stride_n="i64"),
+            dict(FILTER=filt, BLOCK_REQ=64, BLOCK_S=32))
 
-    att = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, kc_ptr=bf, vc_ptr=bf, lens_ptr="*i64", table_ptr="*i32", qw_ptr=bf,
-               kw_ptr=bf, inv_freq_ptr=f32, po_ptr=f32, pm_ptr=f32, pl_ptr=f32, attention_scaling="fp32", eps="fp32",
-               qk_scale="fp32", stride_kcp="i64", stride_vcp="i64")
-    for table, sliding, causal in ((False, False, False), (True, False, False), (True, True, True),
-                                   (True, True, False)):
-        compile_one(f"draft_attention split table={table} sliding={sliding} causal={causal}",
-                    da._draft_attn_split_kernel, att,
-                    dict(HAS_TABLE=table, SLIDING=sliding, CAUSAL=causal, DOT_PREC="tf32", BLOCK_R=64, BLOCK_N=64,
-                         BLOCK_B=16, BLOCK_HALF=64), num_warps=8)
-    compile_one("draft_attention merge", da._merge_splits_kernel, dict(po_ptr=f32, pm_ptr=f32, pl_ptr=f32, out_ptr=bf),
-                dict(BLOCK_ROWS=16, BLOCK_D=128))
-    compile_one("inject_context_kv", ik._inject_kernel,
-                dict(ctx_ptr=bf, kw_ptr=bf, vw_ptr=bf, knw_ptr=bf, pos_ptr="*i64", cu_ptr="*i64", lens_ptr="*i64",
-                     table_ptr="*i32", inv_freq_ptr=f32, kc_ptr=bf, vc_ptr=bf, attention_scaling="fp32", eps="fp32",
-                     stride_kcl="i64", stride_vcl="i64", stride_kcp="i64", stride_vcp="i64"),
-                dict(HAS_TABLE=True, DOT_PREC="tf32", BLOCK_M=16, BLOCK_K=64, BLOCK_HALF=64, BLOCK_REQ=1))
+    att = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, kc_ptr=bf, vc_ptr=bf, lens_ptr="*i64", blens_ptr="*i64",
+               table_ptr="*i32", qw_ptr=bf, kw_ptr=bf, inv_freq_ptr=f32, po_ptr=f32, pm_ptr=f32, pl_ptr=f32,
+               attention_scaling="fp32", eps="fp32", qk_scale="fp32", stride_kcp="i64", stride_vcp="i64")
+    for table, sliding, causal, blens in ((False, False, False, False), (True, False, False, True),
+                                          (True, True, True, True), (True, True, False, False)):
+        add(f"draft_attention split table={table} sliding={sliding} causal={causal} block_lens={blens}",
+            da._draft_attn_split_kernel, att,
+            dict(HAS_TABLE=table, SLIDING=sliding, CAUSAL=causal, HAS_BLOCK_LENS=blens, DOT_PREC="tf32",
+                 BLOCK_R=64, BLOCK_N=64, BLOCK_B=16, BLOCK_HALF=64), num_warps=8)
+    add("draft_attention merge", da._merge_splits_kernel, dict(po_ptr=f32, pm_ptr=f32, pl_ptr=f32, out_ptr=bf),
+        dict(BLOCK_ROWS=16, BLOCK_D=128))
+    add("inject_context_kv", ik._inject_kernel,
+        dict(ctx_ptr=bf, kw_ptr=bf, vw_ptr=bf, knw_ptr=bf, pos_ptr="*i64", cu_ptr="*i64", lens_ptr="*i64",
+             table_ptr="*i32", inv_freq_ptr=f32, kc_ptr=bf, vc_ptr=bf, attention_scaling="fp32", eps="fp32",
+             stride_kcl="i64", stride_vcl="i64", stride_kcp="i64", stride_vcp="i64"),
+        dict(HAS_TABLE=True, DOT_PREC="tf32", BLOCK_M=16, BLOCK_K=64, BLOCK_HALF=64, BLOCK_REQ=1))
+    return out
+
+
+def main():
+    plan = configs()
+    if "--list" in sys.argv[1:]:
+        for label, fn, _, _, _ in plan:
+            print(f"{fn.__name__}\t{label}")
+        return
+    for label, fn, types, consts, num_warps in plan:
+        compile_one(label, fn, types, consts, num_warps)
 
 
 if __name__ == "__main__":

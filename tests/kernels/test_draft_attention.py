@@ -246,3 +246,57 @@ def test_inject_then_attend_matches_one_shot_reference(backend):
                 qq.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), scale=d ** -0.5,
                 enable_gqa=True).transpose(0, 1)
             assert (out[i].double() - expect).abs().max() < 2e-6, (out[i].double() - expect).abs().max()
+
+
+BLOCK_LENS_CASES = [  # n, b, nh, kvh, d, context lengths, block_lens, paged
+    (3, 7, 4, 2, 24, [17, 0, 70], [1, 7, 4], False),
+    (4, 16, 6, 3, 8, [5, 70, 0, 1], [3, 16, 1, 9], True),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", BLOCK_LENS_CASES, ids=["contiguous", "paged"])
+@pytest.mark.parametrize("window,causal", [(None, None), (None, True), (3, None), (5, False)])
+def test_block_lens_equals_the_shorter_block(backend, dtype, case, window, causal):
+    """block_lens[n] = v: rows i < v equal an fp64 run on the literal v-row block [:, :v] (2x rule). The
+    block K/V rows >= v are NaN-filled (they must not be read), and every output row stays finite."""
+    torch.manual_seed(20240611)
+    n, b, nh, kvh, d, lens, blens, paged = case
+    q, k, v, kc, vc, cl, qw, kw = _case(n, b, nh, kvh, d, lens, dtype)
+    k_nan, v_nan = k.clone(), v.clone()
+    for r, nb in enumerate(blens):
+        k_nan[r, nb:] = float("nan")
+        v_nan[r, nb:] = float("nan")
+    caches = dict()
+    if paged:
+        table, num_pages = random_block_table(n, kc.shape[1], 16)
+        kc_in, vc_in = to_paged(kc, table, num_pages, 16), to_paged(vc, table, num_pages, 16)
+        caches = dict(block_table=table)
+    else:
+        kc_in, vc_in = kc, vc
+    rope = dict(inv_freq=_inv_freq(d), attention_scaling=1.1, sliding_window=window, causal=causal)
+    out = draft_attention(q, k_nan, v_nan, kc_in, vc_in, cl, qw, kw, block_lens=torch.tensor(blens), backend=backend,
+                          **caches, **rope)
+    assert out.shape == (n, b, nh, d) and torch.isfinite(out).all()
+    for r, nb in enumerate(blens):
+        short = tuple(x[r:r + 1, :nb] for x in (q, k, v)) + (kc[r:r + 1], vc[r:r + 1], cl[r:r + 1], qw, kw)
+        ref, lowp = _refs(short, **rope)
+        assert_within_rule(out[r:r + 1, :nb], ref, lowp, f"draft_attention block_lens request {r} (v={nb})")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_block_lens_of_b_is_the_default(backend):
+    args = _case(3, 5, 4, 2, 16, [17, 0, 3], torch.bfloat16)
+    rope = dict(inv_freq=_inv_freq(16), sliding_window=4)
+    full = draft_attention(*args, block_lens=torch.full((3,), 5), backend=backend, **rope)
+    assert torch.equal(full, draft_attention(*args, backend=backend, **rope))
+
+
+def test_block_lens_bad_inputs():
+    q, k, v, kc, vc, cl, qw, kw = _case(2, 3, 4, 2, 8, [3, 4], torch.float32)
+    rope = dict(inv_freq=_inv_freq(8))
+    with pytest.raises(TypeError, match="block_lens"):
+        draft_attention(q, k, v, kc, vc, cl, qw, kw, block_lens=torch.tensor([1, 2], dtype=torch.int32), **rope)
+    with pytest.raises(ValueError, match="block_lens must be"):
+        draft_attention(q, k, v, kc, vc, cl, qw, kw, block_lens=torch.tensor([1, 2, 3]), **rope)

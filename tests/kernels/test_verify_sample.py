@@ -9,6 +9,13 @@ BACKENDS = ["torch", "triton"]
 N_SAMPLES = 4000
 
 
+@pytest.fixture(autouse=True)
+def _fixed_seed():
+    """Fixed inputs and offsets: each chi-square test below is one deterministic draw (critical value at
+    p ~ 1e-6), not a new random draw per run."""
+    torch.manual_seed(20240611)
+
+
 def _exact(p: torch.Tensor, draft: torch.Tensor, remove_draft: bool = True) -> torch.Tensor:
     """P[a, t] = probability of accepting exactly a drafts and emitting token t (one request).
 
@@ -97,6 +104,10 @@ def test_top_k_top_p_distribution(backend):
     counts = _sample_counts(logits, draft, backend, temperature=1.0, top_k=4, top_p=0.7, seed=7, offset=3)
     stat, crit = _chi2(counts, _exact(filtered, draft), N_SAMPLES)
     assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f}\n{counts}"
+    # The same samples must reject a wrong filter (top-k only, top-p ignored).
+    top_k_only = torch.softmax(filter_logits_reference(logits, 1.0, top_k=4).double(), -1)
+    wrong_stat, wrong_crit = _chi2(counts, _exact(top_k_only, draft), N_SAMPLES)
+    assert wrong_stat > wrong_crit, "the test cannot tell a filter without top-p apart"
 
 
 def test_filter_keeps_ties_and_at_least_one():

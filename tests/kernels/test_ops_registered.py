@@ -1,0 +1,262 @@
+"""The public ops as torch.library ops: torch.ops.dflash.* registered at import, one op per public call,
+opcheck, torch.compile(fullgraph=True), inference_mode / no_grad, and replay through a TorchDispatchMode."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dflash_kernels
+from dflash_kernels import _ext
+
+OPS = ("fused_context", "inject_context_kv", "draft_attention", "verify_greedy", "verify_sample", "commit_round")
+EXT_OK = _ext.status("cpu")[0]
+
+
+@pytest.fixture(autouse=True)
+def _fixed_seed():
+    torch.manual_seed(20240611)
+
+
+class Recorder(TorchDispatchMode):
+    """Records every torch.ops.dflash.* call (op, args, kwargs), as a graph-replay emulation would."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "dflash":
+            self.calls.append((func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _state(device=None):
+    """Small inputs of one engine round: N=2 requests, block B=3, L=2 draft layers, H=16, kvH=1, D=8."""
+    n, b, h, layers, nh, kvh, d, cap, v = 2, 3, 16, 2, 2, 1, 8, 12, 20
+    ctx_lens = [2, 1]
+    m = sum(ctx_lens)
+    s = dict(
+        taps=[torch.randn(m, h) for _ in range(2)], fc_weight=torch.randn(h, 2 * h) / 6, norm_weight=torch.rand(h) + 0.5,
+        k_weight=torch.randn(layers, kvh * d, h) / 4, v_weight=torch.randn(layers, kvh * d, h) / 4,
+        k_norm_weight=torch.rand(layers, d) + 0.5, positions=torch.tensor([3, 4, 5]),
+        cu=torch.tensor([0, 2, 3]), cache_lens=torch.tensor([3, 5]),
+        k_cache=torch.randn(layers, n, cap, kvh, d), v_cache=torch.randn(layers, n, cap, kvh, d),
+        inv_freq=1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)),
+        q=torch.randn(n, b, nh, d), k=torch.randn(n, b, kvh, d), v=torch.randn(n, b, kvh, d),
+        q_norm_weight=torch.rand(d) + 0.5, block_lens=torch.tensor([3, 2]),
+        logits=torch.randn(n, b, v) * 2, temperature=torch.tensor([0.7, 1.3]), top_k=torch.tensor([0, 5]),
+        top_p=torch.tensor([0.9, 1.0]), seed=torch.tensor([7]), offset=torch.tensor([11]),
+        out_tokens=torch.zeros(n, 8, dtype=torch.long), lengths=torch.tensor([1, 2]), pos=torch.tensor([4, 6]),
+        anchor=torch.tensor([1, 2]), done=torch.tensor([False, False]), max_lengths=torch.tensor([8, 3]),
+        stop_tokens=torch.tensor([19, -1]),
+    )
+    s["draft"] = s["logits"].argmax(-1)[:, :-1].clone()
+    s["draft"][1, 0] = (s["draft"][1, 0] + 1) % v
+    return s
+
+
+def _clone(s):
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else [t.clone() for t in v]) for k, v in s.items()}
+
+
+def _round(s, backend):
+    """One call of each public op, in engine order. Returns the new outputs (the caches and the commit
+    state are updated in place)."""
+    ctx = dflash_kernels.fused_context(s["taps"], s["fc_weight"], s["norm_weight"], 1e-6, backend=backend)
+    dflash_kernels.inject_context_kv(ctx, s["k_weight"], s["v_weight"], s["k_norm_weight"], s["positions"], s["cu"],
+                                     s["cache_lens"], s["k_cache"], s["v_cache"], inv_freq=s["inv_freq"],
+                                     attention_scaling=1.1, backend=backend)
+    att = dflash_kernels.draft_attention(s["q"], s["k"], s["v"], s["k_cache"][0], s["v_cache"][0], s["cache_lens"],
+                                         s["q_norm_weight"], s["k_norm_weight"][0], inv_freq=s["inv_freq"],
+                                         sliding_window=4, block_lens=s["block_lens"], backend=backend)
+    acc, bonus = dflash_kernels.verify_greedy(s["logits"], s["draft"], backend=backend)
+    sacc, stok = dflash_kernels.verify_sample(s["logits"], s["draft"], temperature=s["temperature"],
+                                              top_k=s["top_k"], top_p=s["top_p"], seed=s["seed"],
+                                              offset=s["offset"], backend=backend)
+    num_new = dflash_kernels.commit_round(s["draft"], acc, bonus, out_tokens=s["out_tokens"], lengths=s["lengths"],
+                                          positions=s["pos"], anchor=s["anchor"], done=s["done"],
+                                          max_lengths=s["max_lengths"], stop_tokens=s["stop_tokens"],
+                                          backend="torch" if backend == "triton" else backend)
+    return ctx, att, acc, bonus, sacc, stok, num_new
+
+
+MUTATED = ("k_cache", "v_cache", "out_tokens", "lengths", "pos", "anchor", "done")
+
+
+def _assert_same(a, b):
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_import_alone_registers_every_op_and_works_without_the_extension():
+    """A fresh interpreter: `import dflash_kernels` registers torch.ops.dflash.*, loads no compiled code, and
+    runs with `dflash_kernels._C` unimportable (a plain install without the extension)."""
+    code = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'dflash_kernels._C':\n"
+        "            raise ImportError('blocked for the test')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import torch, dflash_kernels\n"
+        "assert 'dflash_kernels._C' not in sys.modules\n"
+        f"for name in {OPS!r}:\n"
+        "    op = getattr(torch.ops.dflash, name).default\n"
+        "    assert 'str backend' in str(op._schema), op._schema\n"
+        "l = torch.tensor([[[0., 2., 2.], [5., 1., 0.]]])\n"
+        "a, b = dflash_kernels.verify_greedy(l, torch.tensor([[1]]))\n"
+        "assert (a.item(), b.item()) == (1, 0)\n"
+        "assert not dflash_kernels.available_backends()['ext'][0]\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("DFLASH_KERNELS_BACKEND", "DFLASH_KERNELS_JIT")}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=os.path.join(os.path.dirname(__file__), "..", ".."))
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
+
+
+def test_schemas_and_mutations():
+    schemas = {name: getattr(torch.ops.dflash, name).default._schema for name in OPS}
+    mutated = {name: sorted(a.name for a in s.arguments if a.alias_info is not None and a.alias_info.is_write)
+               for name, s in schemas.items()}
+    assert mutated == {"fused_context": [], "inject_context_kv": ["k_cache", "v_cache"], "draft_attention": [],
+                       "verify_greedy": [], "verify_sample": [],
+                       "commit_round": ["anchor", "done", "lengths", "out_tokens", "positions"]}
+    args = {a.name: str(a.type) for a in schemas["draft_attention"].arguments}
+    assert args["block_lens"] == "Optional[Tensor]" and args["backend"] == "str"
+    sample = {a.name: str(a.type) for a in schemas["verify_sample"].arguments}
+    assert all(sample[x] == "Tensor" for x in ("temperature", "top_k", "top_p", "seed", "offset"))
+    assert {a.name: str(a.type) for a in schemas["commit_round"].arguments}["stop_tokens"] == "Optional[Tensor]"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_each_public_call_is_one_registered_op(backend):
+    """Exactly one torch.ops.dflash.* call per public call; results equal the calls made outside the mode."""
+    plain = _state()
+    recorded = _clone(plain)
+    expected = _round(plain, backend)
+    with Recorder() as rec:
+        got = _round(recorded, backend)
+    assert [f.__name__ for f, _, _ in rec.calls] == [f"{name}.default" for name in OPS]
+    _assert_same(expected, got)
+    for k in MUTATED:
+        assert torch.equal(plain[k], recorded[k]), k
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_replay_reads_tensor_arguments_at_run_time(backend):
+    """Replaying recorded verify_sample / commit_round / draft_attention calls after changing their tensor
+    arguments in place (offset, sampling parameters, stop tokens, block_lens) equals fresh public calls."""
+    s = _state()
+    with Recorder() as rec:
+        dflash_kernels.verify_sample(s["logits"], s["draft"], temperature=s["temperature"], top_k=s["top_k"],
+                                     top_p=s["top_p"], seed=s["seed"], offset=s["offset"], backend=backend)
+        dflash_kernels.draft_attention(s["q"], s["k"], s["v"], s["k_cache"][0], s["v_cache"][0], s["cache_lens"],
+                                       s["q_norm_weight"], s["k_norm_weight"][0], inv_freq=s["inv_freq"],
+                                       block_lens=s["block_lens"], backend=backend)
+    (vs_op, vs_args, vs_kw), (da_op, da_args, da_kw) = rec.calls
+    outs = set()
+    for step in range(3):
+        s["offset"].add_(1)
+        s["temperature"].mul_(1.5)
+        s["top_k"].add_(1)
+        s["block_lens"].copy_(torch.tensor([1 + step, 3 - step]))
+        fresh = dflash_kernels.verify_sample(s["logits"], s["draft"], temperature=s["temperature"].clone(),
+                                             top_k=s["top_k"].clone(), top_p=s["top_p"].clone(), seed=int(s["seed"]),
+                                             offset=int(s["offset"]), backend=backend)
+        _assert_same(fresh, vs_op(*vs_args, **vs_kw))
+        outs.add(tuple(fresh[1].tolist()) + tuple(fresh[0].tolist()))
+        fresh = dflash_kernels.draft_attention(s["q"], s["k"], s["v"], s["k_cache"][0], s["v_cache"][0],
+                                               s["cache_lens"], s["q_norm_weight"], s["k_norm_weight"][0],
+                                               inv_freq=s["inv_freq"], block_lens=s["block_lens"].clone(),
+                                               backend=backend)
+        assert torch.equal(fresh, da_op(*da_args, **da_kw))
+    assert len(outs) > 1, "the replayed sampling ignored the new offset"
+
+    # commit_round: the stop tokens are re-read on replay.
+    state = {k: s[k].clone() for k in ("out_tokens", "lengths", "pos", "anchor", "done")}
+    acc = torch.tensor([2, 1])
+    bonus = torch.tensor([5, 6])
+    stop = torch.tensor([-1, -1])
+    with Recorder() as rec:
+        dflash_kernels.commit_round(s["draft"], acc, bonus, out_tokens=state["out_tokens"], lengths=state["lengths"],
+                                    positions=state["pos"], anchor=state["anchor"], done=state["done"],
+                                    max_lengths=s["max_lengths"], stop_tokens=stop, backend="torch")
+    (cr_op, cr_args, cr_kw), = rec.calls
+    assert not state["done"][0]
+    state["lengths"][0] = 1
+    stop[0] = int(s["draft"][0, 0])  # now the first committed token of request 0 stops it
+    n = cr_op(*cr_args, **cr_kw)
+    assert int(n[0]) == 1 and bool(state["done"][0])
+
+
+def _opcheck_all(backend):
+    s = _state()
+    with Recorder() as rec:
+        _round(s, backend)
+    for op, args, kwargs in rec.calls:
+        torch.library.opcheck(op, args, kwargs)
+
+
+def test_opcheck_torch():
+    _opcheck_all("torch")
+
+
+def test_opcheck_triton():
+    _opcheck_all("triton")
+
+
+@pytest.mark.skipif(not EXT_OK, reason=f"compiled extension unavailable: {_ext.status('cpu')[1]}")
+def test_opcheck_ext():
+    s = _state()
+    with Recorder() as rec:
+        acc, bonus = dflash_kernels.verify_greedy(s["logits"], s["draft"], backend="ext")
+        dflash_kernels.commit_round(s["draft"], acc, bonus, out_tokens=s["out_tokens"], lengths=s["lengths"],
+                                    positions=s["pos"], anchor=s["anchor"], done=s["done"],
+                                    max_lengths=s["max_lengths"], stop_tokens=s["stop_tokens"], backend="ext")
+    assert [f.__name__ for f, _, _ in rec.calls] == ["verify_greedy.default", "commit_round.default"]
+    assert [a[-1] for _, a, _ in rec.calls] == ["ext", "ext"]
+    for op, args, kwargs in rec.calls:
+        torch.library.opcheck(op, args, kwargs)
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_inference_mode_and_no_grad(mode, backend):
+    plain = _state()
+    inner = _clone(plain)
+    expected = _round(plain, backend)
+    with getattr(torch, mode)():
+        got = _round(inner, backend)
+    _assert_same(expected, got)
+    for k in MUTATED:
+        assert torch.equal(plain[k], inner[k]), k
+
+
+def test_compile_fullgraph_no_graph_breaks():
+    """torch.compile(fullgraph=True) of a round through every public op (backend "torch"): one graph that
+    holds the six torch.ops.dflash ops, run with aot_eager (functionalized mutations) and equal to eager."""
+    seen = []
+
+    def backend_fn(gm, example_inputs):
+        seen.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    eager = _state()
+    compiled = _clone(eager)
+    expected = _round(eager, "torch")
+    got = torch.compile(lambda s: _round(s, "torch"), fullgraph=True, backend=backend_fn)(compiled)
+    _assert_same(expected, got)
+    for k in MUTATED:
+        assert torch.equal(eager[k], compiled[k]), k
+    assert len(seen) == 1
+    dflash_ops = [str(t).split(".")[1] for t in seen[0] if str(t).startswith("dflash.")]  # dflash.<op>[.default]
+    assert sorted(dflash_ops) == sorted(OPS)
+    torch._dynamo.reset()

@@ -228,7 +228,7 @@ class DFlashEngine:
             o = draft_attention(q, k, v, self.k_cache[li], self.v_cache[li], self.positions, attn.q_norm.weight,
                                 attn.k_norm.weight, inv_freq=self.inv_freq, attention_scaling=self.attention_scaling,
                                 eps=cfg.rms_norm_eps, sliding_window=attn.window, causal=attn.causal,
-                                max_context_len=self.kv_bound, backend=self.backend)
+                                max_context_len=self.kv_bound, block_lens=block_lens, backend=self.backend)
             h = h + attn.o_proj(o.reshape(n, B, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = draft.norm(h[:, 1:])

@@ -41,10 +41,16 @@ class _Recorder(TorchDispatchMode):
                 f"{func} reads a device value on the host inside a captured step; keep the value on the "
                 "device (a tensor argument) or read it outside the step")
         out = func(*args, **kwargs)
-        # A view aliases memory that is recorded anyway: replay has nothing to redo for it.
-        if not func.is_view:
+        # A view aliases memory that is recorded anyway: replay has nothing to redo for it. The schema
+        # alone does not tell (``aten.to`` may alias or copy), so check that it really aliased.
+        if not (func.is_view and _aliases_inputs(out, args, kwargs)):
             self.calls.append((func, args, kwargs, out))
         return out
+
+
+def _aliases_inputs(out, args, kwargs) -> bool:
+    storages = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    return all(t.untyped_storage().data_ptr() in storages for t in tree_leaves(out) if isinstance(t, torch.Tensor))
 
 
 class EmulatedGraph:

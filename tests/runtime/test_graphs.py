@@ -41,6 +41,16 @@ def test_replay_repeats_in_place_updates_and_intermediates():
     assert torch.equal(out, (torch.arange(4.0) + 3) * 10 + 1)
 
 
+def test_an_aliasing_schema_op_that_copies_is_replayed():
+    """``aten.to`` may alias (same dtype) or copy (new dtype): the copy must be replayed."""
+    ints = torch.arange(3)
+    out = torch.zeros(3, dtype=torch.float64)
+    graph = record(lambda: out.copy_(ints.to(torch.float64) * 2))
+    ints.add_(10)
+    graph.replay()
+    assert out.tolist() == [20.0, 22.0, 24.0]
+
+
 def test_python_values_and_replaced_tensors_are_frozen():
     box = {"scale": 2.0, "bias": torch.tensor([1.0])}
     out = torch.zeros(1)
@@ -118,8 +128,10 @@ def test_engine_reused_across_settings_equals_fresh_engine(graphs):
         engine = engine or engine_module._ENGINE["engine"]
         assert engine_module._ENGINE["engine"] is engine, "the calls must share one engine"
     if graphs:
-        assert {key[0] for key in engine.graphs} == {"draft", "verify"}
-        assert len(engine.graphs) == 5, sorted(engine.graphs)  # draft + 4 verify variants
+        # one draft graph; one verify graph per (greedy, filtered, stop-table width) the calls used
+        assert sorted(engine.graphs) == [("draft",), ("verify", False, True, 1), ("verify", False, True, 3),
+                                         ("verify", True, False, 0), ("verify", True, False, 1),
+                                         ("verify", True, False, 2)]
     for i, (prompts, (_, max_new, stops, settings)) in enumerate(zip(prompt_sets, CALLS)):
         engine_module._ENGINE.clear()
         fresh = _run(target, draft, prompts, max_new, stops, settings, graphs)
@@ -132,9 +144,8 @@ def test_engine_reused_across_settings_equals_fresh_engine(graphs):
                 assert torch.equal(reused[i].sequences[r], ref.sequences[0]), (i, r)
 
 
-def _reuse_differs_from_fresh(target, draft, graphs, first, second):
+def _reuse_differs_from_fresh(target, draft, graphs, prompts, first, second):
     """Run call ``first`` then ``second`` on one engine; return whether ``second`` differs from a fresh engine."""
-    prompts = [torch.randint(0, 48, (n,)) for n in (5, 9)]
     engine_module._ENGINE.clear()
     _run(target, draft, prompts, 14, *first, graphs)
     reused = _run(target, draft, prompts, 14, *second, graphs)
@@ -157,10 +168,10 @@ def test_planted_replaced_stop_table_is_caught_only_by_the_emulator(monkeypatch)
         real_reset(self, *args, **kwargs)
 
     monkeypatch.setattr(DFlashEngine, "reset", reset_replacing_the_table)
-    assert not _reuse_differs_from_fresh(target, draft, False, first, second), "eagerly the bug is invisible"
-    assert _reuse_differs_from_fresh(target, draft, "emulate", first, second), "the emulator must expose it"
+    assert not _reuse_differs_from_fresh(target, draft, False, prompts, first, second), "eagerly the bug is invisible"
+    assert _reuse_differs_from_fresh(target, draft, "emulate", prompts, first, second), "the emulator must expose it"
     monkeypatch.setattr(DFlashEngine, "reset", real_reset)
-    assert not _reuse_differs_from_fresh(target, draft, "emulate", first, second), "fixed code is clean"
+    assert not _reuse_differs_from_fresh(target, draft, "emulate", prompts, first, second), "fixed code is clean"
 
 
 def test_planted_python_temperature_is_caught_only_by_the_emulator(monkeypatch):
@@ -181,5 +192,6 @@ def test_planted_python_temperature_is_caught_only_by_the_emulator(monkeypatch):
             backend=self.commit_backend, check=False))
 
     monkeypatch.setattr(DFlashEngine, "verify_step", verify_step_with_python_temperature)
-    assert not _reuse_differs_from_fresh(target, draft, False, first, second), "eagerly the bug is invisible"
-    assert _reuse_differs_from_fresh(target, draft, "emulate", first, second), "the emulator must expose it"
+    prompts = [torch.randint(0, 48, (n,)) for n in (5, 9)]
+    assert not _reuse_differs_from_fresh(target, draft, False, prompts, first, second), "eagerly the bug is invisible"
+    assert _reuse_differs_from_fresh(target, draft, "emulate", prompts, first, second), "the emulator must expose it"

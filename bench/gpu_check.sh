@@ -21,10 +21,11 @@
 # GPU_CHECK_BUDGET_S=450; a step that cannot get its minimum is reported SKIPPED, never dropped):
 #   step            expect  cap  how the estimate was made
 #   toolchain           5     -  one torch import (~3 s cold) + nvcc --version; CPU dry run: 4 s
-#   build              35   150  the three translation units, timed one at a time on a shared CPU core
-#                                here: nvcc 13.0 -O3 sm_90 of csrc/cuda/dflash_kernels.cu 4 s, g++ -O3 of
-#                                csrc/torch/ops.cpp against torch's headers 10 s (ops_cuda.cpp: alike);
-#                                ninja compiles them side by side on 16 cores, + ~10 s setuptools/link
+#   build              35   150  the three translation units, timed on the shared 2-core CPU machine:
+#                                nvcc 13.0 -O3 sm_90 of csrc/cuda/dflash_kernels.cu 4 s; the same
+#                                `setup.py build_ext --inplace` with CPU ops only (ops.cpp with torch's
+#                                headers, C++20, -g) 24 s wall, 15 s CPU; ops_cuda.cpp is alike. ninja
+#                                compiles the three side by side on 16 cores: the slowest one + link
 #   graphs_runtime     30   120  not written yet; pytest start-up 8 s + the cold Triton compiles
 #   graphs_e2e         60   150  CPU dry run of these 6 tests: 37 s of eager work on tiny models, which is
 #                                milliseconds on the GPU; the cost there is the cold Triton cache: ~6
@@ -33,7 +34,7 @@
 #                                compiles on CUDA with cold caches dominate (~10-15 s each)
 #   kernels_real       40    90  18 tests; compiles not already cached by graphs_e2e (head_dim 128,
 #                                vocab 151936 shapes) ~1.5 s each; runs are milliseconds
-#   draft_latency      45    70  qwen3-8b draft (3.4 GB bf16, made on the GPU), batch 1, contexts 2k/32k,
+#   draft_latency      45    70  qwen3-8b draft + embedding/LM head (4.6 GB bf16, made on the GPU), batch 1, ctx 2k/32k,
 #                                blocks 1/4/16 x 3 providers = 18 measurements x (warm-up + 0.15 s) +
 #                                compiles and one graph capture per block
 #   e2e                60    90  qwen3-8b pair (19 GB bf16, random on the GPU: ~10 s), oracle-6, block 16,

@@ -27,7 +27,7 @@
 #                                headers, C++20, -g) 24 s wall, 15 s CPU; ops_cuda.cpp is alike. ninja
 #                                compiles the three side by side on 16 cores: the slowest one + link
 #   graphs_runtime     30   120  not written yet; pytest start-up 8 s + the cold Triton compiles
-#   graphs_e2e         60   150  CPU dry run of these 6 tests: 37 s of eager work on tiny models, which is
+#   graphs_e2e         60   150  CPU dry run of these 5 tests: 37 s of eager work on tiny models, which is
 #                                milliseconds on the GPU; the cost there is the cold Triton cache: ~6
 #                                kernels x 2-3 specialisations x ~1.5 s compile + graph capture + 8 s start
 #   ext_gpu            40    90  62 tests (tests/ext's 113 CPU twins: 7 s here); the two inductor

@@ -1,0 +1,97 @@
+"""bench/gpu_check.sh, the one script for a GPU session: its CPU dry run (every step's plumbing, the
+summary last, at most 8 files under $OUT), its budget skip, one build only, and the nvcc vs torch CUDA
+version check it starts with."""
+from __future__ import annotations
+
+import csv
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu_check.sh"
+sys.path.insert(0, str(ROOT / "bench"))
+
+import toolchain  # noqa: E402
+
+STEPS = ["toolchain", "build", "graphs_runtime", "graphs_e2e", "ext_gpu", "kernels_real", "draft_latency", "e2e",
+         "kernels"]
+NVCC_13_0 = "nvcc: NVIDIA (R) Cuda compiler driver\nCuda compilation tools, release 13.0, V13.0.88\n"
+
+
+@pytest.mark.parametrize("nvcc,text,cuda,status,words", [
+    ("/cuda/bin/nvcc", NVCC_13_0, "13.0", 0, ["ok: nvcc 13.0 (/cuda/bin/nvcc)", "CUDA 13.0"]),
+    ("/cuda/bin/nvcc", NVCC_13_0, "13.2", 0, ["WARNING", "nvcc 13.0", "CUDA 13.2", "minor"]),
+    ("/cuda/bin/nvcc", NVCC_13_0.replace("13.0", "12.8"), "13.0", 2,
+     ["MISMATCH", "nvcc 12.8", "CUDA 13.0", "CUDA_HOME to a CUDA 13.x toolkit", "build is skipped"]),
+    ("/cuda/bin/nvcc", "garbage", "13.0", 1, ["no 'release X.Y'", "garbage"]),
+    (None, None, "13.0", 1, ["no nvcc found", "CUDA_HOME"]),
+    ("/cuda/bin/nvcc", NVCC_13_0, None, 1, ["CPU-only build"]),
+])
+def test_toolchain_compare(nvcc, text, cuda, status, words):
+    got, report = toolchain.compare(nvcc, text, "2.11.0", cuda)
+    assert got == status, report
+    for w in words:
+        assert w in report, (w, report)
+
+
+def run_script(out: Path, **env) -> subprocess.CompletedProcess:
+    full = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "OUT": str(out), "PY": sys.executable, **env}
+    return subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=full, capture_output=True, text=True, timeout=240)
+
+
+def steps(out: Path) -> list[dict]:
+    with open(out / "steps.tsv", newline="") as f:
+        return [dict(zip(("step", "status", "seconds", "note"), row)) for row in csv.reader(f, delimiter="\t")]
+
+
+def test_dry_run(tmp_path):
+    proc = run_script(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["step"]: r for r in steps(tmp_path)}
+    assert list(rows) == STEPS
+    assert rows["toolchain"]["status"] == "NO-CUDA" and "CPU-only" in rows["toolchain"]["note"]  # CPU torch here
+    assert rows["build"]["status"] == "SKIPPED" and "setup.py build_ext --inplace" in rows["build"]["note"]
+    graphs_file = (ROOT / "tests" / "runtime" / "test_graphs.py").is_file()
+    assert rows["graphs_runtime"]["status"] == ("ok" if graphs_file else "SKIPPED"), rows["graphs_runtime"]
+    for name in STEPS[3:]:
+        assert rows[name]["status"] == "ok", rows[name]
+    assert re.search(r"\b1 passed\b", rows["graphs_e2e"]["note"]) and "skipped" in rows["ext_gpu"]["note"]
+    # the summary comes last: tables, the steps, the toolchain line, the verdict
+    out = proc.stdout
+    assert out.index("################ summary") < out.index("== end to end") < out.index("== steps")
+    ok = 7 if graphs_file else 6
+    assert out.rstrip().splitlines()[-1].startswith(f"gpu_check: {ok} ok, {9 - 1 - ok} skipped, 1 with a problem")
+    # what the device tool brings back: at most 8 plain files, none in a subfolder
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert all((tmp_path / f).is_file() for f in files) and len(files) <= 8, files
+    assert {"gpu_check.log", "steps.tsv", "draft_latency-gpu_check.csv", "e2e-gpu_check.csv",
+            "kernels-gpu_check.csv"} <= set(files)
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert "== kernels_real (timeout" in log and "wrote" in log
+
+
+def test_budget_skips_steps_and_still_summarizes(tmp_path):
+    proc = run_script(tmp_path, GPU_CHECK_BUDGET_S="1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = steps(tmp_path)
+    assert [r["step"] for r in rows] == STEPS
+    for r in rows[2:]:
+        if r["step"] == "graphs_runtime" and "not there yet" in r["note"]:
+            continue
+        assert r["status"] == "SKIPPED" and "of the 1s budget left" in r["note"], r
+    assert "== steps" in proc.stdout and proc.stdout.rstrip().splitlines()[-1].startswith("gpu_check: 0 ok")
+
+
+def test_one_build_only():
+    """No step after `build` compiles again: no second setup.py/pip/CMake/nvcc build, and tests/ext
+    runs without its two build checks."""
+    code = [line for line in SCRIPT.read_text().splitlines() if not line.lstrip().startswith("#")]
+    builds = [line for line in code if re.search(r"build_ext|pip install|\bcmake\b|\bnvcc |csrc/tests/gpu_check", line)]
+    assert len(builds) == 1 and "BUILD=(" in builds[0], builds
+    ext = [line for line in code if "tests/ext" in line]
+    assert len(ext) == 1 and "-m gpu" in ext[0] and "not nvcc_compiles and not cmake_build" in ext[0], ext

@@ -179,11 +179,12 @@ def _generate(argv: list[str]) -> int:
                                         "({prompt, completion, tokens, tau})")
     args = p.parse_intermixed_args(argv)
     _check_numbers(args)
+    model, draft_path = _resolve_paths(args)
     if args.batch_file and args.prompt not in (None, "-"):
         raise UsageError("give either a PROMPT or --batch-file, not both")
     if args.batch_file:
         try:
-            prompts = [line.rstrip("\n") for line in open(args.batch_file, encoding="utf-8") if line.strip()]
+            prompts = [line for line in Path(args.batch_file).read_text(encoding="utf-8").splitlines() if line.strip()]
         except OSError as exc:
             raise UsageError(f"--batch-file: cannot read {args.batch_file!r} ({exc.strerror})") from None
         if not prompts:
@@ -199,7 +200,6 @@ def _generate(argv: list[str]) -> int:
             prompts = [args.prompt]
             if not prompts[0].strip():
                 raise UsageError("PROMPT is empty")
-    model, draft_path = _resolve_paths(args)
 
     from dflash import generate
 

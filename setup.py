@@ -158,11 +158,11 @@ setup(
         "numpy",
         "transformers>=5.17",
         "safetensors",
+        "matplotlib",
     ],
     extras_require={
         "test": ["pytest", "pytest-benchmark"],
         "demo": ["gguf", "accelerate"],
-        "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["dflash = dflash.cli:main"]},
 )

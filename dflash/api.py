@@ -54,6 +54,8 @@ def check_prompt(target: TargetAdapter, draft: DraftModel, input_ids, max_new_to
             f"draft mask_token_id {mask_id!r} is outside the target vocabulary [0, {vocab}); "
             "set dflash_config.mask_token_id to a row of the target's embedding table"
         )
+    if draft.config.draft_vocab_size is not None:
+        draft.head_rows(target.lm_head)  # checks the subset against the target vocabulary; gathered before any step
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids must be a torch.LongTensor, got {type(input_ids).__name__}")
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:

@@ -1,4 +1,5 @@
-"""``dflash`` command line: ``dflash demo``, ``dflash train``, ``dflash bench <name>``."""
+"""``dflash`` command line: z-lab's ``dflash generate`` and ``dflash benchmark``, and this project's
+``dflash demo``, ``dflash train``, ``dflash bench <name>``."""
 from __future__ import annotations
 
 import argparse
@@ -13,15 +14,25 @@ BENCHMARKS = {
     "kernels": "kernels.py",
     "e2e": "e2e.py",
 }
+# name -> ("module:function" taking the remaining arguments, help)
 SUBCOMMANDS = {
-    "demo": ("dflash.demo", "run the embedded SmolLM2-135M + DFlash draft demo (offline)"),
-    "train": ("dflash.train", "train a DFlash draft for a target model"),
+    "generate": ("dflash.zlab_cli:generate_main", "z-lab's generate: dflash generate transformers --model M --draft D "
+                 "PROMPT (M, D local folders or 'smollm2')"),
+    "benchmark": ("dflash.zlab_cli:benchmark_main", "z-lab's benchmark on prompt sets shipped in the package"),
+    "demo": ("dflash.demo:main", "run the embedded SmolLM2-135M + DFlash draft demo (offline)"),
+    "train": ("dflash.train:main", "train a DFlash draft for a target model"),
 }
 
 
 def bench_dir() -> Path:
     """bench/ of the source checkout (the package is installed editable from it)."""
     return Path(__file__).resolve().parents[1] / "bench"
+
+
+def no_checkout_message(name: str) -> str:
+    return (f"dflash bench {name}: the benchmark scripts live in bench/ of the source repository, which an "
+            "installed package does not include. Clone the repository and run `pip install -e .` (or run "
+            f"`python bench/{BENCHMARKS[name]}` there); `dflash benchmark` runs from any install.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,13 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         script = bench_dir() / BENCHMARKS[args.name]
         if not script.is_file():
-            parser.error(f"{script} not found: benchmarks run from a source checkout (pip install -e .)")
+            print(no_checkout_message(args.name), file=sys.stderr)
+            return 2
         sys.argv = [str(script), *rest]
         os.environ.setdefault("PYTHONUNBUFFERED", "1")
         runpy.run_path(str(script), run_name="__main__")
         return 0
-    module = importlib.import_module(SUBCOMMANDS[args.command][0])
-    return int(module.main(rest) or 0)
+    module, function = SUBCOMMANDS[args.command][0].split(":")
+    return int(getattr(importlib.import_module(module), function)(rest) or 0)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,12 @@ import json
 import os
 from typing import Any, Sequence
 
+from dflash import speculators
+
 CONFIG_NAME = "config.json"
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+# Checkpoint tensor of a draft with a vocabulary subset: the target token id of each draft logit.
+DRAFT_TOKEN_IDS = "draft_token_ids"
 
 # Fields read from the top level of config.json, with the official (Qwen3Config) defaults.
 _TOP_LEVEL_DEFAULTS: dict[str, Any] = {
@@ -43,6 +47,12 @@ _DFLASH_DEFAULTS: dict[str, Any] = {
     "input_embedding_scale": 1.0,
     "output_multiplier": 1.0,
     "final_logit_softcapping": None,
+    # Draft vocabulary subset (speculators / EAGLE-3 style): the draft's LM head scores only these
+    # target token ids, stored as the ``draft_token_ids`` tensor of the checkpoint. None = full vocabulary.
+    "draft_vocab_size": None,
+    # speculators ``sample_from_anchor``: block row i predicts the token at position start+i+1, so the
+    # proposals come from rows 0..B-2 instead of z-lab's rows 1..B-1 (row i predicts position start+i).
+    "sample_from_anchor": False,
 }
 
 
@@ -83,6 +93,8 @@ class DFlashConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    draft_vocab_size: int | None = None
+    sample_from_anchor: bool = False
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -125,6 +137,12 @@ class DFlashConfig:
             fail("layer_types has sliding_attention layers but sliding_window is not a positive integer")
         if not self.target_layer_ids:
             fail("target_layer_ids is empty")
+        if self.draft_vocab_size is not None and (
+                isinstance(self.draft_vocab_size, bool) or not isinstance(self.draft_vocab_size, int)
+                or self.draft_vocab_size < 1):
+            fail(f"draft_vocab_size must be a positive integer or null (full vocabulary), got {self.draft_vocab_size!r}")
+        if not isinstance(self.sample_from_anchor, bool):
+            fail(f"sample_from_anchor must be true or false, got {self.sample_from_anchor!r}")
         if self.hidden_act != "silu":
             fail(f"hidden_act={self.hidden_act!r} is not supported (DFlash drafts use 'silu')")
 
@@ -178,6 +196,8 @@ class DFlashConfig:
                     "self_attn.o_proj.bias": ((H,), f"{hid}, attention_bias=true"),
                 })
             shapes.update({p + name: v for name, v in layer.items()})
+        if self.draft_vocab_size is not None:
+            shapes[DRAFT_TOKEN_IDS] = ((self.draft_vocab_size,), f"draft_vocab_size={self.draft_vocab_size}")
         return shapes
 
     def check_weight_shapes(self, shapes: dict[str, Sequence[int]], *, source: str = "checkpoint") -> None:
@@ -205,6 +225,9 @@ class DFlashConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, source: str = "config") -> "DFlashConfig":
+        """A z-lab ``config.json`` (either schema) or a speculators DFlash one (see :mod:`dflash.speculators`)."""
+        if speculators.is_speculators_config(raw):
+            raw = speculators.zlab_config(raw, source=source)
         raw = dict(raw)
         architectures = raw.get("architectures") or []
         if DFLASH2_ARCHITECTURE in architectures:
@@ -235,16 +258,7 @@ class DFlashConfig:
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "DFlashConfig":
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            path = os.path.join(path, CONFIG_NAME)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"draft config not found: {path} (a z-lab draft folder holds config.json)")
-        try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+        path, raw = read_config_json(path)
         return cls.from_dict(raw, source=path)
 
     def to_dict(self) -> dict[str, Any]:
@@ -273,6 +287,20 @@ class DFlashConfig:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(self.to_dict(), f, indent=2, sort_keys=True)
             f.write("\n")
+
+
+def read_config_json(path: str | os.PathLike) -> tuple[str, dict[str, Any]]:
+    """(path of the file, its JSON object) for a draft folder or a ``config.json`` path."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, CONFIG_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"draft config not found: {path} (a z-lab draft folder holds config.json)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return path, json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
 
 
 def _resolve_rope(raw: dict[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.config import CONFIG_NAME, DFlashConfig
+from dflash import speculators
+from dflash.config import CONFIG_NAME, DRAFT_TOKEN_IDS, DFlashConfig, read_config_json
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -240,6 +241,10 @@ class DraftModel(nn.Module):
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
+        if config.draft_vocab_size is not None:
+            # Target id of each draft logit; a checkpoint tensor. Set with set_draft_vocab.
+            self.register_buffer(DRAFT_TOKEN_IDS, torch.arange(config.draft_vocab_size))
+        self._head_rows: tuple[tuple, torch.Tensor] | None = None  # (key, target LM head rows of the subset)
         self.reset_parameters()
 
     # z-lab attribute names
@@ -317,15 +322,54 @@ class DraftModel(nn.Module):
             h = layer(h, context, cos, sin, past_key_values, attention_mask, attention_fn)
         return self.norm(h)
 
+    # ---------------------------------------------------------------- draft vocabulary
+    def set_draft_vocab(self, token_ids) -> None:
+        """Set the target token ids the draft's LM head scores (``config.draft_vocab_size`` of them)."""
+        ids = torch.as_tensor(token_ids)
+        check_draft_vocab(ids, self.config.draft_vocab_size, source="set_draft_vocab")
+        getattr(self, DRAFT_TOKEN_IDS).copy_(ids)
+        self._head_rows = None
+
+    def head_rows(self, output_head) -> torch.Tensor:
+        """The rows of the target's LM head that the draft vocabulary selects, in the draft's dtype:
+        gathered on the first call for a given head and kept (so captured steps only read them)."""
+        ids = getattr(self, DRAFT_TOKEN_IDS)
+        weight = getattr(output_head, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise TypeError("a draft with a vocabulary subset needs an LM head module with a [vocab, hidden] .weight")
+        dtype = self.fc.weight.dtype
+        key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, dtype, ids.device)
+        if self._head_rows is None or self._head_rows[0] != key:
+            check_draft_vocab(ids, self.config.draft_vocab_size, vocab=weight.shape[0], source="draft_token_ids")
+            self._head_rows = (key, weight.detach().index_select(0, ids.to(weight.device)).to(dtype))
+        return self._head_rows[1]
+
     def compute_logits(self, hidden: torch.Tensor, output_head) -> torch.Tensor:
-        """Target LM head on draft hidden states, × output_multiplier, optional soft-cap."""
-        logits = output_head(hidden)
+        """Target LM head on draft hidden states (only its draft-vocabulary rows when the draft has a
+        vocabulary subset: logits then index ``draft_token_ids``), × output_multiplier, optional soft-cap."""
+        if self.config.draft_vocab_size is None:
+            logits = output_head(hidden)
+        else:
+            rows = self.head_rows(output_head)
+            logits = F.linear(hidden.to(rows.dtype), rows)
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)
         return logits
+
+    def propose(self, hidden: torch.Tensor, output_head) -> torch.Tensor:
+        """Greedy proposals as target token ids [b, q-1] from the final-normed hidden states of all q block
+        rows: rows 1..q-1 (z-lab: row i predicts position start+i), or rows 0..q-2 for
+        ``sample_from_anchor`` drafts (row i predicts position start+i+1)."""
+        rows = hidden[:, :-1] if self.config.sample_from_anchor else hidden[:, 1:]
+        if self.config.draft_vocab_size is None:
+            rows = rows.to(output_head.weight.dtype)
+        ids = torch.argmax(self.compute_logits(rows, output_head), dim=-1)
+        if self.config.draft_vocab_size is None:
+            return ids
+        return getattr(self, DRAFT_TOKEN_IDS)[ids]
 
     # ---------------------------------------------------------------- checkpoints
     def save_pretrained(self, save_directory: str | os.PathLike, *, max_shard_size: int | None = None) -> None:
@@ -361,11 +405,13 @@ class DraftModel(nn.Module):
     def from_pretrained(
         cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
     ) -> "DraftModel":
-        """Load a z-lab draft folder (``config.json`` + ``model.safetensors`` or a sharded index)."""
+        """Load a draft folder (``config.json`` + ``model.safetensors`` or a sharded index): z-lab's layout
+        (either config schema) or a speculators DFlash checkpoint (:mod:`dflash.speculators`)."""
         from safetensors.torch import load_file
 
-        path = os.fspath(path)
-        config = DFlashConfig.from_json_file(path)
+        config_path, raw = read_config_json(path)
+        config = DFlashConfig.from_dict(raw, source=config_path)
+        path = os.path.dirname(config_path)
         single = os.path.join(path, WEIGHTS_NAME)
         index = os.path.join(path, WEIGHTS_INDEX_NAME)
         if os.path.isfile(single):
@@ -383,11 +429,38 @@ class DraftModel(nn.Module):
             if not os.path.isfile(file):
                 raise FileNotFoundError(f"weight shard listed in the index is missing: {file}")
             state.update(load_file(file))
+        if speculators.is_speculators_config(raw):
+            state, token_ids = speculators.zlab_state_dict(state, config, source=path)
+            if token_ids is not None:
+                state[DRAFT_TOKEN_IDS] = token_ids
         config.check_weight_shapes({name: tuple(t.shape) for name, t in state.items()}, source=path)
+        if config.draft_vocab_size is not None:
+            check_draft_vocab(state[DRAFT_TOKEN_IDS], config.draft_vocab_size, source=f"{path}: {DRAFT_TOKEN_IDS}")
         with torch.device("meta"):
             model = cls(config)
         model.load_state_dict(state, assign=True)
         model.rotary_emb = RotaryEmbedding(config)
         if dtype is None:
-            dtype = next(iter(state.values())).dtype
+            dtype = state["fc.weight"].dtype
         return model.to(device=device, dtype=dtype).eval()
+
+
+def check_draft_vocab(token_ids: torch.Tensor, size: int | None, *, vocab: int | None = None,
+                      source: str) -> None:
+    """A draft vocabulary: ``size`` distinct integer target ids, each inside ``[0, vocab)`` when known."""
+    if size is None:
+        raise ValueError(f"{source}: this draft has the full target vocabulary (config draft_vocab_size is null); "
+                         "set dflash_config.draft_vocab_size to give it a vocabulary subset")
+    if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool or token_ids.dim() != 1:
+        raise ValueError(f"{source}: expected a 1-D integer tensor of target token ids, got {token_ids.dtype} "
+                         f"{list(token_ids.shape)}")
+    if token_ids.numel() != size:
+        raise ValueError(f"{source}: {token_ids.numel()} token ids for draft_vocab_size={size}; the draft's LM head "
+                         "has one row per id")
+    low, high = int(token_ids.min()), int(token_ids.max())
+    if low < 0 or (vocab is not None and high >= vocab):
+        bound = f"[0, {vocab})" if vocab is not None else "[0, vocab)"
+        raise ValueError(f"{source}: token ids must lie in the target vocabulary {bound}, found {low}..{high}; "
+                         "the draft vocabulary was built for a different target")
+    if torch.unique(token_ids).numel() != size:
+        raise ValueError(f"{source}: token ids contain duplicates; each target token may appear once")

@@ -17,7 +17,7 @@ Round:
   draft step   inject the previous round's committed rows (fused_context + inject_context_kv),
                then every draft layer over [context cache ++ block] (draft_attention; block rows at
                or beyond ``v = min(B, max_length - position)`` are masked, as the reference drafts a
-               v-row block at the tail), final norm, LM head on rows 1..B-1, argmax -> proposals.
+               v-row block at the tail), final norm, ``draft.propose`` (LM head + argmax) -> proposals.
   verify step  lean target forward over [anchor, proposals] at positions[r] (taps into a buffer),
                verify_greedy / verify_sample, commit_round (tokens, lengths, positions, anchor,
                stop and length limits, done flags).
@@ -231,9 +231,7 @@ class DFlashEngine:
                                 max_context_len=self.kv_bound, block_lens=block_lens, backend=self.backend)
             h = h + attn.o_proj(o.reshape(n, B, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = draft.norm(h[:, 1:])
-        logits = draft.compute_logits(h.to(self.target_model.lm_head.weight.dtype), self.target_model.lm_head)
-        self.proposals.copy_(torch.argmax(logits, dim=-1))
+        self.proposals.copy_(draft.propose(draft.norm(h), self.target_model.lm_head))
 
     def verify_step(self) -> None:
         """Target forward over [anchor, proposals], acceptance, commit."""

@@ -5,7 +5,8 @@ loop. Per round (block size B, ``start`` = position of the anchor, the last comm
 
 1. the draft sees the new context rows (target features of the tokens committed since its last
    call) and the block ``[anchor, MASK × (v-1)]`` at positions ``start … start+v-1``, where
-   ``v = min(B, max_length - start)``; its argmax at rows 1..v-1 are the proposals;
+   ``v = min(B, max_length - start)``; its argmax at rows 1..v-1 are the proposals (``draft.propose``:
+   target ids, also for a draft vocabulary subset);
 2. the target scores the block in one forward pass (HF forward, ``DynamicCache``);
 3. acceptance and bookkeeping are the kernel library's definitions, run as PyTorch references:
    ``verify_greedy`` / ``verify_sample`` (longest agreeing prefix + the target's next token; the
@@ -34,7 +35,6 @@ def reference_generate(target: TargetAdapter, draft: DraftModel, input_ids: torc
     generator = torch.Generator(device=device).manual_seed(seed)
     mask_id = draft.config.mask_token_id
     draft_dtype = draft.fc.weight.dtype
-    head_dtype = target.lm_head.weight.dtype
     use_draft = block_size > 1
     long = dict(dtype=torch.long, device=device)
 
@@ -79,8 +79,7 @@ def reference_generate(target: TargetAdapter, draft: DraftModel, input_ids: torc
                 past_key_values=draft_cache,
             )
             draft_cache.crop(start)
-            draft_logits = draft.compute_logits(hidden[:, 1:, :].to(head_dtype), target.lm_head)
-            block[:, 1:] = torch.argmax(draft_logits, dim=-1)
+            block[:, 1:] = draft.propose(hidden, target.lm_head)
             result.draft_time += device_clock(device) - ta
         tv = device_clock(device)
         verify = target.forward(block, positions[:, start:start + verify_len], target_cache, with_features=use_draft)

@@ -69,3 +69,16 @@ def test_e2e_smoke(tmp_path):
             assert int(r["generated"]) == 12, r
     oracle_fast = next(r for r in rows if r["pair"] == "smoke-ORACLE-3" and r["name"] == "fast")
     assert float(oracle_fast["tau"]) > 2
+
+
+def test_draft_latency_through_cli_writes_csv_and_png(tmp_path):
+    """matplotlib is a declared dependency: the PNG is always written next to the CSV."""
+    from dflash import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "draft-latency", "--device", "cpu", "--models", "tiny", "--contexts", "48", "--blocks",
+                  "1,4", "--warmup", "1", "--reps", "3", "--budget", "0.05", "--out", str(tmp_path)])
+    assert exit_info.value.code in (0, None)
+    _rows(tmp_path / "draft_latency-cpu.csv")
+    png = tmp_path / "draft_latency-cpu.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000

@@ -162,3 +162,16 @@ def test_bad_draft_vocab_size_in_config():
     target = make_target("qwen3")
     with pytest.raises(ValueError, match="draft_vocab_size must be a positive integer"):
         make_draft(target, draft_vocab_size=0)
+
+
+def test_subset_draft_under_emulated_graphs_equals_the_target():
+    """The gathered head rows and the id map are read by the captured draft step, not baked into it."""
+    torch.manual_seed(SEED)
+    target = make_target("qwen3")
+    vocab = target.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, 9), generator=torch.Generator().manual_seed(SEED))
+    expected = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False)
+    draft, _ = subset_draft(target, list(range(0, vocab, 2)), block_size=4)
+    for graphs in ("emulate", False):
+        result = generate(target, draft, prompt, 20, backend="fast", use_cuda_graphs=graphs)
+        assert torch.equal(result.sequences, expected), graphs

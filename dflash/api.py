@@ -6,7 +6,7 @@ Every argument is checked here, before any work, with an error that names it.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -141,6 +141,7 @@ def generate(
     max_length: int | None = None,
     kernel_backend: str | None = None,
     use_cuda_graphs: bool | str | None = None,
+    on_tokens: Callable[[int, list[int]], None] | None = None,
 ):
     """Speculative generation with a DFlash draft.
 
@@ -163,6 +164,9 @@ def generate(
             64), kernel_backend ("auto" | "triton" | "torch" | "ext"), use_cuda_graphs (None = on CUDA;
             True; False; "emulate" = record each step once and replay it, with CUDA-graph semantics, on
             any device): backend "fast" only.
+        on_tokens: called as tokens are committed, with (request index, the new token ids): the first
+            token after the prefill, then each round's tokens (for streaming output; the engine then
+            reads the new tokens back once per round).
     Returns:
         :class:`GenerateResult` with ``.sequences`` [1, P + n] and ``.acceptance_lengths``; for batched
         input, a :class:`BatchResult` whose fields are per-request lists.
@@ -184,7 +188,8 @@ def generate(
         input_ids, block = check_prompt(target, draft, input_ids, max_new_tokens, block_size)
         stops = stop_list(stop_token_ids)
         with torch.inference_mode():
-            return reference_generate(target, draft, input_ids, max_new_tokens, stops, sampling, block, seed)
+            return reference_generate(target, draft, input_ids, max_new_tokens, stops, sampling, block, seed,
+                                      on_tokens=on_tokens)
 
     reason = unsupported_reason(target, draft)
     if reason is not None:
@@ -216,5 +221,5 @@ def generate(
         raise ValueError(f"prompt + max_new_tokens = {needed} exceeds the target's max_position_embeddings {limit}")
     engine = cached_engine(target.model, draft, batch=n, capacity=max_length, block_size=block,
                            kernel_backend=kernel_backend, use_cuda_graphs=use_cuda_graphs)
-    results: list[GenerateResult] = engine.generate(checked, limits, stops, sampling, seed)
+    results: list[GenerateResult] = engine.generate(checked, limits, stops, sampling, seed, on_tokens=on_tokens)
     return BatchResult(results) if batched else results[0]

@@ -292,14 +292,18 @@ class DFlashEngine:
                 self.proposals, self.features, self.offset]
 
     def generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: Sequence[int], stops: Sequence[list[int]],
-                 sampling: SamplingParams, seed: int) -> list[GenerateResult]:
+                 sampling: SamplingParams, seed: int, on_tokens=None) -> list[GenerateResult]:
         """Decode validated prompts (1-D, on the device) to the end; one :class:`GenerateResult` each, whose
-        ``extra["round_times"]`` lists every round's (draft, verify, whole round incl. the host read) seconds."""
+        ``extra["round_times"]`` lists every round's (draft, verify, whole round incl. the host read) seconds.
+        ``on_tokens(r, ids)`` is called with request r's newly committed tokens (the first token included)."""
         n = len(prompts)
         with torch.inference_mode():
             t0 = device_clock(self.device)
             self.reset(prompts, max_new_tokens, stops, sampling, seed)
             t1 = device_clock(self.device)
+            if on_tokens is not None:
+                for r, length in enumerate(self.lengths[:n].tolist()):
+                    on_tokens(r, [int(self.out_tokens[r, length - 1])])
             acceptance: list[list[int]] = [[] for _ in prompts]
             round_times: list[tuple[float, float, float]] = []  # (draft, verify, whole round) seconds
             done = self.done[:n].to("cpu", copy=True)
@@ -313,6 +317,11 @@ class DFlashEngine:
                 for r, n_new in enumerate(snapshot[n:].tolist()):
                     if not was_done[r]:
                         acceptance[r].append(int(n_new))
+                if on_tokens is not None:  # one more read, only when streaming
+                    ends = self.lengths[:n].tolist()
+                    for r, n_new in enumerate(snapshot[n:].tolist()):
+                        if n_new:
+                            on_tokens(r, self.out_tokens[r, ends[r] - n_new:ends[r]].tolist())
             lengths = self.lengths.cpu().tolist()
             total = device_clock(self.device) - t0
         return [

@@ -27,8 +27,10 @@ from dflash_kernels import commit_round, verify_greedy, verify_sample
 
 
 def reference_generate(target: TargetAdapter, draft: DraftModel, input_ids: torch.Tensor, max_new_tokens: int,
-                       stops: list[int], sampling: SamplingParams, block_size: int, seed: int) -> GenerateResult:
-    """One request ``input_ids`` [1, P] (validated by :func:`dflash.generate`); ``seed`` keys every random draw."""
+                       stops: list[int], sampling: SamplingParams, block_size: int, seed: int,
+                       on_tokens=None) -> GenerateResult:
+    """One request ``input_ids`` [1, P] (validated by :func:`dflash.generate`); ``seed`` keys every random draw;
+    ``on_tokens(0, ids)`` is called with each round's committed tokens (the first token included)."""
     from transformers import DynamicCache
 
     device = target.device
@@ -63,6 +65,8 @@ def reference_generate(target: TargetAdapter, draft: DraftModel, input_ids: torc
     result = GenerateResult(sequences=out_tokens, acceptance_lengths=[], num_prompt_tokens=prompt_len,
                             prefill_time=t1 - t0)
 
+    if on_tokens is not None:
+        on_tokens(0, [first])
     start = prompt_len
     while not bool(done[0]):
         verify_len = min(block_size, max_length - start)
@@ -101,6 +105,8 @@ def reference_generate(target: TargetAdapter, draft: DraftModel, input_ids: torc
             context = verify.features[:, :committed]
         result.verify_time += device_clock(device) - tv
         result.acceptance_lengths.append(committed)
+        if on_tokens is not None:
+            on_tokens(0, out_tokens[0, start + 1:start + 1 + committed].tolist())
         start += committed
 
     result.sequences = out_tokens[:, :int(lengths[0])].clone()

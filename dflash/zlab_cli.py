@@ -163,6 +163,36 @@ def _run(prog: str, command, argv: list[str]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- generate
+class TextStreamer:
+    """``generate``'s ``on_tokens`` callback for one request: prints the text of the tokens committed so far
+    as it grows (decoding the whole completion each time, so multi-token characters and merged spaces
+    come out as the final decode has them; text that ends in an incomplete character waits)."""
+
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer, self.out = tokenizer, out or sys.stdout
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def __call__(self, request: int, ids: list[int]) -> None:
+        self.ids += ids
+        text = self._text()
+        if not text.endswith("\ufffd"):
+            self._emit(text)
+
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _emit(self, text: str) -> None:
+        self.out.write(text[self.printed:])
+        self.out.flush()
+        self.printed = len(text)
+
+    def finish(self) -> None:
+        self._emit(self._text())
+        self.out.write("\n")
+        self.out.flush()
+
+
 def generate_main(argv: list[str]) -> int:
     """``dflash generate``."""
     return _run("dflash generate", _generate, argv)
@@ -171,8 +201,8 @@ def generate_main(argv: list[str]) -> int:
 def _generate(argv: list[str]) -> int:
     _backend_or_error("dflash generate", argv)
     p = _common_parser("dflash generate", "Generate with a target model and its DFlash draft. The output is "
-                       "printed once generation ends (not streamed per round); a one-line summary (tau, "
-                       "tokens/s) goes to stderr.")
+                       "streamed to stdout as each round commits tokens (with --batch-file: one JSON line per "
+                       "prompt when it ends); a one-line summary (tau, tokens/s) goes to stderr.")
     p.add_argument("prompt", nargs="?", default=None,
                    help="user message; '-' or omitted: read it from stdin")
     p.add_argument("--batch-file", help="a text file with one prompt per line; prints one JSON object per prompt "
@@ -210,14 +240,15 @@ def _generate(argv: list[str]) -> int:
                    top_k=args.top_k, block_size=block, backend=args.runtime, seed=args.seed)
     total_tokens, rounds, decode_s, total_s = 0, [], 0.0, 0.0
     for text, ids in zip(prompts, encoded):
-        res = generate(target, draft, ids, args.max_new_tokens, **options)
+        streamer = None if args.batch_file else TextStreamer(tok)
+        res = generate(target, draft, ids, args.max_new_tokens, on_tokens=streamer, **options)
         new = res.sequences[0, res.num_prompt_tokens:]
-        completion = tok.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         if args.batch_file:
+            completion = tok.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False)
             print(json.dumps({"prompt": text, "completion": completion, "tokens": int(new.numel()),
                               "tau": round(res.tau, 4)}), flush=True)
         else:
-            print(completion, flush=True)
+            streamer.finish()
         total_tokens += int(new.numel())
         rounds += res.acceptance_lengths
         decode_s += res.decode_time

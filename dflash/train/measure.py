@@ -1,4 +1,4 @@
-"""Measure a SmolLM2 draft end to end with :func:`dflash.generate.generate`: τ (mean acceptance
+"""Measure a SmolLM2 draft end to end with :func:`dflash.generate`: τ (mean acceptance
 length), decode tokens/s of DFlash vs autoregressive decoding through the same machinery
 (``block_size=1``), and greedy equality, on the held-out evaluation prompts.
 

@@ -6,7 +6,9 @@ allocated), the engine state is set to `context` cached rows per request, and ea
 under a ``TorchDispatchMode`` that records every dispatched op. Runs under ``torch.no_grad()`` (not
 inference mode) so that composite ops decompose into the aten ops a GPU runs (``linear`` -> ``mm``,
 ``to`` -> ``_to_copy`` only when it copies); ``scaled_dot_product_attention`` on meta takes the math
-path, which is the one CUDA takes for the lean target's boolean mask with ``enable_gqa``.
+path, which (per issue 12) is the one CUDA takes for the lean target's boolean mask with ``enable_gqa``;
+that path repeats K/V over the query heads and upcasts bf16 q/k/v to fp32, so it is counted that way
+(the CUDA kernel choice is not checked here: no GPU).
 
 Model, per recorded op (a model, not a measurement):
   launches  views / metadata / allocation ops are free (``OpOverload.is_view`` and FREE_OPS below);
@@ -381,10 +383,17 @@ def print_human(s: dict, top: int) -> None:
     print(f"model H200 time {s['predicted_ms_h200']:.3f} ms = roofline {s['roofline_ms_h200']:.3f} + launches "
           f"{s['launch_ms_h200']:.3f} ({s['launch_us']} us each, assumed); floor {s['floor_ms_h200']:.3f} ms")
     print(goal_text(s["step"]))
+    print(common.table(op_rows(s, top), OP_COLUMNS))
+
+
+OP_COLUMNS = ["op", "calls", "launches", "MB", "pct_bytes", "GFLOP"]
+
+
+def op_rows(s: dict, top: int) -> list[dict]:
+    """The ``top`` op kinds of a step by bytes."""
     ops = sorted(s["ops"].items(), key=lambda kv: -kv[1]["bytes"])[:top]
-    rows = [dict(op=op, calls=a["calls"], launches=a["launches"], MB=a["bytes"] / 1e6,
+    return [dict(op=op, calls=a["calls"], launches=a["launches"], MB=a["bytes"] / 1e6,
                  pct_bytes=100 * a["bytes"] / s["bytes"], GFLOP=a["flops"] / 1e9) for op, a in ops]
-    print(common.table(rows, ["op", "calls", "launches", "MB", "pct_bytes", "GFLOP"]))
 
 
 def main(argv=None) -> int:
@@ -424,6 +433,9 @@ def main(argv=None) -> int:
             f.write(f"# Traffic and launches per step: {args.model} (model, not a measurement)\n\n")
             f.write("Goals (issue 12): " + "; ".join(f"{k}: {goal_text(k)[6:]}" for k in ("draft", "verify")) + "\n\n")
             f.write(common.table([row_of(s) for s in results], COLUMNS, markdown=True) + "\n")
+            for s in results:
+                f.write(f"\n## {s['step']}, batch {s['batch']}, context {s['context']}: top ops by bytes\n\n")
+                f.write(common.table(op_rows(s, args.top), OP_COLUMNS, markdown=True) + "\n")
         if not args.json:
             print(f"# wrote {out / stem}.csv and .md")
     return 0

@@ -13,6 +13,7 @@ BENCHMARKS = {
     "draft-latency": "draft_latency.py",
     "kernels": "kernels.py",
     "e2e": "e2e.py",
+    "traffic": "traffic.py",
 }
 # name -> ("module:function" taking the remaining arguments, help)
 SUBCOMMANDS = {

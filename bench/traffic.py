@@ -1,0 +1,445 @@
+"""Traffic and launch accountant: what one draft step and one verify step of ``DFlashEngine`` cost on a
+GPU, counted without one (issue 12, item 1).
+
+The engine is built for a real configuration on the ``meta`` device (no weights, no caches are
+allocated), the engine state is set to `context` cached rows per request, and each step runs once
+under a ``TorchDispatchMode`` that records every dispatched op. Runs under ``torch.no_grad()`` (not
+inference mode) so that composite ops decompose into the aten ops a GPU runs (``linear`` -> ``mm``,
+``to`` -> ``_to_copy`` only when it copies); ``scaled_dot_product_attention`` on meta takes the math
+path, which (per issue 12) is the one CUDA takes for the lean target's boolean mask with ``enable_gqa``;
+that path repeats K/V over the query heads and upcasts bf16 q/k/v to fp32, so it is counted that way
+(the CUDA kernel choice is not checked here: no GPU).
+
+Model, per recorded op (a model, not a measurement):
+  launches  views / metadata / allocation ops are free (``OpOverload.is_view`` and FREE_OPS below);
+            every other aten op is one kernel, except ``_safe_softmax`` (6: softmax, two scalar
+            fills, eq, all, where, as ATen implements it). ``torch.ops.dflash.*`` per their
+            contracts in dflash_kernels/README.md, on the Triton/ext GPU path:
+            fused_context 1 GEMM + 1 RMSNorm unless the norm fuses into the epilogue (one split and
+            one column tile covers H), inject_context_kv 1, draft_attention 2 (split + merge),
+            verify_greedy 2, verify_sample 2 (+1 threshold pass with top-k/top-p), commit_round 1
+            (the ext op).
+  bytes     every distinct tensor operand read once and every output written once (stride-0,
+            broadcast dimensions count once); an in-place op's mutated operand is written once and
+            also read, except pure overwrites (copy_, fill_, zero_). Gathers and scatters move only
+            the rows they touch: ``index`` / ``embedding`` read as many bytes as they write,
+            ``index_put_`` reads the values and writes the same number of bytes. dflash ops per
+            contract: draft_attention reads the live context rows only (``context`` per request,
+            not the capacity) plus its fp32 split partials written and read once; inject_context_kv
+            reads ctx and the stacked K/V weights once and writes only the injected rows;
+            fused_context reads the taps and the fc weight once (+ fp32 split-K partials).
+            Split counts follow the kernels' own heuristics for an H200 (132 SMs).
+  FLOPs     mm / bmm / addmm 2*M*N*K; draft_attention 4*B*nH*D*(context + B) per request;
+            inject_context_kv and fused_context their GEMMs; everything else one per output element.
+  floor     what the step cannot avoid moving: every weight it uses once (the embedding table only
+            as the rows looked up; the LM head in full), the live K/V once, the new K/V rows
+            written once, the step's inputs and outputs (draft: fused-context features; verify:
+            the tapped features written), and the logits written once and read once.
+  time      predicted_ms_h200 = max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s) + launches x per-launch
+            cost (1.5 us replayed in a CUDA graph, 4 us eager; assumed, not measured). 4.3 TB/s is
+            the H200 copy bandwidth measured on this project's device runs, 790 TFLOP/s the bf16 dense rate.
+
+Usage: python bench/traffic.py [--model qwen3-8b] [--batch 1,8] [--context 2k,32k] [--capacity 32k]
+       [--block 16] [--eager] [--json] [--out DIR]     (``dflash bench traffic`` runs this file)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+H200_BYTES_PER_S = 4.3e12
+H200_FLOPS = 790e12
+H200_SMS = 132
+LAUNCH_US = {"graph": 1.5, "eager": 4.0}
+
+# Target shapes from the Hugging Face configs; draft shapes of the z-lab checkpoints (the project's
+# research notes, "z-lab DFlash": Qwen3-8B-DFlash-b16 and Qwen3-4B-DFlash-b16 have 5 layers, the
+# target's hidden size, 32/8 heads of 128, the target's intermediate size, block 16, taps
+# [1, 9, 17, 25, 33]; LLaMA3.1-8B-Instruct-DFlash-UltraChat lists taps [1, 8, 15, 22, 29] but not
+# its layer count: 5 layers, the target's widths, is assumed). Taps = build_target_layer_ids(N, 5).
+MODELS = {
+    "qwen3-8b": dict(type="qwen3", hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, inter=12288,
+                     vocab=151936, draft_layers=5, draft_inter=12288, mask_token_id=151669, rope_theta=1e6),
+    "qwen3-4b": dict(type="qwen3", hidden=2560, layers=36, heads=32, kv_heads=8, head_dim=128, inter=9728,
+                     vocab=151936, draft_layers=5, draft_inter=9728, mask_token_id=151669, rope_theta=1e6),
+    "llama-3.1-8b": dict(type="llama", hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, inter=14336,
+                         vocab=128256, draft_layers=5, draft_inter=14336, mask_token_id=128002, rope_theta=5e5),
+    # hand-checkable size for the tests
+    "tiny": dict(type="qwen3", hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, inter=128,
+                 vocab=512, draft_layers=2, draft_inter=128, mask_token_id=510, rope_theta=1e6),
+}
+DTYPE = torch.bfloat16
+
+aten = torch.ops.aten
+FREE_OPS = {  # no kernel: views, metadata, allocation (returns uninitialised memory)
+    aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int, aten.expand.default,
+    aten.detach.default, aten.lift_fresh.default, aten.unsqueeze.default, aten.squeeze.dim, aten.select.int,
+    aten.slice.Tensor, aten.permute.default, aten.alias.default, aten.as_strided.default, aten.reshape.default,
+    aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default, aten.empty_strided.default,
+}
+PURE_OVERWRITE = {aten.copy_.default, aten.fill_.Scalar, aten.zero_.default}
+MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default}
+
+
+def build_engine(model: str, batch: int, capacity: int, block: int, graphs: bool):
+    """``DFlashEngine`` for ``model`` with every weight and buffer on the meta device."""
+    from transformers import LlamaConfig, Qwen3Config, LlamaForCausalLM, Qwen3ForCausalLM
+
+    from dflash.config import DFlashConfig, build_target_layer_ids
+    from dflash.draft import DraftModel
+    from dflash.engine import DFlashEngine
+
+    s = MODELS[model]
+    cfg_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if s["type"] == "qwen3" else (LlamaConfig, LlamaForCausalLM)
+    tcfg = cfg_cls(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],
+                   num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+                   head_dim=s["head_dim"], max_position_embeddings=max(40960, capacity + block),
+                   tie_word_embeddings=False, rope_theta=s["rope_theta"])
+    dcfg = DFlashConfig(hidden_size=s["hidden"], num_hidden_layers=s["draft_layers"], num_attention_heads=s["heads"],
+                        num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], intermediate_size=s["draft_inter"],
+                        num_target_layers=s["layers"],
+                        target_layer_ids=build_target_layer_ids(s["layers"], s["draft_layers"]),
+                        block_size=block, mask_token_id=s["mask_token_id"], vocab_size=s["vocab"],
+                        max_position_embeddings=max(40960, capacity + block),
+                        rope_parameters={"rope_type": "default", "rope_theta": s["rope_theta"]})
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(DTYPE)
+    try:
+        with torch.device("meta"):
+            target, draft = model_cls(tcfg), DraftModel(dcfg)
+            engine = DFlashEngine(target, draft, batch=batch, capacity=capacity, block_size=block,
+                                  use_cuda_graphs="emulate" if graphs else False)
+    finally:
+        torch.set_default_dtype(old)
+    return engine
+
+
+def set_context(engine, context: int) -> None:
+    """The state ``fill_random_context(context)`` sets, without its random values (meta tensors hold none)."""
+    engine.positions.fill_(context)
+    engine.num_new.fill_(min(engine.block_size, context))
+    engine.max_lengths.fill_(engine.capacity)
+    engine.done.fill_(False)
+    engine.kv_bound = engine.capacity + engine.block_size if engine.graph_mode else context + engine.block_size
+
+
+# ---------------------------------------------------------------------------------- the cost model
+def distinct_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor spans once: broadcast (stride-0) dimensions count once."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= size
+    return n * t.element_size()
+
+
+def tensors_in(args) -> list[torch.Tensor]:
+    out, seen = [], set()
+    for a in args:
+        for t in (a if isinstance(a, (list, tuple)) else [a]):
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+    return out
+
+
+def aten_cost(func, args, kwargs, out) -> tuple[int, int, int]:
+    """(launches, bytes, FLOPs) of one aten op."""
+    if func in FREE_OPS or func.is_view:
+        return 0, 0, 0
+    outs = tensors_in(out if isinstance(out, (list, tuple)) else [out])
+    written = sum(distinct_bytes(t) for t in outs)
+    flops = sum(t.numel() for t in outs)
+    if func in (aten.index.Tensor, aten.embedding.default):
+        reads = written + sum(distinct_bytes(t) for t in tensors_in(args[1:]))
+        return 1, reads + written, 0
+    if func is aten.index_put_.default:
+        values = args[2]
+        reads = sum(distinct_bytes(t) for t in tensors_in(args[1])) + distinct_bytes(values)
+        return 1, reads + distinct_bytes(values), 0
+    mutated = {i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
+    inputs = tensors_in([a for i, a in enumerate(args) if i not in mutated] + list(kwargs.values()))
+    reads = sum(distinct_bytes(t) for t in inputs)
+    if mutated:
+        written = sum(distinct_bytes(args[i]) for i in mutated)
+        if func not in PURE_OVERWRITE:
+            reads += written
+    if func in MATMULS:
+        a, b = args[-2], args[-1]
+        flops = 2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.shape[0] if a.dim() == 3 else 1)
+    if func is aten._safe_softmax.default:  # softmax, eq(x, -inf), all, where; two scalar fills
+        mask = args[0].numel()
+        return 6, 2 * reads + 3 * written + 2 * mask, flops
+    return 1, reads + written, flops
+
+
+def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
+    """(launches, bytes, FLOPs) of one ``torch.ops.dflash.*`` op per its contract (dflash_kernels/README.md)."""
+    nbytes = lambda ts: sum(distinct_bytes(t) for t in tensors_in(ts))  # noqa: E731
+    if name == "fused_context":
+        taps, fc_weight, norm_weight = args[0], args[1], args[2]
+        n, h = out.shape
+        k = fc_weight.shape[1]
+        # _fused_context_triton's GPU tile and split-K choice
+        block_m = 16 if n <= 16 else (32 if n <= 32 else 64)
+        block_n = 32 if n <= 32 else 64
+        block_k = 128 if n <= 32 else 64
+        tiles = math.ceil(n / block_m) * math.ceil(h / block_n)
+        k_tiles = math.ceil(k / block_k)
+        split = max(1, min(8, k_tiles // 4, math.ceil(H200_SMS / tiles) * 2))
+        split = math.ceil(k / (math.ceil(k_tiles / split) * block_k))
+        fused = block_n >= h and split == 1
+        partials = 0 if fused else 2 * split * n * h * 4
+        return (1 if fused else 2), nbytes([taps, fc_weight, norm_weight]) + distinct_bytes(out) + partials, 2 * n * k * h
+    if name == "inject_context_kv":
+        ctx, k_weight, v_weight = args[0], args[1], args[2]
+        k_cache = args[7]
+        rows, layers, kv_dim = ctx.shape[0], k_weight.shape[0], k_weight.shape[1]
+        written = 2 * rows * layers * kv_dim * k_cache.element_size()
+        return 1, nbytes(args[:7]) + nbytes(args[9:10]) + written, 2 * 2 * rows * layers * kv_dim * ctx.shape[1]
+    if name == "draft_attention":
+        q, k, v, k_cache, v_cache = args[:5]
+        n, b, nh, d = q.shape
+        kvh = k.shape[2]
+        capacity = min(k_cache.shape[1], max(1, args[17])) if args[17] is not None else k_cache.shape[1]
+        splits = max(1, min(math.ceil(2 * H200_SMS / (n * kvh)), math.ceil(capacity / 256)))  # _pick_splits
+        live = 2 * n * context * kvh * d * k_cache.element_size()
+        partials = 2 * n * (splits + 1) * b * nh * (d + 2) * 4
+        small = nbytes([q, k, v, *args[5:9], args[15]])
+        return 2, small + live + partials + distinct_bytes(out), 4 * n * b * nh * d * (context + b)
+    if name in ("verify_greedy", "verify_sample"):
+        launches = 2 + (1 if name == "verify_sample" and (args[7] or args[8]) else 0)
+        return launches, nbytes(args) + nbytes(out), args[0].numel()
+    if name == "commit_round":
+        mutated = nbytes(args[3:8])
+        return 1, nbytes(args) + mutated + distinct_bytes(out), 0
+    raise ValueError(f"traffic: no cost contract for torch.ops.dflash.{name}; add one to dflash_cost")
+
+
+class Accountant(TorchDispatchMode):
+    """Records (phase, op, launches, bytes, FLOPs) of every op dispatched while active. ``phase`` is set
+    by module pre-hooks: "pre" before the first layer, "layer" inside layers, "post" from the final norm."""
+
+    def __init__(self, context: int):
+        super().__init__()
+        self.context = context
+        self.phase = "pre"
+        self.records: list[tuple[str, str, int, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        ns, name = func.namespace, func._schema.name.split("::")[-1]
+        if ns == "dflash":
+            cost = dflash_cost(name, args, out, self.context)
+        else:
+            cost = aten_cost(func, args, kwargs, out)
+        self.records.append((self.phase, f"{ns}.{name}", *cost))
+        return out
+
+
+def account(engine, step: str, context: int) -> Accountant:
+    """Run ``engine``'s ``step`` ("draft" or "verify") once under an :class:`Accountant`."""
+    if step == "draft":
+        layers, final = engine.draft.layers, engine.draft.norm
+    else:
+        layers, final = engine.target_model.model.layers, engine.target_model.model.norm
+    mode = Accountant(context)
+
+    def enter(phase):
+        return lambda module, inputs: setattr(mode, "phase", phase)
+
+    hooks = [layer.input_layernorm.register_forward_pre_hook(enter("layer")) for layer in layers]
+    hooks.append(final.register_forward_pre_hook(enter("post")))
+    try:
+        with torch.no_grad(), mode:
+            getattr(engine, f"{step}_step")()
+    finally:
+        for h in hooks:
+            h.remove()
+    return mode
+
+
+def floor_bytes(engine, step: str, context: int) -> int:
+    """The bytes ``step`` cannot avoid moving (see the module docstring)."""
+    elem = torch.finfo(DTYPE).bits // 8
+    n, B = engine.batch, engine.block_size
+    target, draft = engine.target_model, engine.draft
+    H = target.config.hidden_size
+    V = target.lm_head.weight.shape[0]
+    params = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    logits = 2 * n * B * V * elem  # written once, read once
+    if step == "draft":
+        cfg = draft.config
+        kv_row = cfg.num_key_value_heads * cfg.head_dim
+        weights = params(draft) + target.lm_head.weight.numel()
+        kv = cfg.num_hidden_layers * n * kv_row * 2 * (context + B)  # live rows read + new rows written
+        io = n * B * cfg.num_taps * H + n * B * H  # features read, block embedding rows read
+        logits = 2 * n * (B - 1) * V * elem
+    else:
+        cfg = target.config
+        kv_row = cfg.num_key_value_heads * engine.target.head_dim
+        weights = params(target.model.layers) + params(target.model.norm) + target.lm_head.weight.numel()
+        kv = cfg.num_hidden_layers * n * kv_row * 2 * (context + B)
+        io = n * B * H + n * B * len(engine.target.layer_ids) * H  # embedding rows read, tapped features written
+    return (weights + kv + io) * elem + logits
+
+
+def summarize(engine, step: str, context: int, mode: Accountant, launch_us: float) -> dict:
+    records = mode.records
+    launches = sum(r[2] for r in records)
+    nbytes = sum(r[3] for r in records)
+    flops = sum(r[4] for r in records)
+    layers = len(engine.draft.layers if step == "draft" else engine.target_model.model.layers)
+    in_layers = sum(r[2] for r in records if r[0] == "layer")
+    floor = floor_bytes(engine, step, context)
+    roof_ms = max(nbytes / H200_BYTES_PER_S, flops / H200_FLOPS) * 1e3
+    by_op: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    for _, op, la, by, fl in records:
+        if la:
+            agg = by_op[op]
+            agg[0] += 1
+            agg[1] += la
+            agg[2] += by
+            agg[3] += fl
+    return {
+        "step": step, "launches": launches, "launches_per_layer": in_layers / layers,
+        "launches_outside_layers": launches - in_layers, "layers": layers,
+        "bytes": nbytes, "floor_bytes": floor, "ratio": nbytes / floor, "flops": flops,
+        "roofline_ms_h200": roof_ms, "launch_ms_h200": launches * launch_us / 1e3,
+        "predicted_ms_h200": roof_ms + launches * launch_us / 1e3,
+        "floor_ms_h200": floor / H200_BYTES_PER_S * 1e3,
+        "ops": {op: dict(calls=a[0], launches=a[1], bytes=a[2], flops=a[3]) for op, a in by_op.items()},
+    }
+
+
+# The issue's goals (issue 12): the numbers to move toward.
+GOALS = {"verify": dict(ratio=1.10, per_layer=12, outside=None), "draft": dict(ratio=1.05, per_layer=12, outside=8)}
+
+
+def goal_text(step: str) -> str:
+    g = GOALS[step]
+    extra = f", <= {g['outside']} outside layers (fc/inject/head/argmax)" if g["outside"] else ""
+    return f"goal: bytes <= {g['ratio']:.2f} x floor, <= {g['per_layer']} launches per layer{extra}"
+
+
+def measure(model: str, batch: int, context: int, capacity: int, block: int, graphs: bool = True) -> list[dict]:
+    """Both steps' summaries for one configuration."""
+    engine = build_engine(model, batch, capacity, block, graphs)
+    set_context(engine, context)
+    launch_us = LAUNCH_US["graph" if graphs else "eager"]
+    config = dict(model=model, batch=batch, context=context, capacity=capacity, block=block,
+                  mode="graph" if graphs else "eager", launch_us=launch_us)
+    return [{**config, **summarize(engine, step, context, account(engine, step, context), launch_us)}
+            for step in ("draft", "verify")]
+
+
+def check_args(args) -> None:
+    if args.model not in MODELS:
+        raise SystemExit(f"--model {args.model!r}: choose one of {', '.join(MODELS)}")
+    for name in ("batch", "context"):
+        values = common.parse_ints(getattr(args, name))
+        if not values or min(values) < 1:
+            raise SystemExit(f"--{name} {getattr(args, name)!r}: give positive integers (comma list, k = 1024)")
+    capacity, block = common.parse_ints(args.capacity), args.block
+    if len(capacity) != 1 or capacity[0] < 1:
+        raise SystemExit(f"--capacity {args.capacity!r}: give one positive integer (k = 1024)")
+    if block < 2:
+        raise SystemExit(f"--block {block}: the draft step needs a block of at least 2")
+    too_long = [c for c in common.parse_ints(args.context) if c > capacity[0]]
+    if too_long:
+        raise SystemExit(f"--context {too_long}: exceeds --capacity {capacity[0]}")
+
+
+COLUMNS = ["model", "batch", "context", "step", "launches", "launches_per_layer", "launches_outside_layers",
+           "bytes_GB", "floor_GB", "ratio", "GFLOP", "predicted_ms_h200", "floor_ms_h200", "goal_ratio",
+           "goal_per_layer", "goal_outside"]
+
+
+def row_of(s: dict) -> dict:
+    g = GOALS[s["step"]]
+    return {**{k: v for k, v in s.items() if k != "ops"}, "bytes_GB": s["bytes"] / 1e9, "floor_GB": s["floor_bytes"] / 1e9,
+            "GFLOP": s["flops"] / 1e9, "goal_ratio": g["ratio"], "goal_per_layer": g["per_layer"],
+            "goal_outside": g["outside"] if g["outside"] else ""}
+
+
+def print_human(s: dict, top: int) -> None:
+    print(f"\n== {s['model']} batch {s['batch']} context {s['context']} capacity {s['capacity']} block {s['block']} "
+          f"({s['mode']}): {s['step']} step")
+    print(f"launches {s['launches']} ({s['launches_per_layer']:.1f} per layer x {s['layers']}, "
+          f"{s['launches_outside_layers']} outside layers); bytes {s['bytes'] / 1e9:.3f} GB vs floor "
+          f"{s['floor_bytes'] / 1e9:.3f} GB = {s['ratio']:.2f}x; {s['flops'] / 1e9:.1f} GFLOP")
+    print(f"model H200 time {s['predicted_ms_h200']:.3f} ms = roofline {s['roofline_ms_h200']:.3f} + launches "
+          f"{s['launch_ms_h200']:.3f} ({s['launch_us']} us each, assumed); floor {s['floor_ms_h200']:.3f} ms")
+    print(goal_text(s["step"]))
+    print(common.table(op_rows(s, top), OP_COLUMNS))
+
+
+OP_COLUMNS = ["op", "calls", "launches", "MB", "pct_bytes", "GFLOP"]
+
+
+def op_rows(s: dict, top: int) -> list[dict]:
+    """The ``top`` op kinds of a step by bytes."""
+    ops = sorted(s["ops"].items(), key=lambda kv: -kv[1]["bytes"])[:top]
+    return [dict(op=op, calls=a["calls"], launches=a["launches"], MB=a["bytes"] / 1e6,
+                 pct_bytes=100 * a["bytes"] / s["bytes"], GFLOP=a["flops"] / 1e9) for op, a in ops]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="qwen3-8b", help=f"one of {', '.join(MODELS)}")
+    p.add_argument("--batch", default="1", help="comma list (default 1)")
+    p.add_argument("--context", default="2k", help="cached rows per request, comma list, k = 1024 (default 2k)")
+    p.add_argument("--capacity", default="32k", help="engine capacity in tokens (default 32k)")
+    p.add_argument("--block", type=int, default=16, help="block size (default 16)")
+    p.add_argument("--eager", action="store_true", help="eager steps (attend up to context + block, 4 us per "
+                   "launch); default: captured steps as on a GPU (attend over the whole capacity, 1.5 us per launch)")
+    p.add_argument("--json", action="store_true", help="one JSON object per step, nothing else")
+    p.add_argument("--top", type=int, default=12, help="op kinds in the per-op table (default 12)")
+    p.add_argument("--out", help="also write <stem>.csv and <stem>.md into this folder")
+    p.add_argument("--tag", default=None, help="file stem for --out (default traffic-<model>)")
+    args = p.parse_args(argv)
+    check_args(args)
+    t0 = time.perf_counter()
+    results = []
+    for batch in common.parse_ints(args.batch):
+        for context in common.parse_ints(args.context):
+            for s in measure(args.model, batch, context, common.parse_ints(args.capacity)[0], args.block,
+                             graphs=not args.eager):
+                results.append(s)
+                if args.json:
+                    print(json.dumps(s))
+                else:
+                    print_human(s, args.top)
+    if not args.json:
+        print(f"\n{common.table([row_of(s) for s in results], COLUMNS)}")
+        print(f"# {time.perf_counter() - t0:.1f} s on this CPU (meta tensors: nothing computed or allocated)")
+    if args.out:
+        out = common.out_dir(args.out)
+        stem = args.tag or f"traffic-{args.model}"
+        common.write_csv(out / f"{stem}.csv", [row_of(s) for s in results])
+        with open(out / f"{stem}.md", "w") as f:
+            f.write(f"# Traffic and launches per step: {args.model} (model, not a measurement)\n\n")
+            f.write("Goals (issue 12): " + "; ".join(f"{k}: {goal_text(k)[6:]}" for k in ("draft", "verify")) + "\n\n")
+            f.write(common.table([row_of(s) for s in results], COLUMNS, markdown=True) + "\n")
+            for s in results:
+                f.write(f"\n## {s['step']}, batch {s['batch']}, context {s['context']}: top ops by bytes\n\n")
+                f.write(common.table(op_rows(s, args.top), OP_COLUMNS, markdown=True) + "\n")
+        if not args.json:
+            print(f"# wrote {out / stem}.csv and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -125,15 +125,6 @@ def build_engine(model: str, batch: int, capacity: int, block: int, graphs: bool
     return engine
 
 
-def set_context(engine, context: int) -> None:
-    """The state ``fill_random_context(context)`` sets, without its random values (meta tensors hold none)."""
-    engine.positions.fill_(context)
-    engine.num_new.fill_(min(engine.block_size, context))
-    engine.max_lengths.fill_(engine.capacity)
-    engine.done.fill_(False)
-    engine.kv_bound = engine.capacity + engine.block_size if engine.graph_mode else context + engine.block_size
-
-
 # ---------------------------------------------------------------------------------- the cost model
 def distinct_bytes(t: torch.Tensor) -> int:
     """Bytes a tensor spans once: broadcast (stride-0) dimensions count once."""
@@ -337,7 +328,7 @@ def goal_text(step: str) -> str:
 def measure(model: str, batch: int, context: int, capacity: int, block: int, graphs: bool = True) -> list[dict]:
     """Both steps' summaries for one configuration."""
     engine = build_engine(model, batch, capacity, block, graphs)
-    set_context(engine, context)
+    engine.set_context(context)
     launch_us = LAUNCH_US["graph" if graphs else "eager"]
     config = dict(model=model, batch=batch, context=context, capacity=capacity, block=block,
                   mode="graph" if graphs else "eager", launch_us=launch_us)

@@ -11,14 +11,13 @@ from typing import Callable, Sequence
 import torch
 
 from dflash.draft import DraftModel
-from dflash.engine import cached_engine, unsupported_reason
+from dflash.engine import cached_engine, graph_mode_for, unsupported_reason
 from dflash.reference import reference_generate
 from dflash.results import BatchResult, GenerateResult
 from dflash.sampling import SamplingParams
 from dflash.target import TargetAdapter, check_target
 
 BACKENDS = ("auto", "fast", "reference")
-GRAPH_MODES = (None, True, False, "emulate")
 
 
 def as_target(target, draft: DraftModel) -> TargetAdapter:
@@ -31,11 +30,6 @@ def as_target(target, draft: DraftModel) -> TargetAdapter:
         return target
     check_target(target)
     return TargetAdapter(target, draft.config.target_layer_ids)
-
-
-def fast_supported(target, draft: DraftModel) -> bool:
-    """Whether backend='fast' can run this pair (else 'auto' uses the reference loop)."""
-    return unsupported_reason(target, draft) is None
 
 
 def check_prompt(target: TargetAdapter, draft: DraftModel, input_ids, max_new_tokens: int, block_size: int | None,
@@ -177,8 +171,9 @@ def generate(
     target = as_target(target, draft)
     if seed is None:  # unseeded calls still differ from each other, following torch's global RNG
         seed = int(torch.randint(2**62, ()))
+    reason = unsupported_reason(target, draft)  # why the engine cannot run this pair, or None
     if backend == "auto":
-        backend = "fast" if fast_supported(target, draft) else "reference"
+        backend = "reference" if reason else "fast"
     if backend == "reference":
         fast_only = {"attention_mask": attention_mask, "max_length": max_length, "kernel_backend": kernel_backend,
                      "use_cuda_graphs": use_cuda_graphs}
@@ -191,11 +186,9 @@ def generate(
             return reference_generate(target, draft, input_ids, max_new_tokens, stops, sampling, block, seed,
                                       on_tokens=on_tokens)
 
-    reason = unsupported_reason(target, draft)
     if reason is not None:
         raise ValueError(f"backend='fast' cannot run this pair: {reason}; use backend='reference'")
-    if use_cuda_graphs not in GRAPH_MODES:
-        raise ValueError(f"use_cuda_graphs must be one of {GRAPH_MODES}, got {use_cuda_graphs!r}")
+    graph_mode_for(use_cuda_graphs, target.device)  # a bad value fails here, before any work
     prompts, batched = normalize_batch(input_ids, attention_mask)
     n = len(prompts)
     limits = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n

@@ -34,7 +34,7 @@ from dflash.draft import DraftModel, rope_inv_freq
 from dflash.graphs import capture
 from dflash.lean_target import LeanTarget, check_lean_target
 from dflash.results import GenerateResult, device_clock
-from dflash.sampling import SamplingParams, sample
+from dflash.sampling import GREEDY_EPS, SamplingParams, sample
 from dflash_kernels import commit_round, draft_attention, fused_context, inject_context_kv, verify_greedy, verify_sample
 
 
@@ -141,7 +141,7 @@ class DFlashEngine:
             raise ValueError(f"reset: {len(prompts)} prompts for an engine of batch {self.batch}")
         generator = torch.Generator(device=self.device).manual_seed(seed)
         self.sampling = sampling
-        self.temperature.fill_(max(sampling.temperature, 1e-5))
+        self.temperature.fill_(max(sampling.temperature, GREEDY_EPS))  # read only when sampling
         self.top_k.fill_(sampling.top_k)
         self.top_p.fill_(sampling.top_p)
         self.seed.fill_(seed)
@@ -179,23 +179,31 @@ class DFlashEngine:
             self.anchor[r] = first
             self.max_lengths[r] = p + max_new_tokens[r]
             self.done[r] = bool(first in stops[r] or max_new_tokens[r] <= 1)
-        # Captured steps need static shapes: attend over the whole cache; eagerly, only as far as needed.
-        self.kv_bound = self.capacity + self.block_size if self.graph_mode else longest + self.block_size
+        self._reset_kv_bound(longest)
 
     def fill_random_context(self, context: int, generator: torch.Generator | None = None) -> None:
-        """Benchmark state without a prefill: every request holds ``context`` random context rows, the
-        last round committed ``min(B, context)`` of them, and the anchor is a random token."""
+        """Benchmark state without a prefill: :meth:`set_context` with random context rows, features and anchors."""
         vocab = self.target_model.get_input_embeddings().weight.shape[0]
         rows = min(context + self.block_size, self.k_cache.shape[2])
         for cache in (self.k_cache, self.v_cache, self.features):
             view = cache[:, :, :rows] if cache.dim() == 5 else cache
             view.copy_(torch.randn(view.shape, generator=generator).to(view.dtype))
+        self.anchor.copy_(torch.randint(0, vocab, self.anchor.shape, generator=generator))
+        self.set_context(context)
+
+    def set_context(self, context: int) -> None:
+        """Position every request after ``context`` cached rows, the last round having committed
+        ``min(B, context)`` of them, none finished (the state a step sees mid-generation; values untouched)."""
         self.positions.fill_(context)
         self.num_new.fill_(min(self.block_size, context))
         self.max_lengths.fill_(self.capacity)
-        self.anchor.copy_(torch.randint(0, vocab, self.anchor.shape, generator=generator))
         self.done.fill_(False)
-        self.kv_bound = self.capacity + self.block_size if self.graph_mode else context + self.block_size
+        self._reset_kv_bound(context)
+
+    def _reset_kv_bound(self, longest: int) -> None:
+        """Attention bound for the next round: captured steps need static shapes, so the whole cache;
+        eagerly, the longest request's rows plus a block (grown by B per round)."""
+        self.kv_bound = self.capacity + self.block_size if self.graph_mode else longest + self.block_size
 
     def _inject(self, ctx, positions, cu_lens, cache_lens, cache_batch_idx=None):
         cfg = self.draft.config
@@ -314,12 +322,13 @@ class DFlashEngine:
                 snapshot = torch.cat([self.done[:n].long(), self.num_new[:n]]).cpu()  # the round's one host read
                 round_times.append((dt, vt, time.perf_counter() - ta))
                 done = snapshot[:n].bool()
-                for r, n_new in enumerate(snapshot[n:].tolist()):
+                committed = snapshot[n:].tolist()
+                for r, n_new in enumerate(committed):
                     if not was_done[r]:
-                        acceptance[r].append(int(n_new))
+                        acceptance[r].append(n_new)
                 if on_tokens is not None:  # one more read, only when streaming
                     ends = self.lengths[:n].tolist()
-                    for r, n_new in enumerate(snapshot[n:].tolist()):
+                    for r, n_new in enumerate(committed):
                         if n_new:
                             on_tokens(r, self.out_tokens[r, ends[r] - n_new:ends[r]].tolist())
             lengths = self.lengths.cpu().tolist()

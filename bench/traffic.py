@@ -218,18 +218,26 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
     raise ValueError(f"traffic: no cost contract for torch.ops.dflash.{name}; add one to dflash_cost")
 
 
-class Accountant(TorchDispatchMode):
-    """Records (phase, op, launches, bytes, FLOPs) of every op dispatched while active. ``phase`` is set
-    by module pre-hooks: "pre" before the first layer, "layer" inside layers, "post" from the final norm."""
+def storage_key(t: torch.Tensor) -> tuple[int, int]:
+    return t.untyped_storage()._cdata, t.storage_offset()
 
-    def __init__(self, context: int):
+
+class Accountant(TorchDispatchMode):
+    """Records (phase, op, launches, bytes, FLOPs) of every op dispatched while active. ``phase`` is "pre"
+    until an op reads the first layer's input-norm weight, "layer" until an op reads the final norm's
+    weight, then "post" (the lean steps call the norm kernels with the weights, not the norm modules)."""
+
+    def __init__(self, context: int, markers: dict[tuple[int, int], str]):
         super().__init__()
         self.context = context
+        self.markers = markers
         self.phase = "pre"
         self.records: list[tuple[str, str, int, int, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        for t in tensors_in(args):
+            self.phase = self.markers.get(storage_key(t), self.phase)
         out = func(*args, **kwargs)
         ns, name = func.namespace, func._schema.name.split("::")[-1]
         if ns == "dflash":
@@ -246,19 +254,10 @@ def account(engine, step: str, context: int) -> Accountant:
         layers, final = engine.draft.layers, engine.draft.norm
     else:
         layers, final = engine.target_model.model.layers, engine.target_model.model.norm
-    mode = Accountant(context)
-
-    def enter(phase):
-        return lambda module, inputs: setattr(mode, "phase", phase)
-
-    hooks = [layer.input_layernorm.register_forward_pre_hook(enter("layer")) for layer in layers]
-    hooks.append(final.register_forward_pre_hook(enter("post")))
-    try:
-        with torch.no_grad(), mode:
-            getattr(engine, f"{step}_step")()
-    finally:
-        for h in hooks:
-            h.remove()
+    mode = Accountant(context, {storage_key(layers[0].input_layernorm.weight): "layer",
+                                storage_key(final.weight): "post"})
+    with torch.no_grad(), mode:
+        getattr(engine, f"{step}_step")()
     return mode
 
 

@@ -360,17 +360,20 @@ class DraftModel(nn.Module):
             logits = cap * torch.tanh(logits / cap)
         return logits
 
-    def propose(self, hidden: torch.Tensor, output_head) -> torch.Tensor:
+    def propose(self, hidden: torch.Tensor, output_head, out: torch.Tensor | None = None) -> torch.Tensor:
         """Greedy proposals as target token ids [b, q-1] from the final-normed hidden states of all q block
         rows: rows 1..q-1 (z-lab: row i predicts position start+i), or rows 0..q-2 for
-        ``sample_from_anchor`` drafts (row i predicts position start+i+1)."""
+        ``sample_from_anchor`` drafts (row i predicts position start+i+1). ``out``: an int64 [b, q-1]
+        tensor to write them into (no extra copy) and return."""
         rows = hidden[:, :-1] if self.config.sample_from_anchor else hidden[:, 1:]
         if self.config.draft_vocab_size is None:
             rows = rows.to(output_head.weight.dtype)
+            return torch.argmax(self.compute_logits(rows, output_head), dim=-1, out=out)
         ids = torch.argmax(self.compute_logits(rows, output_head), dim=-1)
-        if self.config.draft_vocab_size is None:
-            return ids
-        return getattr(self, DRAFT_TOKEN_IDS)[ids]
+        table = getattr(self, DRAFT_TOKEN_IDS)
+        if out is None:
+            return table[ids]
+        return torch.index_select(table, 0, ids.view(-1), out=out.view(-1)).view(out.shape)
 
     # ---------------------------------------------------------------- checkpoints
     def save_pretrained(self, save_directory: str | os.PathLike, *, max_shard_size: int | None = None) -> None:

@@ -33,9 +33,12 @@ import torch.nn.functional as F
 from dflash.draft import DraftModel, rope_inv_freq
 from dflash.graphs import capture
 from dflash.lean_target import LeanTarget, check_lean_target
+from dflash.merged_linear import merged_weight
 from dflash.results import GenerateResult, device_clock
 from dflash.sampling import GREEDY_EPS, SamplingParams, sample
-from dflash_kernels import commit_round, draft_attention, fused_context, inject_context_kv, verify_greedy, verify_sample
+from dflash_kernels import (
+    add_rms_norm, commit_round, draft_attention, fused_context, inject_context_kv, silu_mul, verify_greedy, verify_sample,
+)
 
 
 def default_kernel_backend(device: torch.device) -> str:
@@ -83,7 +86,7 @@ class DFlashEngine:
         # Rows beyond a request's length are scratch for one block: capacity + B keeps them in bounds.
         rows = capacity + block_size
         self.target = LeanTarget(target_model, cfg.target_layer_ids if self.use_draft else [],
-                                 batch=batch, capacity=rows)
+                                 batch=batch, capacity=rows, backend=self.backend)
         dtype = draft.fc.weight.dtype
         inv_freq, self.attention_scaling = rope_inv_freq(cfg)
         self.inv_freq = inv_freq.to(device)
@@ -94,6 +97,11 @@ class DFlashEngine:
         self.v_weight = first.v_proj.weight.new_empty((layers, *first.v_proj.weight.shape))
         self.k_norm_weight = first.k_norm.weight.new_empty((layers, *first.k_norm.weight.shape))
         self.refresh_weights()
+        # Merged [q; k; v] and [gate; up] weights of each draft layer, shared with the draft's own parameters.
+        self.qkv = [merged_weight([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], l.self_attn,
+                                  "_dflash_qkv")[0] for l in draft.layers]
+        self.gate_up = [merged_weight([l.mlp.gate_proj, l.mlp.up_proj], l.mlp, "_dflash_gate_up")[0]
+                        for l in draft.layers]
         cache_shape = (cfg.num_hidden_layers, batch, rows, cfg.num_key_value_heads, cfg.head_dim)
         self.k_cache = torch.zeros(cache_shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros_like(self.k_cache)
@@ -107,6 +115,7 @@ class DFlashEngine:
         self.max_lengths = torch.zeros(batch, **long)
         self.num_new = torch.zeros(batch, **long)
         self.proposals = torch.zeros(batch, B - 1, **long)
+        self.draft_block = torch.full((batch, B), cfg.mask_token_id if self.use_draft else 0, **long)  # [anchor, MASK...]
         self.features = torch.zeros(batch, B, cfg.num_taps * cfg.hidden_size, dtype=dtype, device=device)
         self.block_offsets = torch.arange(B, device=device)
         self.cu_block = torch.arange(batch + 1, device=device) * B
@@ -224,22 +233,31 @@ class DFlashEngine:
         # The reference drafts [anchor, MASK x (v-1)] with v = min(B, max_length - position): the
         # block rows at or beyond v are masked out as keys, so rows < v see exactly that block.
         block_lens = (self.max_lengths - self.positions).clamp(1, B)
-        block = torch.cat([self.anchor[:, None], torch.full_like(self.proposals, cfg.mask_token_id)], dim=1)
-        h = F.embedding(block, self.target_model.get_input_embeddings().weight).to(ctx.dtype)
-        h = h * cfg.input_embedding_scale
+        self.draft_block[:, 0].copy_(self.anchor)
+        h = F.embedding(self.draft_block, self.target_model.get_input_embeddings().weight).to(ctx.dtype)
+        if cfg.input_embedding_scale != 1.0:
+            h = h * cfg.input_embedding_scale
+        # The residual stream h is updated in place: each sub-block's add is fused into the next norm.
+        delta = None
         for li, layer in enumerate(draft.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(n, B, attn.num_heads, attn.head_dim)
-            k = attn.k_proj(x).view(n, B, attn.num_kv_heads, attn.head_dim)
-            v = attn.v_proj(x).view(n, B, attn.num_kv_heads, attn.head_dim)
+            attn, norm = layer.self_attn, layer.input_layernorm
+            x = add_rms_norm(h if delta is None else delta, norm.weight, norm.eps,
+                             residual=None if delta is None else h, backend=self.backend)
+            qkv = F.linear(x, self.qkv[li])
+            q_cols, kv_cols = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+            q = qkv[..., :q_cols].view(n, B, attn.num_heads, attn.head_dim)
+            k = qkv[..., q_cols:q_cols + kv_cols].view(n, B, attn.num_kv_heads, attn.head_dim)
+            v = qkv[..., q_cols + kv_cols:].view(n, B, attn.num_kv_heads, attn.head_dim)
             o = draft_attention(q, k, v, self.k_cache[li], self.v_cache[li], self.positions, attn.q_norm.weight,
                                 attn.k_norm.weight, inv_freq=self.inv_freq, attention_scaling=self.attention_scaling,
                                 eps=cfg.rms_norm_eps, sliding_window=attn.window, causal=attn.causal,
                                 max_context_len=self.kv_bound, block_lens=block_lens, backend=self.backend)
-            h = h + attn.o_proj(o.reshape(n, B, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        self.proposals.copy_(draft.propose(draft.norm(h), self.target_model.lm_head))
+            delta = attn.o_proj(o.reshape(n, B, -1))
+            norm = layer.post_attention_layernorm
+            x = add_rms_norm(delta, norm.weight, norm.eps, residual=h, backend=self.backend)
+            delta = layer.mlp.down_proj(silu_mul(F.linear(x, self.gate_up[li]), backend=self.backend))
+        x = add_rms_norm(delta, draft.norm.weight, draft.norm.eps, residual=h, backend=self.backend)
+        draft.propose(x, self.target_model.lm_head, out=self.proposals)
 
     def verify_step(self) -> None:
         """Target forward over [anchor, proposals], acceptance, commit."""

@@ -1,10 +1,18 @@
-"""A lean LLaMA/Qwen3 decoder forward over a Hugging Face model's own modules (no weight copy),
-with a static, preallocated KV cache and per-request lengths read from device memory.
+"""A lean LLaMA/Qwen3 decoder forward over a Hugging Face model's own weights (no copies), with a
+static, preallocated KV cache and per-request lengths read from device memory.
 
 Why not HF's forward: a ragged batch whose requests accept different numbers of tokens needs
 per-request cache lengths, rollback by simply not advancing a length, static shapes for CUDA-graph
-capture, and the tapped layers written straight into a buffer. Everything else (norms, rotary
-embedding incl. rope scaling, projections, MLP) is HF's own module code.
+capture, and the tapped layers written straight into a buffer. And the verify step must run at its
+memory floor, so each layer is nine kernels:
+
+  add_rms_norm (previous residual add + input norm) -> merged QKV GEMM -> verify_attention (q/k norm,
+  RoPE, cache write, attention over the live rows; split + merge) -> o_proj -> add_rms_norm ->
+  merged gate/up GEMM -> silu_mul -> down_proj
+
+The residual add of each sub-block is fused into the next norm; ``merged_weight`` re-points the HF
+modules' q/k/v and gate/up parameters at views of one buffer per layer, so the model itself keeps
+working unchanged. Numerics follow HF's modules (the kernels' torch references are HF's formulas).
 """
 from __future__ import annotations
 
@@ -13,9 +21,14 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from dflash.merged_linear import merged_weight
 from dflash.target import check_target
+from dflash_kernels import add_rms_norm, silu_mul, verify_attention
 
 LEAN_MODEL_TYPES = ("llama", "qwen3")
+# Blocks of more rows (prefill chunks) take the attention reference: the kernel's tile holds B x G query rows.
+MAX_KERNEL_ROWS = 64
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def check_lean_target(model) -> None:
@@ -28,23 +41,32 @@ def check_lean_target(model) -> None:
         )
     if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
         raise TypeError("target: sliding-window targets are not supported by backend='fast'; use backend='reference'")
+    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise TypeError(f"target: rope_type {rope_type!r} changes its frequencies with the length; backend='fast' "
+                        f"supports {STATIC_ROPE_TYPES}; use backend='reference'")
 
 
 class LeanTarget:
     """Static-cache forward of a causal LM for ``batch`` requests of at most ``capacity`` tokens."""
 
-    def __init__(self, model, layer_ids: Sequence[int], *, batch: int, capacity: int):
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
+    def __init__(self, model, layer_ids: Sequence[int], *, batch: int, capacity: int, backend: str = "torch"):
         check_lean_target(model)
         self.model = model
-        self.apply_rope = apply_rotary_pos_emb
         self.layer_ids = list(layer_ids)
+        self.backend = backend
         cfg = model.config
         first = model.model.layers[0].self_attn
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = first.head_dim
+        rotary = model.model.rotary_emb
+        self.inv_freq = rotary.inv_freq.float()
+        self.attention_scaling = float(rotary.attention_scaling)
+        self.qkv = [merged_weight([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], l.self_attn,
+                                  "_dflash_qkv") for l in model.model.layers]
+        self.gate_up = [merged_weight([l.mlp.gate_proj, l.mlp.up_proj], l.mlp, "_dflash_gate_up")
+                        for l in model.model.layers]
         weight = model.lm_head.weight
         shape = (len(model.model.layers), batch, capacity, self.num_kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
@@ -65,36 +87,46 @@ class LeanTarget:
         """
         model = self.model
         n, q = input_ids.shape
-        device = input_ids.device
-        if rows is None:
-            rows = torch.arange(n, device=device)
-        offsets = torch.arange(q, device=device)
-        positions = start[:, None] + offsets  # [N, q]
-        keys = torch.arange(kv_bound, device=device)
-        mask = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [N, 1, q, kv_bound]
-        h = model.model.embed_tokens(input_ids)
-        cos, sin = model.model.rotary_emb(h, positions)
-        taps: dict[int, torch.Tensor] = {}
-        wanted = set(self.layer_ids)
-        for li, layer in enumerate(model.model.layers):
+        nh, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        attn_backend = self.backend if q <= MAX_KERNEL_ROWS else "torch"
+        h = F.embedding(input_ids, model.model.embed_tokens.weight)  # the residual stream, updated in place
+        hidden = h.shape[-1]
+        features = h.new_empty((n, q, len(self.layer_ids) * hidden)) if self.layer_ids else None
+        taps = {li: t for t, li in enumerate(self.layer_ids)}
+        delta = None
+        layers = model.model.layers
+        for li, layer in enumerate(layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            qh = attn.q_proj(x).view(n, q, self.num_heads, self.head_dim)
-            kh = attn.k_proj(x).view(n, q, self.num_kv_heads, self.head_dim)
-            vh = attn.v_proj(x).view(n, q, self.num_kv_heads, self.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
-                qh, kh = attn.q_norm(qh), attn.k_norm(kh)
-            qh, kh = self.apply_rope(qh.transpose(1, 2), kh.transpose(1, 2), cos, sin)
-            self.k_cache[li][rows[:, None], positions] = kh.transpose(1, 2)
-            self.v_cache[li][rows[:, None], positions] = vh
-            k_all = self.k_cache[li][rows, :kv_bound].transpose(1, 2)
-            v_all = self.v_cache[li][rows, :kv_bound].transpose(1, 2)
-            out = F.scaled_dot_product_attention(qh, k_all, v_all, attn_mask=mask, scale=attn.scaling,
-                                                 enable_gqa=self.num_heads != self.num_kv_heads)
-            h = h + attn.o_proj(out.transpose(1, 2).reshape(n, q, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-            if li in wanted:
-                taps[li] = h
-        logits = model.lm_head(model.model.norm(h))
-        features = torch.cat([taps[i] for i in self.layer_ids], dim=-1) if self.layer_ids else None
-        return logits, features
+            norm = layer.input_layernorm
+            x = add_rms_norm(h if delta is None else delta, norm.weight, norm.variance_epsilon,
+                             residual=None if delta is None else h, backend=self.backend)
+            self._tap(features, taps, li - 1, h)
+            w, b = self.qkv[li]
+            qkv = F.linear(x, w, b)
+            qh = qkv[..., :nh * d].view(n, q, nh, d)
+            kh = qkv[..., nh * d:(nh + kvh) * d].view(n, q, kvh, d)
+            vh = qkv[..., (nh + kvh) * d:].view(n, q, kvh, d)
+            qn = getattr(attn, "q_norm", None)  # Qwen3: per-head RMSNorm before RoPE
+            kn = getattr(attn, "k_norm", None)
+            o = verify_attention(qh, kh, vh, self.k_cache[li], self.v_cache[li], start,
+                                 None if qn is None else qn.weight, None if kn is None else kn.weight,
+                                 inv_freq=self.inv_freq, attention_scaling=self.attention_scaling,
+                                 eps=qn.variance_epsilon if qn is not None else 1e-6, scale=attn.scaling,
+                                 cache_batch_idx=rows, max_context_len=kv_bound, backend=attn_backend)
+            delta = attn.o_proj(o.view(n, q, nh * d))
+            norm = layer.post_attention_layernorm
+            x = add_rms_norm(delta, norm.weight, norm.variance_epsilon, residual=h, backend=self.backend)
+            w, b = self.gate_up[li]
+            delta = layer.mlp.down_proj(silu_mul(F.linear(x, w, b), backend=self.backend))
+        norm = model.model.norm
+        x = add_rms_norm(delta, norm.weight, norm.variance_epsilon, residual=h, backend=self.backend)
+        self._tap(features, taps, len(layers) - 1, h)
+        return model.lm_head(x), features
+
+    @staticmethod
+    def _tap(features, taps: dict[int, int], li: int, h: torch.Tensor) -> None:
+        """Copy layer ``li``'s output (the residual stream once its last add is done) into its feature slot."""
+        t = taps.get(li)
+        if t is not None:
+            hidden = h.shape[-1]
+            features[..., t * hidden:(t + 1) * hidden].copy_(h)

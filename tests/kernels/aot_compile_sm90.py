@@ -27,6 +27,7 @@ import importlib  # noqa: E402
 da = importlib.import_module("dflash_kernels.draft_attention")
 fc = importlib.import_module("dflash_kernels.fused_context")
 ik = importlib.import_module("dflash_kernels.inject_context_kv")
+lo = importlib.import_module("dflash_kernels.layer_ops")
 vf = importlib.import_module("dflash_kernels.verify")
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -118,6 +119,14 @@ def configs():
              table_ptr="*i32", inv_freq_ptr=f32, kc_ptr=bf, vc_ptr=bf, attention_scaling="fp32", eps="fp32",
              stride_kcl="i64", stride_vcl="i64", stride_kcp="i64", stride_vcp="i64"),
         dict(HAS_TABLE=True, DOT_PREC="tf32", BLOCK_M=16, BLOCK_K=64, BLOCK_HALF=64, BLOCK_REQ=1))
+    for res in (False, True):
+        add(f"add_rms_norm residual={res}", lo._add_rms_norm_kernel,
+            dict(out_ptr=bf, x_ptr=bf, res_ptr=bf, w_ptr=bf, eps="fp32", stride_x="i64"),
+            dict(HAS_RESIDUAL=res, BLOCK_H=4096), num_warps=8)
+    add("add_rms_norm fp32", lo._add_rms_norm_kernel,
+        dict(out_ptr=f32, x_ptr=f32, res_ptr=f32, w_ptr=f32, eps="fp32", stride_x="i64"),
+        dict(HAS_RESIDUAL=True, BLOCK_H=1024), num_warps=2)
+    add("silu_mul", lo._silu_mul_kernel, dict(out_ptr=bf, gu_ptr=bf, stride_gu="i64"), dict(BLOCK_I=1024))
     return out
 
 

@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dflash_kernels
 from dflash_kernels import _ext
 
-OPS = ("fused_context", "inject_context_kv", "draft_attention", "verify_greedy", "verify_sample", "commit_round")
+OPS = ("fused_context", "inject_context_kv", "draft_attention", "verify_attention", "verify_greedy", "verify_sample",
+       "commit_round")
 EXT_OK = _ext.status("cpu")[0]
 
 
@@ -48,6 +49,7 @@ def _state(device=None):
         inv_freq=1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)),
         q=torch.randn(n, b, nh, d), k=torch.randn(n, b, kvh, d), v=torch.randn(n, b, kvh, d),
         q_norm_weight=torch.rand(d) + 0.5, block_lens=torch.tensor([3, 2]),
+        target_k_cache=torch.randn(n, cap, kvh, d), target_v_cache=torch.randn(n, cap, kvh, d),
         logits=torch.randn(n, b, v) * 2, temperature=torch.tensor([0.7, 1.3]), top_k=torch.tensor([0, 5]),
         top_p=torch.tensor([0.9, 1.0]), seed=torch.tensor([7]), offset=torch.tensor([11]),
         out_tokens=torch.zeros(n, 8, dtype=torch.long), lengths=torch.tensor([1, 2]), pos=torch.tensor([4, 6]),
@@ -73,6 +75,8 @@ def _round(s, backend):
     att = dflash_kernels.draft_attention(s["q"], s["k"], s["v"], s["k_cache"][0], s["v_cache"][0], s["cache_lens"],
                                          s["q_norm_weight"], s["k_norm_weight"][0], inv_freq=s["inv_freq"],
                                          sliding_window=4, block_lens=s["block_lens"], backend=backend)
+    target = dflash_kernels.verify_attention(s["q"], s["k"], s["v"], s["target_k_cache"], s["target_v_cache"],
+                                             s["cache_lens"], inv_freq=s["inv_freq"], scale=0.3, backend=backend)
     acc, bonus = dflash_kernels.verify_greedy(s["logits"], s["draft"], backend=backend)
     sacc, stok = dflash_kernels.verify_sample(s["logits"], s["draft"], temperature=s["temperature"],
                                               top_k=s["top_k"], top_p=s["top_p"], seed=s["seed"],
@@ -81,10 +85,10 @@ def _round(s, backend):
                                           positions=s["pos"], anchor=s["anchor"], done=s["done"],
                                           max_lengths=s["max_lengths"], stop_tokens=s["stop_tokens"],
                                           backend="torch" if backend == "triton" else backend)
-    return ctx, att, acc, bonus, sacc, stok, num_new
+    return ctx, att, target, acc, bonus, sacc, stok, num_new
 
 
-MUTATED = ("k_cache", "v_cache", "out_tokens", "lengths", "pos", "anchor", "done")
+MUTATED = ("k_cache", "v_cache", "target_k_cache", "target_v_cache", "out_tokens", "lengths", "pos", "anchor", "done")
 
 
 def _assert_same(a, b):
@@ -124,10 +128,13 @@ def test_schemas_and_mutations():
     mutated = {name: sorted(a.name for a in s.arguments if a.alias_info is not None and a.alias_info.is_write)
                for name, s in schemas.items()}
     assert mutated == {"fused_context": [], "inject_context_kv": ["k_cache", "v_cache"], "draft_attention": [],
-                       "verify_greedy": [], "verify_sample": [],
+                       "verify_attention": ["k_cache", "v_cache"], "verify_greedy": [], "verify_sample": [],
                        "commit_round": ["anchor", "done", "lengths", "out_tokens", "positions"]}
     args = {a.name: str(a.type) for a in schemas["draft_attention"].arguments}
     assert args["block_lens"] == "Optional[Tensor]" and args["backend"] == "str"
+    assert args["q_norm_weight"] == args["k_norm_weight"] == "Optional[Tensor]"
+    verify = {a.name: str(a.type) for a in schemas["verify_attention"].arguments}
+    assert verify["q_norm_weight"] == "Optional[Tensor]" and verify["scale"] == "Optional[float]"
     sample = {a.name: str(a.type) for a in schemas["verify_sample"].arguments}
     assert all(sample[x] == "Tensor" for x in ("temperature", "top_k", "top_p", "seed", "offset"))
     assert {a.name: str(a.type) for a in schemas["commit_round"].arguments}["stop_tokens"] == "Optional[Tensor]"
@@ -239,7 +246,7 @@ def test_inference_mode_and_no_grad(mode, backend):
 
 def test_compile_fullgraph_no_graph_breaks():
     """torch.compile(fullgraph=True) of a round through every public op (backend "torch"): one graph that
-    holds the six torch.ops.dflash ops, run with aot_eager (functionalized mutations) and equal to eager."""
+    holds the seven torch.ops.dflash ops, run with aot_eager (functionalized mutations) and equal to eager."""
     seen = []
 
     def backend_fn(gm, example_inputs):

@@ -209,6 +209,11 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
         partials = 2 * n * (splits + 1) * b * nh * (d + 2) * 4
         small = nbytes([q, k, v, *args[5:9], args[15]])
         return 2, small + live + partials + distinct_bytes(out), 4 * n * b * nh * d * (context + b)
+    if name == "add_rms_norm":  # x, weight (and the residual, read and written in place) -> out
+        x, weight, residual = args[0], args[1], args[3]
+        return 1, nbytes([x, weight]) + 2 * nbytes([residual]) + distinct_bytes(out), 4 * x.numel()
+    if name == "silu_mul":
+        return 1, distinct_bytes(args[0]) + distinct_bytes(out), 4 * out.numel()
     if name in ("verify_greedy", "verify_sample"):
         launches = 2 + (1 if name == "verify_sample" and (args[7] or args[8]) else 0)
         return launches, nbytes(args) + nbytes(out), args[0].numel()

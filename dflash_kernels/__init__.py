@@ -20,13 +20,14 @@ def available_backends(device: str | torch.device = "cpu") -> dict[str, tuple[bo
     device = torch.device(device)
     return {name: backend_status(name, device) for name in BACKENDS if name != "auto"}
 
-from dflash_kernels.draft_attention import draft_attention  # noqa: E402
+from dflash_kernels.draft_attention import draft_attention, verify_attention  # noqa: E402
 from dflash_kernels.fused_context import fused_context  # noqa: E402
 from dflash_kernels.inject_context_kv import inject_context_kv  # noqa: E402
 from dflash_kernels.layer_ops import add_rms_norm, silu_mul  # noqa: E402
 from dflash_kernels.verify import verify_greedy, verify_sample  # noqa: E402
 
-__all__ += ["fused_context", "inject_context_kv", "draft_attention", "verify_greedy", "verify_sample"]
+__all__ += ["fused_context", "inject_context_kv", "draft_attention", "verify_attention", "verify_greedy",
+            "verify_sample"]
 from dflash_kernels.commit import commit_round, commit_round_reference  # noqa: E402
 
 __all__ += ["commit_round", "commit_round_reference", "add_rms_norm", "silu_mul"]

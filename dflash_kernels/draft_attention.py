@@ -1,4 +1,23 @@
-"""draft_attention: the B block queries of each request over [cached context ++ the block's own K/V]."""
+"""draft_attention and verify_attention: the B block rows of each request attend to [cached context ++ the
+block's own keys]. One kernel family (a split kernel and a merge kernel, constexpr feature flags):
+
+* ``draft_attention``: a DFlash draft layer; the block's K/V stay in registers, nothing is written.
+* ``verify_attention``: a target layer of the verify step; causal inside the block, optional q/k norm, and
+  the block's normed + rotated K rows and raw V rows are written into the cache at rows ``cache_lens[n] + i``.
+
+Cost contract of one call (``bench/traffic.py`` models it; ``active_splits`` and ``pick_max_splits`` are the
+split rule). Per request, ``live`` = context rows read: ``min(cache_lens[n], capacity)``, and with a sliding
+window only the last ``W - 1`` of them; ``S`` = the grid's maximum split count, ``A = active_splits(live, S)``;
+element sizes ``e`` (q's dtype) and ``c`` (the cache's):
+
+* launches: 2 (split kernel, merge kernel); none when N = 0.
+* bytes: the live context K/V rows read once, ``2 * live * kvH * D * c``; q, k, v of the block read once and
+  the output written once (q's dtype); verify only: the B new K and V rows written, ``2 * B * kvH * D * c``
+  (rows past the capacity are dropped); fp32 partials of the ``A + 1`` splits (active context splits and the
+  block) written once and read once, ``2 * (A + 1) * B * nH * (D + 2) * 4``; plus the small vectors
+  (cache_lens, block_lens, norm weights, inv_freq, the table entries used).
+* FLOPs: ``4 * B * nH * D * (live + B)`` (QK^T and PV; the masked part of the block is counted in full).
+"""
 from __future__ import annotations
 
 import functools
@@ -16,77 +35,107 @@ from dflash_kernels._triton_utils import (
 )
 
 OP = "draft_attention"
+VERIFY_OP = "verify_attention"
 _BACKENDS = ("triton", "torch")
 _LOG2E = 1.4426950408889634
 
+# Context rows per active split (A = cdiv(live, MIN_CHUNK) capped by the grid). One split's fp32 partial (acc
+# [B*G, D], max and sum [B*G]) is B*G*(D+2)*4 bytes per KV head, written once and read once by the merge; the
+# bf16 K/V rows it summarises are chunk*D*2*2 bytes, chunk = live / A. Partials / K/V = 2*B*G*(D+2) / (chunk*D):
+# at chunk = 1024, 12.7 % at B*G = 64 (Qwen3-8B verify or draft, B = 16, G = 4, D = 128) and 4.8 % at B*G = 24
+# (SmolLM2 draft, B = 8, G = 3, D = 64). chunk ranges from 1024 down to 513 (live = 1025: twice that ratio, on
+# a tiny context) and tends to 1024 or more on long contexts. Smaller chunks would add parallelism at small N·kvH.
+MIN_CHUNK = 1024
 
-def _validate(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, sliding_window,
+
+def active_splits(live: int, max_splits: int) -> int:
+    """Context splits that do work for a request with ``live`` context rows in a grid of ``max_splits``:
+    one per MIN_CHUNK rows, at least 1, at most ``max_splits`` (the kernels' ``_split_plan``)."""
+    return min(max(triton.cdiv(live, MIN_CHUNK), 1), max_splits)
+
+
+def pick_max_splits(n: int, kvh: int, bound: int, sm_count: int) -> int:
+    """The grid's split count, host side (no sync): about two waves of (request, KV head, split) programs on
+    ``sm_count`` SMs, and no more splits than a context of ``bound`` rows makes active."""
+    return max(1, min(triton.cdiv(2 * sm_count, max(1, n * kvh)), triton.cdiv(bound, MIN_CHUNK)))
+
+
+def _validate(op, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, sliding_window,
               block_table, cache_batch_idx, num_splits, causal, block_lens):
-    check_tensor(OP, "q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    check_tensor(op, "q", q, ndim=4, dtypes=FLOAT_DTYPES)
     dev = q.device
     n, b, nh, d = q.shape
     if b < 1 or d < 2 or d % 2:
-        raise ValueError(f"{OP}: q must be [N, B, nH, D] with B >= 1 and an even head dim D (RoPE); got {tuple(q.shape)}")
+        raise ValueError(f"{op}: q must be [N, B, nH, D] with B >= 1 and an even head dim D (RoPE); got {tuple(q.shape)}")
     for name, t in (("k", k), ("v", v)):
-        check_tensor(OP, name, t, ndim=4, dtypes=(q.dtype,), device=dev)
+        check_tensor(op, name, t, ndim=4, dtypes=(q.dtype,), device=dev)
         if t.shape[0] != n or t.shape[1] != b or t.shape[3] != d:
-            raise ValueError(f"{OP}: {name} must be [N={n}, B={b}, kvH, D={d}] (raw projection of the block rows), "
+            raise ValueError(f"{op}: {name} must be [N={n}, B={b}, kvH, D={d}] (raw projection of the block rows), "
                              f"got {tuple(t.shape)}")
     kvh = k.shape[2]
     if v.shape[2] != kvh or kvh == 0 or nh % kvh:
-        raise ValueError(f"{OP}: k/v must have the same number of KV heads dividing nH={nh}; got k {tuple(k.shape)}, "
+        raise ValueError(f"{op}: k/v must have the same number of KV heads dividing nH={nh}; got k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        check_last_dim_contiguous(OP, name, t)
-    check_cache_pair(OP, k_cache, v_cache, ndim=4, kv_heads=kvh, head_dim=d, device=dev)
-    check_tensor(OP, "cache_lens", cache_lens, ndim=1, dtypes=(torch.int32, torch.int64), device=dev)
+        check_last_dim_contiguous(op, name, t)
+    check_cache_pair(op, k_cache, v_cache, ndim=4, kv_heads=kvh, head_dim=d, device=dev)
+    check_tensor(op, "cache_lens", cache_lens, ndim=1, dtypes=(torch.int32, torch.int64), device=dev)
     if cache_lens.shape[0] != n:
-        raise ValueError(f"{OP}: cache_lens must be [N={n}] (cached context rows per request), got {tuple(cache_lens.shape)}")
+        raise ValueError(f"{op}: cache_lens must be [N={n}] (cached context rows per request), got {tuple(cache_lens.shape)}")
     if block_lens is not None:
-        check_tensor(OP, "block_lens", block_lens, ndim=1, dtypes=(torch.int64,), device=dev)
+        check_tensor(op, "block_lens", block_lens, ndim=1, dtypes=(torch.int64,), device=dev)
         if block_lens.shape[0] != n:
-            raise ValueError(f"{OP}: block_lens must be [N={n}] (valid block rows per request, each in [1, B={b}]) "
+            raise ValueError(f"{op}: block_lens must be [N={n}] (valid block rows per request, each in [1, B={b}]) "
                              f"or None (all B rows valid), got {tuple(block_lens.shape)}")
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError(f"{op}: pass both q_norm_weight and k_norm_weight (per-head q/k RMSNorm, e.g. Qwen3) or "
+                         f"neither (no q/k norm, e.g. LLaMA)")
     for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
-        check_tensor(OP, name, w, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
-        if w.shape[0] != d:
-            raise ValueError(f"{OP}: {name} must be [D={d}], got {tuple(w.shape)}")
-    check_tensor(OP, "inv_freq", inv_freq, ndim=1, dtypes=(torch.float32, torch.float64), device=dev)
+        if w is not None:
+            check_tensor(op, name, w, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
+            if w.shape[0] != d:
+                raise ValueError(f"{op}: {name} must be [D={d}], got {tuple(w.shape)}")
+    check_tensor(op, "inv_freq", inv_freq, ndim=1, dtypes=(torch.float32, torch.float64), device=dev)
     if inv_freq.shape[0] != d // 2:
-        raise ValueError(f"{OP}: inv_freq must be [D/2={d // 2}] fp32 (transformers ROPE_INIT_FUNCTIONS), "
+        raise ValueError(f"{op}: inv_freq must be [D/2={d // 2}] fp32 (transformers ROPE_INIT_FUNCTIONS), "
                          f"got {tuple(inv_freq.shape)}")
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise ValueError(f"{OP}: sliding_window must be None (full non-causal) or an int >= 1, got {sliding_window!r}")
+        raise ValueError(f"{op}: sliding_window must be None (full non-causal) or an int >= 1, got {sliding_window!r}")
     if causal is not None and not isinstance(causal, bool):
-        raise TypeError(f"{OP}: causal must be None (causal iff sliding_window is set) or a bool, got {causal!r}")
+        raise TypeError(f"{op}: causal must be None (causal iff sliding_window is set) or a bool, got {causal!r}")
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"{OP}: num_splits must be None or an int >= 1, got {num_splits!r}")
-    page_table(OP, n, block_table, cache_batch_idx, dev)
+        raise ValueError(f"{op}: num_splits must be None or an int >= 1, got {num_splits!r}")
+    page_table(op, n, block_table, cache_batch_idx, dev)
 
 
-def _gather_context(cache: torch.Tensor, n: int, length: int, block_table, cache_batch_idx) -> torch.Tensor:
-    """[length, kvH, D] context rows of request ``n`` from a contiguous or paged cache (host indexing)."""
+def _cache_index(cache: torch.Tensor, n: int, t: torch.Tensor, block_table, cache_batch_idx):
+    """Index of request ``n``'s logical rows ``t`` in a contiguous or paged cache (host indexing)."""
     if block_table is None:
-        b = int(cache_batch_idx[n]) if cache_batch_idx is not None else n
-        return cache[b, :length]
+        return int(cache_batch_idx[n]) if cache_batch_idx is not None else n, t
     page_size = cache.shape[1]
-    t = torch.arange(length, device=cache.device)
-    pages = block_table[n].to(torch.int64)[t // page_size]
-    return cache[pages, t % page_size]
+    return block_table[n].to(torch.int64)[t // page_size], t % page_size
+
+
+def _norm_rope_reference(x, weight, cos, sin, eps):
+    """Per-head RMSNorm (skipped when ``weight`` is None), then NeoX RoPE; x [B, heads, D], cos/sin [B, D]."""
+    if weight is not None:
+        x = rms_norm_reference(x, weight, eps)
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
 
 def draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, *, inv_freq,
                               attention_scaling: float = 1.0, eps: float = 1e-6, sliding_window: Optional[int] = None,
                               causal: Optional[bool] = None, block_table=None, cache_batch_idx=None,
-                              block_lens=None) -> torch.Tensor:
+                              block_lens=None, scale: Optional[float] = None) -> torch.Tensor:
     """Definition (HF Qwen3 numerics in q's dtype, SDPA; reads cache_lens and block_lens on the host).
 
     Per request n with C = cache_lens[n] and v = block_lens[n] (B when None): block row i sits at position
-    C + i. q/k get per-head RMSNorm then RoPE; scores over [cache[:C] ++ block keys 0..v-1], scale D**-0.5.
-    Key at position p is visible to the query at position P unless: causal and p > P; or a window W is set
-    and P - p >= W (or, non-causal with a window, p - P >= W). ``causal=None`` means causal iff a window is
-    set (PyPI dflash / vLLM default). Rows i < v are exactly a run on the v-row block ``[:, :v]``; rows
-    i >= v are unspecified (here: the same formula, and 0 where no key is visible).
+    C + i. q/k get per-head RMSNorm (when the weights are given) then RoPE; scores over
+    [cache[:C] ++ block keys 0..v-1], scale ``scale`` (D**-0.5 when None). Key at position p is visible to
+    the query at position P unless: causal and p > P; or a window W is set and P - p >= W (or, non-causal
+    with a window, p - P >= W). ``causal=None`` means causal iff a window is set (PyPI dflash / vLLM
+    default). Rows i < v are exactly a run on the v-row block ``[:, :v]``; rows i >= v are unspecified
+    (here: the same formula, and 0 where no key is visible).
     """
     causal = (sliding_window is not None) if causal is None else causal
     n, b, nh, d = q.shape
@@ -98,13 +147,11 @@ def draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weig
         c, nb = int(lens[r]), int(valid[r])
         pos = torch.arange(c, c + b, device=q.device)
         cos, sin = rope_cos_sin_reference(pos, inv_freq, attention_scaling, q.dtype)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        qn = rms_norm_reference(q[r], q_norm_weight, eps)
-        kn = rms_norm_reference(k[r], k_norm_weight, eps)
-        qn = qn * cos + rotate_half(qn) * sin
-        kn = kn * cos + rotate_half(kn) * sin
-        keys = torch.cat([_gather_context(k_cache, r, c, block_table, cache_batch_idx).to(q.dtype), kn[:nb]], 0)
-        vals = torch.cat([_gather_context(v_cache, r, c, block_table, cache_batch_idx).to(q.dtype), v[r, :nb]], 0)
+        qn = _norm_rope_reference(q[r], q_norm_weight, cos, sin, eps)
+        kn = _norm_rope_reference(k[r], k_norm_weight, cos, sin, eps)
+        ctx = _cache_index(k_cache, r, torch.arange(c, device=q.device), block_table, cache_batch_idx)
+        keys = torch.cat([k_cache[ctx].to(q.dtype), kn[:nb]], 0)
+        vals = torch.cat([v_cache[ctx].to(q.dtype), v[r, :nb]], 0)
         qpos = pos[:, None]
         kpos = torch.arange(c + nb, device=q.device)[None, :]
         mask = torch.ones(b, c + nb, dtype=torch.bool, device=q.device)
@@ -113,26 +160,73 @@ def draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weig
         if sliding_window is not None:
             mask &= (qpos - kpos < sliding_window) & (kpos - qpos < sliding_window)
         o = F.scaled_dot_product_attention(qn.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
-                                           attn_mask=mask, scale=d ** -0.5, enable_gqa=kvh != nh)
+                                           attn_mask=mask, scale=d ** -0.5 if scale is None else scale,
+                                           enable_gqa=kvh != nh)
         # Only rows past block_lens can see no key (a window behind them ends before the valid block).
         out[r] = o.transpose(0, 1).masked_fill(~mask.any(1)[:, None, None], 0)
     return out
 
 
+def verify_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight=None, k_norm_weight=None, *,
+                               inv_freq, attention_scaling: float = 1.0, eps: float = 1e-6,
+                               scale: Optional[float] = None, block_table=None, cache_batch_idx=None) -> torch.Tensor:
+    """Definition (host indexing): write request n's block K rows (normed + rotated, as the attention uses
+    them) and raw V rows to cache rows ``cache_lens[n] + i`` (those below the capacity), then
+    ``draft_attention_reference`` with ``causal=True`` (the context [0, cache_lens[n]) plus block keys j <= i)."""
+    b = q.shape[1]
+    capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    for r, c in enumerate(cache_lens.tolist()):
+        t = torch.arange(c, min(c + b, capacity), device=q.device)
+        cos, sin = rope_cos_sin_reference(t, inv_freq, attention_scaling, q.dtype)
+        rows = _cache_index(k_cache, r, t, block_table, cache_batch_idx)
+        k_cache[rows] = _norm_rope_reference(k[r, :len(t)], k_norm_weight, cos, sin, eps).to(k_cache.dtype)
+        v_cache[rows] = v[r, :len(t)].to(v_cache.dtype)
+    return draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
+                                     inv_freq=inv_freq, attention_scaling=attention_scaling, eps=eps, causal=True,
+                                     block_table=block_table, cache_batch_idx=cache_batch_idx, scale=scale)
+
+
 @triton.jit
-def _draft_attn_split_kernel(
+def _split_plan(ctx_len, CAP, window, NSPLIT, SLIDING: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    """Context rows [lo, end) of a request and its active split count (the rule of ``active_splits``)."""
+    # Never read past the cache capacity (or the block table), whatever cache_lens says.
+    end = tl.minimum(ctx_len, CAP)
+    lo = end * 0
+    if SLIDING:
+        # The earliest context key any block query can see is the one query 0 sees.
+        lo = tl.minimum(tl.maximum(ctx_len - window + 1, 0), end)
+    active = tl.minimum(tl.maximum(tl.cdiv(end - lo, MIN_CHUNK), 1), NSPLIT)
+    return lo, end, active
+
+
+@triton.jit
+def _cache_rows(table_ptr, n, stride_tn, t, t_ok, page_size, HAS_TABLE: tl.constexpr):
+    """(page, slot) of request n's logical cache rows t (a contiguous cache without a table: page = n)."""
+    if HAS_TABLE:
+        page = tl.load(table_ptr + n * stride_tn + t // page_size, mask=t_ok, other=0).to(tl.int64)
+    else:
+        page = t * 0 + n
+    return page, t % page_size
+
+
+@triton.jit
+def _attn_split_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, lens_ptr, blens_ptr, table_ptr, qw_ptr, kw_ptr, inv_freq_ptr, po_ptr, pm_ptr,
     pl_ptr,
     B, G, NH, HALF, page_size, CAP, window, attention_scaling, eps, qk_scale, NSPLIT,
     stride_qn, stride_qb, stride_qh, stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
     stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch, stride_tn,
     HAS_TABLE: tl.constexpr, SLIDING: tl.constexpr, CAUSAL: tl.constexpr, HAS_BLOCK_LENS: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr, WRITE_KV: tl.constexpr, MIN_CHUNK: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     split = tl.program_id(2)
+    ctx_len = tl.load(lens_ptr + n).to(tl.int64)
+    lo, ctx_end, active = _split_plan(ctx_len, CAP, window, NSPLIT, SLIDING, MIN_CHUNK)
+    if (split < NSPLIT) & (split >= active):
+        return
     # GQA packing: the B x G query rows of KV head h form one tile (row r = block row r // G, head h*G + r % G).
     r = tl.arange(0, BLOCK_R)
     r_ok = r < B * G
@@ -144,10 +238,9 @@ def _draft_attn_split_kernel(
     q_base = q_ptr + n * stride_qn + qi.to(tl.int64)[:, None] * stride_qb + head.to(tl.int64)[:, None] * stride_qh
     q_lo = tl.load(q_base + dh[None, :], mask=qmask, other=0.0).to(tl.float32)
     q_hi = tl.load(q_base + HALF + dh[None, :], mask=qmask, other=0.0).to(tl.float32)
-    ctx_len = tl.load(lens_ptr + n).to(tl.int64)
     qpos = ctx_len + qi
     cos, sin = rope_cos_sin(qpos, inv_freq_ptr, dh, dh_ok, attention_scaling)
-    q_lo, q_hi = norm_rope_halves(q_lo, q_hi, qw_ptr, dh, dh_ok, HALF, cos, sin, eps, True)
+    q_lo, q_hi = norm_rope_halves(q_lo, q_hi, qw_ptr, dh, dh_ok, HALF, cos, sin, eps, HAS_QK_NORM)
     q_lo = q_lo * qk_scale
     q_hi = q_hi * qk_scale
 
@@ -156,23 +249,14 @@ def _draft_attn_split_kernel(
     acc_lo = tl.zeros((BLOCK_R, BLOCK_HALF), tl.float32)
     acc_hi = tl.zeros((BLOCK_R, BLOCK_HALF), tl.float32)
     if split < NSPLIT:
-        # Never read past the cache capacity (or the block table), whatever cache_lens says.
-        ctx_end = tl.minimum(ctx_len, CAP)
-        lo = ctx_len * 0
-        if SLIDING:
-            # The earliest context key any block query can see is the one query 0 sees.
-            lo = tl.minimum(tl.maximum(ctx_len - window + 1, 0), ctx_end)
-        chunk = tl.cdiv(tl.cdiv(ctx_end - lo, NSPLIT), BLOCK_N) * BLOCK_N
+        # Not rounded to BLOCK_N: with active capped at NSPLIT that could leave the last splits empty.
+        chunk = tl.cdiv(ctx_end - lo, active)
         start = lo + split * chunk
         end = tl.minimum(start + chunk, ctx_end)
         for t0 in range(start, end, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             t_ok = t < end
-            if HAS_TABLE:
-                page = tl.load(table_ptr + n * stride_tn + t // page_size, mask=t_ok, other=0).to(tl.int64)
-            else:
-                page = t * 0 + n
-            slot = t % page_size
+            page, slot = _cache_rows(table_ptr, n, stride_tn, t, t_ok, page_size, HAS_TABLE)
             kmask = t_ok[:, None] & dh_ok[None, :]
             k_base = kc_ptr + (page * stride_kcp + slot * stride_kcs + h * stride_kch)[:, None]
             k_lo = tl.load(k_base + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
@@ -195,8 +279,9 @@ def _draft_attn_split_kernel(
             acc_hi = tl.dot(p, v_hi, acc_hi * alpha[:, None], input_precision=DOT_PREC)
             m_i = m_new
     else:
-        # The block's own keys: k_norm + RoPE here, never written to the cache. Keys at rows >= block_lens[n]
-        # are neither loaded nor seen (a shortened tail block).
+        # The block's own keys: k_norm + RoPE here, from registers (WRITE_KV stores them for later steps; the
+        # context splits of this launch read rows < cache_lens only, so there is no race). Keys at rows
+        # >= block_lens[n] are neither loaded nor seen (a shortened tail block).
         j = tl.arange(0, BLOCK_B)
         j_ok = j < B
         if HAS_BLOCK_LENS:
@@ -206,7 +291,22 @@ def _draft_attn_split_kernel(
         k_lo = tl.load(k_base + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
         k_hi = tl.load(k_base + HALF + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
         kcos, ksin = rope_cos_sin(ctx_len + j, inv_freq_ptr, dh, dh_ok, attention_scaling)
-        k_lo, k_hi = norm_rope_halves(k_lo, k_hi, kw_ptr, dh, dh_ok, HALF, kcos, ksin, eps, True)
+        k_lo, k_hi = norm_rope_halves(k_lo, k_hi, kw_ptr, dh, dh_ok, HALF, kcos, ksin, eps, HAS_QK_NORM)
+        v_base = v_ptr + n * stride_vn + j.to(tl.int64)[:, None] * stride_vb + h * stride_vh
+        v_lo = tl.load(v_base + dh[None, :], mask=kmask, other=0.0)
+        v_hi = tl.load(v_base + HALF + dh[None, :], mask=kmask, other=0.0)
+        if WRITE_KV:
+            # Rows past the capacity are dropped, never wrapped. V is stored as loaded (bit-exact).
+            t = ctx_len + j
+            w_ok = j_ok & (t < CAP)
+            page, slot = _cache_rows(table_ptr, n, stride_tn, t, w_ok, page_size, HAS_TABLE)
+            wmask = w_ok[:, None] & dh_ok[None, :]
+            k_dst = kc_ptr + (page * stride_kcp + slot * stride_kcs + h * stride_kch)[:, None]
+            v_dst = vc_ptr + (page * stride_vcp + slot * stride_vcs + h * stride_vch)[:, None]
+            tl.store(k_dst + dh[None, :], k_lo.to(kc_ptr.dtype.element_ty), mask=wmask)
+            tl.store(k_dst + HALF + dh[None, :], k_hi.to(kc_ptr.dtype.element_ty), mask=wmask)
+            tl.store(v_dst + dh[None, :], v_lo, mask=wmask)
+            tl.store(v_dst + HALF + dh[None, :], v_hi, mask=wmask)
         s = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PREC)
         s = tl.dot(q_hi, tl.trans(k_hi), s, input_precision=DOT_PREC)
         valid = r_ok[:, None] & j_ok[None, :]
@@ -220,11 +320,8 @@ def _draft_attn_split_kernel(
         m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
         p = tl.exp2(s - m_safe[:, None])
         l_i = tl.sum(p, axis=1)
-        v_base = v_ptr + n * stride_vn + j.to(tl.int64)[:, None] * stride_vb + h * stride_vh
-        v_lo = tl.load(v_base + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
-        v_hi = tl.load(v_base + HALF + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
-        acc_lo = tl.dot(p, v_lo, input_precision=DOT_PREC)
-        acc_hi = tl.dot(p, v_hi, input_precision=DOT_PREC)
+        acc_lo = tl.dot(p, v_lo.to(tl.float32), input_precision=DOT_PREC)
+        acc_hi = tl.dot(p, v_hi.to(tl.float32), input_precision=DOT_PREC)
     # Unnormalised partials (acc, running max m, sum l) in the natural [N, S+1, B, nH, D] layout so the
     # merge treats (block row, head) as rows; no log/exp round trip of l (its error grows with |lse|).
     row = (qi * NH + head).to(tl.int64)
@@ -237,18 +334,22 @@ def _draft_attn_split_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, ROWS, D, S1, stride_on, stride_or,
-                         BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, lens_ptr, ROWS, D, NSPLIT, CAP, window, stride_on,
+                         stride_or, SLIDING: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     r_ok = rows < ROWS
     d = tl.arange(0, BLOCK_D)
     mask = r_ok[:, None] & (d < D)[None, :]
+    _, _, active = _split_plan(tl.load(lens_ptr + n).to(tl.int64), CAP, window, NSPLIT, SLIDING, MIN_CHUNK)
     m = tl.full((BLOCK_ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_ROWS,), tl.float32)
     acc = tl.zeros((BLOCK_ROWS, BLOCK_D), tl.float32)
-    for s in range(0, S1):
-        base = (n * S1 + s) * ROWS + rows.to(tl.int64)
+    for i in range(0, active + 1):
+        # The active context splits 0..active-1, then the block's partial in slot NSPLIT.
+        s = tl.where(i < active, i, NSPLIT)
+        base = (n * (NSPLIT + 1) + s) * ROWS + rows.to(tl.int64)
         m_s = tl.load(pm_ptr + base, mask=r_ok, other=float("-inf"))
         l_s = tl.load(pl_ptr + base, mask=r_ok, other=0.0)
         o = tl.load(po_ptr + base[:, None] * D + d[None, :], mask=mask, other=0.0)
@@ -269,16 +370,16 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _pick_splits(n: int, kvh: int, capacity: int, block_n: int, dev: torch.device) -> int:
-    if interpreting():
-        return max(1, min(2, triton.cdiv(capacity, block_n)))
-    sms = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
-    return max(1, min(triton.cdiv(2 * sms, max(1, n * kvh)), triton.cdiv(capacity, 256)))
+def _partials(n: int, splits: int, b: int, nh: int, d: int, device: torch.device):
+    """fp32 (acc [N, S+1, B, nH, D], max, sum [N, S+1, B, nH]) of every split slot; only active slots are written."""
+    po = torch.empty((n, splits + 1, b, nh, d), dtype=torch.float32, device=device)
+    pm = torch.empty((n, splits + 1, b, nh), dtype=torch.float32, device=device)
+    return po, pm, torch.empty_like(pm)
 
 
-def _draft_attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
-                            attention_scaling, eps, sliding_window, block_table, cache_batch_idx, num_splits,
-                            max_context_len, causal, block_lens):
+def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, attention_scaling,
+                      eps, scale, sliding_window, causal, block_table, cache_batch_idx, block_lens, num_splits,
+                      max_context_len, write_kv):
     n, b, nh, d = q.shape
     kvh = k.shape[2]
     g = nh // kvh
@@ -288,50 +389,53 @@ def _draft_attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight
     table, paged = page_table(OP, n, block_table, cache_batch_idx, q.device)
     page_size = k_cache.shape[1]
     capacity = block_table.shape[1] * page_size if paged else page_size
-    cap_rows = capacity
-    if max_context_len is not None:
-        capacity = min(capacity, max(1, int(max_context_len)))
+    bound = capacity if max_context_len is None else min(capacity, max(1, int(max_context_len)))
     half = d // 2
     block_n = 64 if interpreting() else (64 if d <= 128 else 32)
-    nsplit = num_splits or _pick_splits(n, kvh, capacity, block_n, q.device)
-    po = torch.empty((n, nsplit + 1, b, nh, d), dtype=torch.float32, device=q.device)
-    pm = torch.empty((n, nsplit + 1, b, nh), dtype=torch.float32, device=q.device)
-    pl = torch.empty_like(pm)
-    inv_freq = inv_freq.to(torch.float32)
+    if num_splits is None:
+        # The interpreter pretends to have 2*N*kvH SMs: up to 4 splits, so the tests reach the split logic.
+        sms = 2 * n * kvh if interpreting() else _sm_count(q.device.index if q.device.index is not None
+                                                           else torch.cuda.current_device())
+        num_splits = pick_max_splits(n, kvh, bound, sms)
+    po, pm, pl = _partials(n, num_splits, b, nh, d, q.device)
     dot_prec = "ieee" if q.dtype == torch.float32 or k_cache.dtype == torch.float32 else "tf32"
-    _draft_attn_split_kernel[(n, kvh, nsplit + 1)](
+    has_norm = q_norm_weight is not None
+    causal = (sliding_window is not None) if causal is None else causal
+    block_r, block_half = max(16, next_pow2(b * g)), max(16, next_pow2(half))
+    _attn_split_kernel[(n, kvh, num_splits + 1)](
         q_ptr=q, k_ptr=k, v_ptr=v, kc_ptr=k_cache, vc_ptr=v_cache, lens_ptr=cache_lens,
         blens_ptr=block_lens if block_lens is not None else cache_lens,
-        table_ptr=table if table is not None else cache_lens, qw_ptr=q_norm_weight, kw_ptr=k_norm_weight,
-        inv_freq_ptr=inv_freq, po_ptr=po, pm_ptr=pm, pl_ptr=pl,
-        B=b, G=g, NH=nh, HALF=half, page_size=page_size, CAP=cap_rows, window=sliding_window or 0,
-        attention_scaling=float(attention_scaling), eps=float(eps), qk_scale=d ** -0.5 * _LOG2E, NSPLIT=nsplit,
+        table_ptr=table if table is not None else cache_lens,
+        qw_ptr=q_norm_weight if has_norm else inv_freq, kw_ptr=k_norm_weight if has_norm else inv_freq,
+        inv_freq_ptr=inv_freq.to(torch.float32), po_ptr=po, pm_ptr=pm, pl_ptr=pl,
+        B=b, G=g, NH=nh, HALF=half, page_size=page_size, CAP=capacity, window=sliding_window or 0,
+        attention_scaling=float(attention_scaling), eps=float(eps),
+        qk_scale=(d ** -0.5 if scale is None else float(scale)) * _LOG2E, NSPLIT=num_splits,
         stride_qn=q.stride(0), stride_qb=q.stride(1), stride_qh=q.stride(2),
         stride_kn=k.stride(0), stride_kb=k.stride(1), stride_kh=k.stride(2),
         stride_vn=v.stride(0), stride_vb=v.stride(1), stride_vh=v.stride(2),
         stride_kcp=k_cache.stride(0), stride_kcs=k_cache.stride(1), stride_kch=k_cache.stride(2),
         stride_vcp=v_cache.stride(0), stride_vcs=v_cache.stride(1), stride_vch=v_cache.stride(2),
         stride_tn=table.stride(0) if table is not None else 0,
-        HAS_TABLE=table is not None, SLIDING=sliding_window is not None,
-        CAUSAL=(sliding_window is not None) if causal is None else causal, HAS_BLOCK_LENS=block_lens is not None,
-        DOT_PREC=dot_prec,
-        BLOCK_R=max(16, next_pow2(b * g)), BLOCK_N=block_n, BLOCK_B=max(16, next_pow2(b)),
-        BLOCK_HALF=max(16, next_pow2(half)),
-        num_warps=8 if max(16, next_pow2(b * g)) * max(16, next_pow2(half)) >= 4096 else 4,
+        HAS_TABLE=table is not None, SLIDING=sliding_window is not None, CAUSAL=causal,
+        HAS_BLOCK_LENS=block_lens is not None, HAS_QK_NORM=has_norm, WRITE_KV=write_kv, MIN_CHUNK=MIN_CHUNK,
+        DOT_PREC=dot_prec, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_B=max(16, next_pow2(b)), BLOCK_HALF=block_half,
+        num_warps=8 if block_r * block_half >= 4096 else 4,
     )
     rows = b * nh
     block_rows = min(next_pow2(rows), 256 if interpreting() else 16)
     _merge_splits_kernel[(n, triton.cdiv(rows, block_rows))](
-        po_ptr=po, pm_ptr=pm, pl_ptr=pl, out_ptr=out, ROWS=rows, D=d, S1=nsplit + 1,
-        stride_on=out.stride(0), stride_or=d, BLOCK_ROWS=block_rows, BLOCK_D=next_pow2(d),
+        po_ptr=po, pm_ptr=pm, pl_ptr=pl, out_ptr=out, lens_ptr=cache_lens, ROWS=rows, D=d, NSPLIT=num_splits,
+        CAP=capacity, window=sliding_window or 0, stride_on=out.stride(0), stride_or=d,
+        SLIDING=sliding_window is not None, MIN_CHUNK=MIN_CHUNK, BLOCK_ROWS=block_rows, BLOCK_D=next_pow2(d),
     )
     return out
 
 
 def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    cache_lens: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, *,
-                    inv_freq: torch.Tensor, attention_scaling: float = 1.0, eps: float = 1e-6,
-                    sliding_window: Optional[int] = None, causal: Optional[bool] = None,
+                    cache_lens: torch.Tensor, q_norm_weight: Optional[torch.Tensor],
+                    k_norm_weight: Optional[torch.Tensor], *, inv_freq: torch.Tensor, attention_scaling: float = 1.0,
+                    eps: float = 1e-6, sliding_window: Optional[int] = None, causal: Optional[bool] = None,
                     block_table: Optional[torch.Tensor] = None,
                     cache_batch_idx: Optional[torch.Tensor] = None, block_lens: Optional[torch.Tensor] = None,
                     num_splits: Optional[int] = None, max_context_len: Optional[int] = None,
@@ -353,7 +457,8 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             ``[num_pages, page_size, kvH, D]`` with ``block_table``. Slices ``cache[l]`` of the 5-D caches work.
         cache_lens: ``[N]`` int32/int64 on the device: cached context rows per request (0 allowed). Reads
             stop at the cache capacity (max_len, or max_pages * page_size) even if cache_lens is larger.
-        q_norm_weight, k_norm_weight: ``[D]`` the layer's ``q_norm.weight`` / ``k_norm.weight``.
+        q_norm_weight, k_norm_weight: ``[D]`` the layer's ``q_norm.weight`` / ``k_norm.weight``, or both None
+            (no per-head q/k norm).
         inv_freq: ``[D/2]`` fp32 and ``attention_scaling``: from
             ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS[rope_type](config, device)``.
         eps: RMSNorm epsilon.
@@ -371,14 +476,16 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             block ``[:, :block_lens[n]]``; rows ``i >= block_lens[n]`` are unspecified (finite for finite
             inputs) and should be ignored. For a shortened tail block ``[anchor, MASK x (v-1)]`` with static
             shapes.
-        num_splits: context splits per (request, KV head); default from the SM count and the capacity.
-        max_context_len: optional host-side upper bound of ``cache_lens`` to size the splits (no sync).
+        num_splits: the maximum context splits per (request, KV head) (the grid); default
+            ``pick_max_splits`` from the SM count and the capacity. Each request uses
+            ``active_splits(live rows, num_splits)`` of them, computed in-kernel.
+        max_context_len: optional host-side upper bound of ``cache_lens`` to size the grid (no sync).
         backend: ``"auto" | "triton" | "torch"``.
 
     Returns:
         A new ``[N, B, nH, D]`` tensor in q's dtype.
     """
-    _validate(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, sliding_window,
+    _validate(OP, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, sliding_window,
               block_table, cache_batch_idx, num_splits, causal, block_lens)
     chosen = resolve_backend(OP, backend, q.device, available=_BACKENDS)
     return torch.ops.dflash.draft_attention(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
@@ -389,11 +496,12 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 @torch.library.custom_op("dflash::draft_attention", mutates_args=())
 def _draft_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, cache_lens: torch.Tensor, q_norm_weight: torch.Tensor,
-                        k_norm_weight: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float, eps: float,
-                        sliding_window: Optional[int], causal: Optional[bool], block_table: Optional[torch.Tensor],
-                        cache_batch_idx: Optional[torch.Tensor], block_lens: Optional[torch.Tensor],
-                        num_splits: Optional[int], max_context_len: Optional[int], backend: str) -> torch.Tensor:
+                        v_cache: torch.Tensor, cache_lens: torch.Tensor, q_norm_weight: Optional[torch.Tensor],
+                        k_norm_weight: Optional[torch.Tensor], inv_freq: torch.Tensor, attention_scaling: float,
+                        eps: float, sliding_window: Optional[int], causal: Optional[bool],
+                        block_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],
+                        block_lens: Optional[torch.Tensor], num_splits: Optional[int],
+                        max_context_len: Optional[int], backend: str) -> torch.Tensor:
     """``torch.ops.dflash.draft_attention``: :func:`draft_attention` after validation."""
     chosen = resolve_backend(OP, backend, q.device, available=_BACKENDS)
     if chosen == "torch":
@@ -401,13 +509,88 @@ def _draft_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
                                          inv_freq=inv_freq, attention_scaling=attention_scaling, eps=eps,
                                          sliding_window=sliding_window, causal=causal, block_table=block_table,
                                          cache_batch_idx=cache_batch_idx, block_lens=block_lens)
-    return _draft_attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
-                                   attention_scaling, eps, sliding_window, block_table, cache_batch_idx, num_splits,
-                                   max_context_len, causal, block_lens)
+    return _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
+                             attention_scaling, eps, None, sliding_window, causal, block_table, cache_batch_idx,
+                             block_lens, num_splits, max_context_len, write_kv=False)
 
 
 @_draft_attention_op.register_fake
 def _draft_attention_fake(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
                           attention_scaling, eps, sliding_window, causal, block_table, cache_batch_idx, block_lens,
                           num_splits, max_context_len, backend):
+    return q.new_empty(q.shape)
+
+
+def verify_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     cache_lens: torch.Tensor, q_norm_weight: Optional[torch.Tensor] = None,
+                     k_norm_weight: Optional[torch.Tensor] = None, *, inv_freq: torch.Tensor,
+                     attention_scaling: float = 1.0, eps: float = 1e-6, scale: Optional[float] = None,
+                     block_table: Optional[torch.Tensor] = None, cache_batch_idx: Optional[torch.Tensor] = None,
+                     num_splits: Optional[int] = None, max_context_len: Optional[int] = None,
+                     backend: str = "auto") -> torch.Tensor:
+    """Attention of one target layer in the verify step, and the block's K/V appended to the cache.
+
+    Request n's B new rows sit at positions ``cache_lens[n] + i``. q/k get the optional per-head RMSNorm,
+    then NeoX RoPE; query i sees the cached rows ``[0, cache_lens[n])`` and block keys ``j <= i``, at scale
+    ``scale`` (D**-0.5 when None; pass HF's ``attn.scaling``). The block's normed + rotated K rows and raw V
+    rows are written to cache rows ``cache_lens[n] + i`` (only those below the capacity). Same kernels as
+    :func:`draft_attention` (two launches, no host sync); the block keys come from registers and the
+    context reads stop at ``cache_lens``, so the rows being written are never read by the same call.
+
+    Args:
+        q: ``[N, B, nH, D]`` raw ``q_proj`` of the block rows; fp32/bf16/fp16, last dim contiguous; D even.
+        k, v: ``[N, B, kvH, D]`` raw ``k_proj`` / ``v_proj`` of the block rows, q's dtype.
+        k_cache, v_cache: this layer's cache in q's dtype, keys stored normed + rotated: contiguous
+            ``[N_cap, max_len, kvH, D]`` (request n uses batch row ``cache_batch_idx[n]``, default n) or paged
+            ``[num_pages, page_size, kvH, D]`` with ``block_table``. Written in place; the rows written by
+            different requests must be distinct.
+        cache_lens: ``[N]`` int32/int64 on the device: cached rows per request (0 allowed). Not modified:
+            advance it yourself by the accepted count (rows past it are simply overwritten next time).
+        q_norm_weight, k_norm_weight: ``[D]`` (Qwen3 ``q_norm``/``k_norm``), or both None (LLaMA).
+        inv_freq, attention_scaling: from transformers' ``ROPE_INIT_FUNCTIONS``; eps: RMSNorm epsilon.
+        scale: softmax scale; None = D**-0.5.
+        block_table, cache_batch_idx: as in :func:`draft_attention`.
+        num_splits, max_context_len: as in :func:`draft_attention` (``max_context_len`` bounds
+            ``cache_lens``, the context read, not ``cache_lens + B``).
+        backend: ``"auto" | "triton" | "torch"``.
+
+    Returns:
+        A new ``[N, B, nH, D]`` tensor in q's dtype.
+    """
+    _validate(VERIFY_OP, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, None,
+              block_table, cache_batch_idx, num_splits, None, None)
+    if k_cache.dtype != q.dtype:
+        raise TypeError(f"{VERIFY_OP}: k_cache/v_cache dtype {k_cache.dtype} must equal q's dtype {q.dtype} "
+                        f"(the block's K/V rows are stored as computed)")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
+        raise ValueError(f"{VERIFY_OP}: scale must be None (D**-0.5) or a float > 0 (e.g. attn.scaling), got {scale!r}")
+    chosen = resolve_backend(VERIFY_OP, backend, q.device, available=_BACKENDS)
+    return torch.ops.dflash.verify_attention(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
+                                             inv_freq, float(attention_scaling), float(eps),
+                                             None if scale is None else float(scale), block_table, cache_batch_idx,
+                                             num_splits, max_context_len, chosen)
+
+
+@torch.library.custom_op("dflash::verify_attention", mutates_args=("k_cache", "v_cache"))
+def _verify_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, cache_lens: torch.Tensor, q_norm_weight: Optional[torch.Tensor],
+                         k_norm_weight: Optional[torch.Tensor], inv_freq: torch.Tensor, attention_scaling: float,
+                         eps: float, scale: Optional[float], block_table: Optional[torch.Tensor],
+                         cache_batch_idx: Optional[torch.Tensor], num_splits: Optional[int],
+                         max_context_len: Optional[int], backend: str) -> torch.Tensor:
+    """``torch.ops.dflash.verify_attention``: :func:`verify_attention` after validation (writes k_cache, v_cache)."""
+    chosen = resolve_backend(VERIFY_OP, backend, q.device, available=_BACKENDS)
+    if chosen == "torch":
+        return verify_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
+                                          inv_freq=inv_freq, attention_scaling=attention_scaling, eps=eps,
+                                          scale=scale, block_table=block_table, cache_batch_idx=cache_batch_idx)
+    return _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
+                             attention_scaling, eps, scale, None, True, block_table, cache_batch_idx, None,
+                             num_splits, max_context_len, write_kv=True)
+
+
+@_verify_attention_op.register_fake
+def _verify_attention_fake(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
+                           attention_scaling, eps, scale, block_table, cache_batch_idx, num_splits, max_context_len,
+                           backend):
     return q.new_empty(q.shape)

@@ -106,14 +106,21 @@ def configs():
     att = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, kc_ptr=bf, vc_ptr=bf, lens_ptr="*i64", blens_ptr="*i64",
                table_ptr="*i32", qw_ptr=bf, kw_ptr=bf, inv_freq_ptr=f32, po_ptr=f32, pm_ptr=f32, pl_ptr=f32,
                attention_scaling="fp32", eps="fp32", qk_scale="fp32", stride_kcp="i64", stride_vcp="i64")
+    tile = dict(MIN_CHUNK=da.MIN_CHUNK, DOT_PREC="tf32", BLOCK_R=64, BLOCK_N=64, BLOCK_B=16, BLOCK_HALF=64)
     for table, sliding, causal, blens in ((False, False, False, False), (True, False, False, True),
                                           (True, True, True, True), (True, True, False, False)):
         add(f"draft_attention split table={table} sliding={sliding} causal={causal} block_lens={blens}",
-            da._draft_attn_split_kernel, att,
-            dict(HAS_TABLE=table, SLIDING=sliding, CAUSAL=causal, HAS_BLOCK_LENS=blens, DOT_PREC="tf32",
-                 BLOCK_R=64, BLOCK_N=64, BLOCK_B=16, BLOCK_HALF=64), num_warps=8)
-    add("draft_attention merge", da._merge_splits_kernel, dict(po_ptr=f32, pm_ptr=f32, pl_ptr=f32, out_ptr=bf),
-        dict(BLOCK_ROWS=16, BLOCK_D=128))
+            da._attn_split_kernel, att,
+            dict(HAS_TABLE=table, SLIDING=sliding, CAUSAL=causal, HAS_BLOCK_LENS=blens, HAS_QK_NORM=True,
+                 WRITE_KV=False, **tile), num_warps=8)
+    for table, norm in ((False, True), (True, False)):
+        add(f"verify_attention split table={table} qk_norm={norm}", da._attn_split_kernel, att,
+            dict(HAS_TABLE=table, SLIDING=False, CAUSAL=True, HAS_BLOCK_LENS=False, HAS_QK_NORM=norm, WRITE_KV=True,
+                 **tile), num_warps=8)
+    for sliding in (False, True):
+        add(f"attention merge sliding={sliding}", da._merge_splits_kernel,
+            dict(po_ptr=f32, pm_ptr=f32, pl_ptr=f32, out_ptr=bf, lens_ptr="*i64"),
+            dict(SLIDING=sliding, MIN_CHUNK=da.MIN_CHUNK, BLOCK_ROWS=16, BLOCK_D=128))
     add("inject_context_kv", ik._inject_kernel,
         dict(ctx_ptr=bf, kw_ptr=bf, vw_ptr=bf, knw_ptr=bf, pos_ptr="*i64", cu_ptr="*i64", lens_ptr="*i64",
              table_ptr="*i32", inv_freq_ptr=f32, kc_ptr=bf, vc_ptr=bf, attention_scaling="fp32", eps="fp32",

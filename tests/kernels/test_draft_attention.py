@@ -4,6 +4,7 @@ import torch
 from dflash_kernels._triton_utils import rope_cos_sin_reference
 from dflash_kernels.draft_attention import draft_attention, draft_attention_reference
 from _caches import random_block_table, to_paged
+from _splits import assert_slots, da, nan_partials
 from _tol import assert_within_rule
 
 BACKENDS = ["torch", "triton"]
@@ -27,7 +28,8 @@ def _case(n, b, nh, kvh, d, lens, dtype):
 
 def _refs(args, **kw):
     q, k, v, kc, vc, lens, qw, kw_ = args
-    ref = draft_attention_reference(*(x.double() for x in (q, k, v, kc, vc)), lens, qw.double(), kw_.double(), **kw)
+    norms = (None, None) if qw is None else (qw.double(), kw_.double())
+    ref = draft_attention_reference(*(x.double() for x in (q, k, v, kc, vc)), lens, *norms, **kw)
     lowp = draft_attention_reference(q, k, v, kc, vc, lens, qw, kw_, **kw)
     return ref, lowp
 
@@ -80,6 +82,39 @@ def test_paged_equals_contiguous(backend, window):
     contiguous = draft_attention(q, k, v, kc, vc, cl, qw, kw, backend=backend, **rope)
     paged = draft_attention(q, k, v, kp, vp, cl, qw, kw, block_table=table, backend=backend, **rope)
     assert torch.equal(contiguous, paged)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]])
+@pytest.mark.parametrize("window", [None, 20])
+def test_without_qk_norm(backend, dtype, case, window):
+    """q_norm_weight = k_norm_weight = None: RoPE only (LLaMA-style layers)."""
+    n, b, nh, kvh, d, lens = case
+    args = _case(n, b, nh, kvh, d, lens, dtype)[:6] + (None, None)
+    rope = dict(inv_freq=_inv_freq(d), attention_scaling=1.1, sliding_window=window)
+    out = draft_attention(*args, backend=backend, **rope)
+    ref, lowp = _refs(args, **rope)
+    assert_within_rule(out, ref, lowp, "draft_attention without q/k norm")
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_split_count_follows_the_live_length(monkeypatch, window):
+    """MIN_CHUNK lowered to 64 rows, a grid of 4 splits: each request's active split count follows its live
+    rows (the context, or its last W - 1 rows with a window), inactive slots are neither written nor read by
+    the merge (NaN-filled partials), and the result is within the rule."""
+    monkeypatch.setattr(da, "MIN_CHUNK", 64)
+    lens = [300, 0, 130, 65, 64]
+    live = [c if window is None else min(c, window - 1) for c in lens]
+    active = [da.active_splits(x, 4) for x in live]
+    assert max(active) > 1 and min(active) < 4, active
+    args = _case(len(lens), 3, 6, 2, 16, lens, torch.bfloat16)
+    rope = dict(inv_freq=_inv_freq(16), sliding_window=window)
+    seen = nan_partials(monkeypatch)
+    out = draft_attention(*args, num_splits=4, backend="triton", **rope)
+    assert_slots(seen[0][1], live, 4)
+    ref, lowp = _refs(args, **rope)
+    assert_within_rule(out, ref, lowp, "draft_attention live splits")
 
 
 def test_split_count_does_not_change_result():
@@ -188,6 +223,8 @@ def test_bad_inputs():
                         cache_batch_idx=torch.zeros(2, dtype=torch.int64), **rope)
     with pytest.raises(ValueError, match="k_cache"):
         draft_attention(q, k, v, kc[..., :1, :], vc, cl, qw, kw, **rope)
+    with pytest.raises(ValueError, match="both q_norm_weight and k_norm_weight"):
+        draft_attention(q, k, v, kc, vc, cl, None, kw, **rope)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

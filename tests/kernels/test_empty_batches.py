@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dflash_kernels import draft_attention, inject_context_kv, verify_greedy, verify_sample
+from dflash_kernels import draft_attention, inject_context_kv, verify_attention, verify_greedy, verify_sample
 
 BACKENDS = ["torch", "triton"]
 
@@ -24,6 +24,11 @@ def test_attention_and_inject_empty(backend):
                           torch.randn(0, 5, 1, d), torch.randn(0, 5, 1, d), torch.zeros(0, dtype=torch.int64),
                           torch.randn(d), torch.randn(d), inv_freq=inv, backend=backend)
     assert out.shape == (0, 3, 2, d)
+    kc = torch.full((2, 5, 1, d), float("nan"))
+    vc = kc.clone()
+    out = verify_attention(torch.randn(0, 3, 2, d), torch.randn(0, 3, 1, d), torch.randn(0, 3, 1, d), kc, vc,
+                           torch.zeros(0, dtype=torch.int64), inv_freq=inv, backend=backend)
+    assert out.shape == (0, 3, 2, d) and torch.isnan(kc).all() and torch.isnan(vc).all()
     kc = torch.full((2, 2, 5, 1, d), float("nan"))
     vc = kc.clone()
     inject_context_kv(torch.randn(0, 12), torch.randn(2, d, 12), torch.randn(2, d, 12), torch.randn(2, d),

@@ -11,8 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dflash_kernels
 from dflash_kernels import _ext
 
-OPS = ("fused_context", "inject_context_kv", "draft_attention", "verify_greedy", "verify_sample", "commit_round",
-       "add_rms_norm", "silu_mul")
+OPS = ("fused_context", "inject_context_kv", "draft_attention", "verify_attention", "verify_greedy", "verify_sample",
+       "commit_round", "add_rms_norm", "silu_mul")
 EXT_OK = _ext.status("cpu")[0]
 
 
@@ -53,6 +53,7 @@ def _state(device=None):
         top_p=torch.tensor([0.9, 1.0]), seed=torch.tensor([7]), offset=torch.tensor([11]),
         out_tokens=torch.zeros(n, 8, dtype=torch.long), lengths=torch.tensor([1, 2]), pos=torch.tensor([4, 6]),
         anchor=torch.tensor([1, 2]), done=torch.tensor([False, False]), max_lengths=torch.tensor([8, 3]),
+        target_k_cache=torch.randn(n, cap, kvh, d), target_v_cache=torch.randn(n, cap, kvh, d),
         stop_tokens=torch.tensor([19, -1]), residual=torch.randn(m, h), gate_up=torch.randn(m, 2 * h),
     )
     s["draft"] = s["logits"].argmax(-1)[:, :-1].clone()
@@ -82,12 +83,15 @@ def _round(s, backend):
                                           positions=s["pos"], anchor=s["anchor"], done=s["done"],
                                           max_lengths=s["max_lengths"], stop_tokens=s["stop_tokens"],
                                           backend="torch" if backend == "triton" else backend)
+    target = dflash_kernels.verify_attention(s["q"], s["k"], s["v"], s["target_k_cache"], s["target_v_cache"],
+                                             s["cache_lens"], inv_freq=s["inv_freq"], scale=0.3, backend=backend)
     normed = dflash_kernels.add_rms_norm(ctx, s["norm_weight"], residual=s["residual"], backend=backend)
     act = dflash_kernels.silu_mul(s["gate_up"], backend=backend)
-    return ctx, att, acc, bonus, sacc, stok, num_new, normed, act
+    return ctx, att, target, acc, bonus, sacc, stok, num_new, normed, act
 
 
-MUTATED = ("k_cache", "v_cache", "out_tokens", "lengths", "pos", "anchor", "done", "residual")
+MUTATED = ("k_cache", "v_cache", "target_k_cache", "target_v_cache", "out_tokens", "lengths", "pos", "anchor", "done",
+           "residual")
 
 
 def _assert_same(a, b):
@@ -127,11 +131,14 @@ def test_schemas_and_mutations():
     mutated = {name: sorted(a.name for a in s.arguments if a.alias_info is not None and a.alias_info.is_write)
                for name, s in schemas.items()}
     assert mutated == {"fused_context": [], "inject_context_kv": ["k_cache", "v_cache"], "draft_attention": [],
-                       "verify_greedy": [], "verify_sample": [],
+                       "verify_attention": ["k_cache", "v_cache"], "verify_greedy": [], "verify_sample": [],
                        "commit_round": ["anchor", "done", "lengths", "out_tokens", "positions"],
                        "add_rms_norm": ["residual"], "silu_mul": []}
     args = {a.name: str(a.type) for a in schemas["draft_attention"].arguments}
     assert args["block_lens"] == "Optional[Tensor]" and args["backend"] == "str"
+    assert args["q_norm_weight"] == args["k_norm_weight"] == "Optional[Tensor]"
+    verify = {a.name: str(a.type) for a in schemas["verify_attention"].arguments}
+    assert verify["q_norm_weight"] == "Optional[Tensor]" and verify["scale"] == "Optional[float]"
     sample = {a.name: str(a.type) for a in schemas["verify_sample"].arguments}
     assert all(sample[x] == "Tensor" for x in ("temperature", "top_k", "top_p", "seed", "offset"))
     assert {a.name: str(a.type) for a in schemas["commit_round"].arguments}["stop_tokens"] == "Optional[Tensor]"
@@ -243,7 +250,7 @@ def test_inference_mode_and_no_grad(mode, backend):
 
 def test_compile_fullgraph_no_graph_breaks():
     """torch.compile(fullgraph=True) of a round through every public op (backend "torch"): one graph that
-    holds the eight torch.ops.dflash ops, run with aot_eager (functionalized mutations) and equal to eager."""
+    holds the nine torch.ops.dflash ops, run with aot_eager (functionalized mutations) and equal to eager."""
     seen = []
 
     def backend_fn(gm, example_inputs):

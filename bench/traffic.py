@@ -58,6 +58,8 @@ import common  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from dflash_kernels.draft_attention import active_splits, pick_max_splits  # noqa: E402
+
 H200_BYTES_PER_S = 4.3e12
 H200_FLOPS = 790e12
 H200_SMS = 132
@@ -159,13 +161,15 @@ def aten_cost(func, args, kwargs, out) -> tuple[int, int, int]:
         values = args[2]
         reads = sum(distinct_bytes(t) for t in tensors_in(args[1])) + distinct_bytes(values)
         return 1, reads + distinct_bytes(values), 0
-    mutated = {i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
-    inputs = tensors_in([a for i, a in enumerate(args) if i not in mutated] + list(kwargs.values()))
-    reads = sum(distinct_bytes(t) for t in inputs)
+    schema = func._schema.arguments
+    values = [args[i] if i < len(args) else kwargs.get(a.name) for i, a in enumerate(schema)]
+    mutated = {i for i, a in enumerate(schema) if a.alias_info is not None and a.alias_info.is_write}
+    reads = sum(distinct_bytes(t) for t in tensors_in([a for i, a in enumerate(values) if i not in mutated]))
     if mutated:
-        written = sum(distinct_bytes(args[i]) for i in mutated)
-        if func not in PURE_OVERWRITE:
-            reads += written
+        written = sum(distinct_bytes(t) for t in tensors_in([values[i] for i in mutated]))
+        # out= arguments and pure overwrites are written without being read
+        reads += sum(distinct_bytes(t) for t in tensors_in([values[i] for i in mutated if not schema[i].is_out]
+                                                            if func not in PURE_OVERWRITE else []))
     if func in MATMULS:
         a, b = args[-2], args[-1]
         flops = 2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.shape[0] if a.dim() == 3 else 1)
@@ -199,16 +203,19 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
         rows, layers, kv_dim = ctx.shape[0], k_weight.shape[0], k_weight.shape[1]
         written = 2 * rows * layers * kv_dim * k_cache.element_size()
         return 1, nbytes(args[:7]) + nbytes(args[9:10]) + written, 2 * 2 * rows * layers * kv_dim * ctx.shape[1]
-    if name == "draft_attention":
+    if name in ("draft_attention", "verify_attention"):
         q, k, v, k_cache, v_cache = args[:5]
         n, b, nh, d = q.shape
         kvh = k.shape[2]
-        capacity = min(k_cache.shape[1], max(1, args[17])) if args[17] is not None else k_cache.shape[1]
-        splits = max(1, min(math.ceil(2 * H200_SMS / (n * kvh)), math.ceil(capacity / 256)))  # _pick_splits
-        live = 2 * n * context * kvh * d * k_cache.element_size()
-        partials = 2 * n * (splits + 1) * b * nh * (d + 2) * 4
-        small = nbytes([q, k, v, *args[5:9], args[15]])
-        return 2, small + live + partials + distinct_bytes(out), 4 * n * b * nh * d * (context + b)
+        num_splits, bound = (args[16], args[17]) if name == "draft_attention" else (args[14], args[15])
+        bound = k_cache.shape[1] if bound is None else min(k_cache.shape[1], max(1, bound))
+        splits = num_splits or pick_max_splits(n, kvh, bound, H200_SMS)
+        # fp32 partials (acc [B*nH, D], max, sum) of the active splits and the block's, written once, read once
+        partials = 2 * n * (active_splits(context, splits) + 1) * b * nh * (d + 2) * 4
+        live = 2 * n * context * kvh * d * k_cache.element_size()  # live context K/V only, not the capacity
+        written = 2 * n * b * kvh * d * k_cache.element_size() if name == "verify_attention" else 0
+        small = nbytes([q, k, v, *args[5:9]]) + (nbytes([args[15]]) if name == "draft_attention" else 0)
+        return 2, small + live + written + partials + distinct_bytes(out), 4 * n * b * nh * d * (context + b)
     if name == "add_rms_norm":  # x, weight (and the residual, read and written in place) -> out
         x, weight, residual = args[0], args[1], args[3]
         return 1, nbytes([x, weight]) + 2 * nbytes([residual]) + distinct_bytes(out), 4 * x.numel()
@@ -232,10 +239,10 @@ class Accountant(TorchDispatchMode):
     until an op reads the first layer's input-norm weight, "layer" until an op reads the final norm's
     weight, then "post" (the lean steps call the norm kernels with the weights, not the norm modules)."""
 
-    def __init__(self, context: int, markers: dict[tuple[int, int], str]):
+    def __init__(self, context: int, markers: dict[tuple[int, int], str] | None = None):
         super().__init__()
         self.context = context
-        self.markers = markers
+        self.markers = markers or {}
         self.phase = "pre"
         self.records: list[tuple[str, str, int, int, int]] = []
 

@@ -92,7 +92,9 @@ class LeanTarget:
         h = F.embedding(input_ids, model.model.embed_tokens.weight)  # the residual stream, updated in place
         hidden = h.shape[-1]
         features = h.new_empty((n, q, len(self.layer_ids) * hidden)) if self.layer_ids else None
-        taps = {li: t for t, li in enumerate(self.layer_ids)}
+        taps: dict[int, list[int]] = {}  # layer -> feature slots (a layer may be tapped twice)
+        for t, li in enumerate(self.layer_ids):
+            taps.setdefault(li, []).append(t)
         delta = None
         layers = model.model.layers
         for li, layer in enumerate(layers):
@@ -124,9 +126,8 @@ class LeanTarget:
         return model.lm_head(x), features
 
     @staticmethod
-    def _tap(features, taps: dict[int, int], li: int, h: torch.Tensor) -> None:
-        """Copy layer ``li``'s output (the residual stream once its last add is done) into its feature slot."""
-        t = taps.get(li)
-        if t is not None:
-            hidden = h.shape[-1]
+    def _tap(features, taps: dict[int, list[int]], li: int, h: torch.Tensor) -> None:
+        """Copy layer ``li``'s output (the residual stream once its last add is done) into its feature slots."""
+        hidden = h.shape[-1]
+        for t in taps.get(li, ()):
             features[..., t * hidden:(t + 1) * hidden].copy_(h)

@@ -159,9 +159,10 @@ def draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weig
             mask &= kpos <= qpos
         if sliding_window is not None:
             mask &= (qpos - kpos < sliding_window) & (kpos - qpos < sliding_window)
-        o = F.scaled_dot_product_attention(qn.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
-                                           attn_mask=mask, scale=d ** -0.5 if scale is None else scale,
-                                           enable_gqa=kvh != nh)
+        # 4-D [1, heads, rows, D] like HF's attention modules: CPU SDPA rounds 3-D inputs differently.
+        o = F.scaled_dot_product_attention(qn.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                           vals.transpose(0, 1)[None], attn_mask=mask[None, None],
+                                           scale=d ** -0.5 if scale is None else scale, enable_gqa=kvh != nh)[0]
         # Only rows past block_lens can see no key (a window behind them ends before the valid block).
         out[r] = o.transpose(0, 1).masked_fill(~mask.any(1)[:, None, None], 0)
     return out

@@ -37,20 +37,25 @@ def test_broadcast_operand_counts_once():
     assert [r[1:4] for r in mode.records if r[2]] == [("aten.clone", 1, 8 * 4 + 8 * 32 * 4)]
 
 
-def test_tiny_draft_step_launches_by_hand():
+def test_tiny_steps_launches_by_hand():
     [draft, verify] = traffic.measure("tiny", batch=1, context=32, capacity=128, block=16)
-    # Per draft layer, from DFlashEngine.draft_step: RMSNorm 8 (cast, pow, mean, add, rsqrt, mul, cast,
-    # mul) + q/k/v mm 3 + draft_attention 2 (split + merge) + o_proj 1 + residual add 1 + RMSNorm 8
-    # + MLP 5 (gate, up, silu, mul, down) + residual add 1 = 29.
-    assert draft["launches_per_layer"] == 29
+    # Per draft layer, from DFlashEngine.draft_step: add_rms_norm 1 (previous residual add + input norm),
+    # merged q/k/v mm 1, draft_attention 2 (split + merge), o_proj 1, add_rms_norm 1, merged gate/up mm 1,
+    # silu_mul 1, down_proj 1 = 9.
+    assert draft["launches_per_layer"] == 9
     # Outside: fused_context 2 (GEMM + RMSNorm: the 32-wide tile does not cover H = 64), inject 1,
-    # start = positions - num_new 1, row positions add 1, block_lens sub + clamp 2, full_like 1, cat 1,
-    # embedding 1, embedding scale mul 1; final RMSNorm 8, LM head mm 1, argmax 1, proposals copy_ 1.
-    assert draft["launches_outside_layers"] == 22
-    assert draft["launches"] == 2 * 29 + 22
+    # start = positions - num_new 1, row positions add 1, block_lens sub + clamp 2, anchor copy into the
+    # block 1, embedding 1; final add_rms_norm 1, LM head mm 1, argmax into the proposals 1.
+    assert draft["launches_outside_layers"] == 12
     assert draft["ops"]["dflash.draft_attention"] == {**draft["ops"]["dflash.draft_attention"], "calls": 2,
                                                        "launches": 4}
-    assert verify["layers"] == 4 and verify["launches"] > 4 * verify["launches_per_layer"]
+    # Per target layer the same nine kernels (verify_attention instead of draft_attention), plus one copy
+    # per tapped layer: the tiny draft taps 2 of the 4 target layers -> (4 * 9 + 2) / 4.
+    assert verify["layers"] == 4 and verify["launches_per_layer"] == (4 * 9 + 2) / 4
+    # Outside: embedding 1, final add_rms_norm 1, LM head 1, block cat 1, verify_greedy 2, features copy 1,
+    # commit_round 1, num_new copy 1.
+    assert verify["launches_outside_layers"] == 9
+    assert verify["ops"]["dflash.verify_attention"]["launches"] == 8
     for s in (draft, verify):
         assert s["bytes"] >= s["floor_bytes"] > 0 and s["ratio"] >= 1
 
@@ -84,21 +89,19 @@ def test_full_size_runs_on_meta_without_allocating():
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 < 3e9
 
 
-# Today's engine, measured by this accountant (CPU, `python bench/traffic.py --model qwen3-8b --batch 1,8
-# --context 2k`): (launches, bytes). These guard against growth only; the targets to move them toward are
-# issue 12's goals: verify bytes <= 1.10 x floor and <= 12 launches per target layer; draft bytes <=
-# 1.05 x floor and <= 12 launches per draft layer + <= 8 for fc/inject/head/argmax.
-TODAY = {
-    (1, "draft"): (167, 3_624_854_920),
-    (1, "verify"): (2875, 192_299_019_282),
-    (8, "draft"): (168, 4_423_816_584),
-    (8, "verify"): (2911, 1_432_581_794_736),
-}
+# Issue 12's goals on qwen3-8b (z-lab b16 draft, capacity 32768, block 16), checked at context 2048 for
+# batch 1 and 8. Met today: verify (all four), draft launches per layer, draft bytes at batch 1.
+# Not met yet, so guarded against growth only (today's values + 1%): the draft's launches outside its layers
+# (12 at batch 1, 13 at batch 8; goal 8) and its bytes at batch 8 (1.09 x floor; goal 1.05).
+DRAFT_OUTSIDE_LIMIT = {1: 12, 8: 13}
+DRAFT_RATIO_LIMIT = {1: traffic.GOALS["draft"]["ratio"], 8: 1.10}
 
 
 @pytest.mark.parametrize("batch", [1, 8])
-def test_qwen3_8b_does_not_regress(batch):
-    for s in traffic.measure("qwen3-8b", batch=batch, context=2048, capacity=32768, block=16):
-        launches, nbytes = TODAY[(batch, s["step"])]
-        assert s["launches"] <= launches * 1.02, (s["step"], s["launches"], launches)
-        assert s["bytes"] <= nbytes * 1.02, (s["step"], s["bytes"], nbytes)
+def test_qwen3_8b_goals(batch):
+    draft, verify = traffic.measure("qwen3-8b", batch=batch, context=2048, capacity=32768, block=16)
+    assert verify["ratio"] <= traffic.GOALS["verify"]["ratio"], verify["ratio"]
+    assert verify["launches_per_layer"] <= traffic.GOALS["verify"]["per_layer"], verify["launches_per_layer"]
+    assert draft["launches_per_layer"] <= traffic.GOALS["draft"]["per_layer"], draft["launches_per_layer"]
+    assert draft["launches_outside_layers"] <= DRAFT_OUTSIDE_LIMIT[batch], draft["launches_outside_layers"]
+    assert draft["ratio"] <= DRAFT_RATIO_LIMIT[batch], draft["ratio"]

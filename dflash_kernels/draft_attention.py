@@ -218,7 +218,8 @@ def _attn_split_kernel(
     stride_qn, stride_qb, stride_qh, stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
     stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch, stride_tn,
     HAS_TABLE: tl.constexpr, SLIDING: tl.constexpr, CAUSAL: tl.constexpr, HAS_BLOCK_LENS: tl.constexpr,
-    HAS_QK_NORM: tl.constexpr, WRITE_KV: tl.constexpr, MIN_CHUNK: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr, WRITE_KV: tl.constexpr, MIN_CHUNK: tl.constexpr, LOWP_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
@@ -242,8 +243,11 @@ def _attn_split_kernel(
     qpos = ctx_len + qi
     cos, sin = rope_cos_sin(qpos, inv_freq_ptr, dh, dh_ok, attention_scaling)
     q_lo, q_hi = norm_rope_halves(q_lo, q_hi, qw_ptr, dh, dh_ok, HALF, cos, sin, eps, HAS_QK_NORM)
-    q_lo = q_lo * qk_scale
-    q_hi = q_hi * qk_scale
+    # LOWP_DOT: the dots take 16-bit operands (q, K, V and P in the cache's dtype) with fp32 accumulation:
+    # the K/V tiles stay 16-bit (half the shared memory) and the MMA runs at the bf16 rate, not tf32.
+    DOT_T = kc_ptr.dtype.element_ty if LOWP_DOT else tl.float32
+    q_lo = (q_lo * qk_scale).to(DOT_T)
+    q_hi = (q_hi * qk_scale).to(DOT_T)
 
     m_i = tl.full((BLOCK_R,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_R,), tl.float32)
@@ -260,8 +264,8 @@ def _attn_split_kernel(
             page, slot = _cache_rows(table_ptr, n, stride_tn, t, t_ok, page_size, HAS_TABLE)
             kmask = t_ok[:, None] & dh_ok[None, :]
             k_base = kc_ptr + (page * stride_kcp + slot * stride_kcs + h * stride_kch)[:, None]
-            k_lo = tl.load(k_base + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
-            k_hi = tl.load(k_base + HALF + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
+            k_lo = tl.load(k_base + dh[None, :], mask=kmask, other=0.0).to(DOT_T)
+            k_hi = tl.load(k_base + HALF + dh[None, :], mask=kmask, other=0.0).to(DOT_T)
             s = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PREC)
             s = tl.dot(q_hi, tl.trans(k_hi), s, input_precision=DOT_PREC)
             valid = r_ok[:, None] & t_ok[None, :]
@@ -274,8 +278,9 @@ def _attn_split_kernel(
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v_base = vc_ptr + (page * stride_vcp + slot * stride_vcs + h * stride_vch)[:, None]
-            v_lo = tl.load(v_base + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
-            v_hi = tl.load(v_base + HALF + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
+            v_lo = tl.load(v_base + dh[None, :], mask=kmask, other=0.0).to(DOT_T)
+            v_hi = tl.load(v_base + HALF + dh[None, :], mask=kmask, other=0.0).to(DOT_T)
+            p = p.to(DOT_T)
             acc_lo = tl.dot(p, v_lo, acc_lo * alpha[:, None], input_precision=DOT_PREC)
             acc_hi = tl.dot(p, v_hi, acc_hi * alpha[:, None], input_precision=DOT_PREC)
             m_i = m_new
@@ -308,8 +313,8 @@ def _attn_split_kernel(
             tl.store(k_dst + HALF + dh[None, :], k_hi.to(kc_ptr.dtype.element_ty), mask=wmask)
             tl.store(v_dst + dh[None, :], v_lo, mask=wmask)
             tl.store(v_dst + HALF + dh[None, :], v_hi, mask=wmask)
-        s = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PREC)
-        s = tl.dot(q_hi, tl.trans(k_hi), s, input_precision=DOT_PREC)
+        s = tl.dot(q_lo, tl.trans(k_lo.to(DOT_T)), input_precision=DOT_PREC)
+        s = tl.dot(q_hi, tl.trans(k_hi.to(DOT_T)), s, input_precision=DOT_PREC)
         valid = r_ok[:, None] & j_ok[None, :]
         diff = qi[:, None] - j[None, :]
         if CAUSAL:
@@ -321,8 +326,9 @@ def _attn_split_kernel(
         m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
         p = tl.exp2(s - m_safe[:, None])
         l_i = tl.sum(p, axis=1)
-        acc_lo = tl.dot(p, v_lo.to(tl.float32), input_precision=DOT_PREC)
-        acc_hi = tl.dot(p, v_hi.to(tl.float32), input_precision=DOT_PREC)
+        p = p.to(DOT_T)
+        acc_lo = tl.dot(p, v_lo.to(DOT_T), input_precision=DOT_PREC)
+        acc_hi = tl.dot(p, v_hi.to(DOT_T), input_precision=DOT_PREC)
     # Unnormalised partials (acc, running max m, sum l) in the natural [N, S+1, B, nH, D] layout so the
     # merge treats (block row, head) as rows; no log/exp round trip of l (its error grows with |lse|).
     row = (qi * NH + head).to(tl.int64)
@@ -400,6 +406,8 @@ def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_no
         num_splits = pick_max_splits(n, kvh, bound, sms)
     po, pm, pl = _partials(n, num_splits, b, nh, d, q.device)
     dot_prec = "ieee" if q.dtype == torch.float32 or k_cache.dtype == torch.float32 else "tf32"
+    # The interpreter keeps fp32 operands (it hands 16-bit values around as raw integers).
+    lowp_dot = q.dtype == k_cache.dtype != torch.float32 and not interpreting()
     has_norm = q_norm_weight is not None
     causal = (sliding_window is not None) if causal is None else causal
     block_r, block_half = max(16, next_pow2(b * g)), max(16, next_pow2(half))
@@ -420,7 +428,8 @@ def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_no
         stride_tn=table.stride(0) if table is not None else 0,
         HAS_TABLE=table is not None, SLIDING=sliding_window is not None, CAUSAL=causal,
         HAS_BLOCK_LENS=block_lens is not None, HAS_QK_NORM=has_norm, WRITE_KV=write_kv, MIN_CHUNK=MIN_CHUNK,
-        DOT_PREC=dot_prec, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_B=max(16, next_pow2(b)), BLOCK_HALF=block_half,
+        LOWP_DOT=lowp_dot, DOT_PREC=dot_prec, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_B=max(16, next_pow2(b)),
+        BLOCK_HALF=block_half,
         num_warps=8 if block_r * block_half >= 4096 else 4,
     )
     rows = b * nh

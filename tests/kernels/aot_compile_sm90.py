@@ -3,7 +3,8 @@
 The CPU interpreter does not check GPU rules (scf.if type agreement, dot shapes, layouts, register or
 shared-memory limits); this catches those at PTX/cubin level with the launch configs the launchers use
 on a GPU. Run without TRITON_INTERPRET:  python tests/kernels/aot_compile_sm90.py
-(``--list`` prints the planned configs, one ``kernel<TAB>label`` line each, without compiling).
+(``--list`` prints the planned configs, one ``kernel<TAB>label`` line each, without compiling; ``--spills``
+also runs the bundled ``ptxas -v`` on each PTX for its spill bytes, which the cubin's LOCAL does not show).
 """
 from __future__ import annotations
 
@@ -43,24 +44,49 @@ def sig_of(fn, types: dict, consts: dict) -> dict:
     return out
 
 
-def resource_usage(cubin: bytes) -> str:
-    """Registers / spill-relevant local memory per thread, from the cuobjdump bundled with Triton."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def resource_usage(cubin: bytes) -> tuple[int, str]:
+    """(registers per thread, "REG= STACK= LOCAL=") from the cuobjdump bundled with Triton. STACK holds the
+    spills and the slow-path sin/cos frame."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", out)
-    return f"REG={m.group(1):>3s} LOCAL={m.group(2):>4s}" if m else "res-usage n/a"
+        out = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+).*?LOCAL:(\d+)", out)
+    if not m:
+        return 0, "res-usage n/a"
+    return int(m.group(1)), f"REG={m.group(1):>3s} STACK={m.group(2):>4s} LOCAL={m.group(3):>4s}"
 
 
-def compile_one(label, fn, types, consts, num_warps=4):
+def spills(ptx: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
+        f.write(ptx)
+        f.flush()
+        log = subprocess.run([_tool("ptxas"), "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True).stderr
+    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return f"spill_st={m.group(1)}B spill_ld={m.group(2)}B" if m else "spills n/a"
+
+
+def max_ctas_per_sm(regs: int, warps: int, shared: int) -> int:
+    """sm_90 occupancy limit: 64K registers (allocated per warp in units of 256), 228 KB shared memory
+    (+1 KB reserved per CTA), 64 warps and 32 CTAs per SM."""
+    by_regs = 65536 // (-(-regs * 32 // 256) * 256 * warps) if regs else 0
+    return min(by_regs, 228 * 1024 // (shared + 1024), 64 // warps, 32)
+
+
+def compile_one(label, fn, types, consts, num_warps=4, with_spills=False):
     t = time.time()
     src = ASTSource(fn=fn, signature=sig_of(fn, types, consts), constexprs=consts)
     k = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
     md = k.metadata
-    print(f"{label:60s} ok {time.time() - t:5.1f}s shared={md.shared:6d}B warps={md.num_warps} "
-          f"{resource_usage(k.asm['cubin'])}")
+    regs, usage = resource_usage(k.asm["cubin"])
+    print(f"{label:60s} ok {time.time() - t:5.1f}s shared={md.shared:6d}B warps={md.num_warps} {usage} "
+          f"ctas/sm={max_ctas_per_sm(regs, md.num_warps, md.shared)}"
+          + (f" {spills(k.asm['ptx'])}" if with_spills else ""))
     return k
 
 
@@ -106,21 +132,32 @@ def configs():
     att = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, kc_ptr=bf, vc_ptr=bf, lens_ptr="*i64", blens_ptr="*i64",
                table_ptr="*i32", qw_ptr=bf, kw_ptr=bf, inv_freq_ptr=f32, po_ptr=f32, pm_ptr=f32, pl_ptr=f32,
                attention_scaling="fp32", eps="fp32", qk_scale="fp32", stride_kcp="i64", stride_vcp="i64")
-    tile = dict(MIN_CHUNK=da.MIN_CHUNK, DOT_PREC="tf32", BLOCK_R=64, BLOCK_N=64, BLOCK_B=16, BLOCK_HALF=64)
+    # The launcher's tiles: Qwen3-8B (nH 32, kvH 8, D 128, B 16: B*G = 64 rows, 8 warps) and the SmolLM2-135M
+    # draft/target (nH 9, kvH 3, D 64, B 8: B*G = 24 -> 32 rows, 4 warps); bf16 -> 16-bit dot operands.
+    qwen = dict(MIN_CHUNK=da.MIN_CHUNK, LOWP_DOT=True, DOT_PREC="tf32", BLOCK_R=64, BLOCK_N=64, BLOCK_B=16,
+                BLOCK_HALF=64)
+    smol = dict(qwen, BLOCK_R=32, BLOCK_HALF=32)
     for table, sliding, causal, blens in ((False, False, False, False), (True, False, False, True),
                                           (True, True, True, True), (True, True, False, False)):
-        add(f"draft_attention split table={table} sliding={sliding} causal={causal} block_lens={blens}",
+        add(f"draft_attention split Qwen3-8B table={table} sliding={sliding} causal={causal} block_lens={blens}",
             da._attn_split_kernel, att,
             dict(HAS_TABLE=table, SLIDING=sliding, CAUSAL=causal, HAS_BLOCK_LENS=blens, HAS_QK_NORM=True,
-                 WRITE_KV=False, **tile), num_warps=8)
-    for table, norm in ((False, True), (True, False)):
-        add(f"verify_attention split table={table} qk_norm={norm}", da._attn_split_kernel, att,
+                 WRITE_KV=False, **qwen), num_warps=8)
+    add("draft_attention split Qwen3-8B fp32 operands (tf32)", da._attn_split_kernel, att,
+        dict(HAS_TABLE=False, SLIDING=False, CAUSAL=False, HAS_BLOCK_LENS=False, HAS_QK_NORM=True, WRITE_KV=False,
+             **dict(qwen, LOWP_DOT=False)), num_warps=8)
+    add("draft_attention split SmolLM2", da._attn_split_kernel, att,
+        dict(HAS_TABLE=False, SLIDING=False, CAUSAL=False, HAS_BLOCK_LENS=False, HAS_QK_NORM=True, WRITE_KV=False,
+             **smol))
+    for name, tile, table, norm, warps in (("Qwen3-8B", qwen, False, True, 8), ("Qwen3-8B", qwen, True, False, 8),
+                                           ("SmolLM2", smol, False, False, 4)):
+        add(f"verify_attention split {name} table={table} qk_norm={norm}", da._attn_split_kernel, att,
             dict(HAS_TABLE=table, SLIDING=False, CAUSAL=True, HAS_BLOCK_LENS=False, HAS_QK_NORM=norm, WRITE_KV=True,
-                 **tile), num_warps=8)
-    for sliding in (False, True):
-        add(f"attention merge sliding={sliding}", da._merge_splits_kernel,
+                 **tile), num_warps=warps)
+    for sliding, d in ((False, 128), (True, 128), (False, 64)):
+        add(f"attention merge D={d} sliding={sliding}", da._merge_splits_kernel,
             dict(po_ptr=f32, pm_ptr=f32, pl_ptr=f32, out_ptr=bf, lens_ptr="*i64"),
-            dict(SLIDING=sliding, MIN_CHUNK=da.MIN_CHUNK, BLOCK_ROWS=16, BLOCK_D=128))
+            dict(SLIDING=sliding, MIN_CHUNK=da.MIN_CHUNK, BLOCK_ROWS=16, BLOCK_D=d))
     add("inject_context_kv", ik._inject_kernel,
         dict(ctx_ptr=bf, kw_ptr=bf, vw_ptr=bf, knw_ptr=bf, pos_ptr="*i64", cu_ptr="*i64", lens_ptr="*i64",
              table_ptr="*i32", inv_freq_ptr=f32, kc_ptr=bf, vc_ptr=bf, attention_scaling="fp32", eps="fp32",
@@ -144,7 +181,7 @@ def main():
             print(f"{fn.__name__}\t{label}")
         return
     for label, fn, types, consts, num_warps in plan:
-        compile_one(label, fn, types, consts, num_warps)
+        compile_one(label, fn, types, consts, num_warps, with_spills="--spills" in sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -13,14 +13,16 @@ the target cache and the draft context cache both hold exactly ``positions[r]`` 
 tokens before the anchor. Rolling back a rejected block costs nothing: its rows lie beyond
 ``positions`` and are overwritten next round.
 
-Round:
+Round (each layer of either model is nine kernels: add_rms_norm, merged QKV GEMM, attention with
+q/k norm + RoPE fused (split + merge), o_proj, add_rms_norm, merged gate/up GEMM, silu_mul, down_proj):
   draft step   inject the previous round's committed rows (fused_context + inject_context_kv),
                then every draft layer over [context cache ++ block] (draft_attention; block rows at
                or beyond ``v = min(B, max_length - position)`` are masked, as the reference drafts a
                v-row block at the tail), final norm, ``draft.propose`` (LM head + argmax) -> proposals.
-  verify step  lean target forward over [anchor, proposals] at positions[r] (taps into a buffer),
-               verify_greedy / verify_sample, commit_round (tokens, lengths, positions, anchor,
-               stop and length limits, done flags).
+  verify step  lean target forward over [anchor, proposals] at positions[r] (verify_attention writes
+               the block's K/V into the target cache; taps into a buffer), verify_greedy /
+               verify_sample, commit_round (tokens, lengths, positions, anchor, stop and length
+               limits, done flags).
 """
 from __future__ import annotations
 

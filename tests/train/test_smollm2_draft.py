@@ -64,8 +64,8 @@ def test_demo_end_to_end(capsys):
     rc = main(["--max-new-tokens", "12", "--prompt", "What is 7 times 8?", "--backend", "reference"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "τ =" in out and "tokens/s" in out and "Speedup" in out
-    assert "Identical to autoregressive greedy output: yes" in out
+    assert "τ =" in out and "HF generate" in out and "autoregressive (ours)" in out
+    assert "Identical to HF generate's greedy output (DFlash and autoregressive): yes" in out
 
 
 def test_missing_package_error_names_install_command(monkeypatch):

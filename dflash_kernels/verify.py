@@ -296,16 +296,15 @@ def _order_key(z):
 # Exact top-k / top-p threshold: radix select over the 32-bit order key, split across CTAs.
 #
 # The key (``_order_key``) is read as 8 digits of 4 bits, most significant first. Launch t of a search
-# histograms digit t over the tokens whose key lies in the bucket resolved so far: grid (rows, vocab
-# splits), each program one split, 16 counts (top-k) or 16 probability masses (top-p) written to its own
-# slot (no atomics, so the result is deterministic). The next launch starts by resolving digit t from those
-# per-split histograms: every program of the row does it redundantly (16 * splits values, so no extra
-# select launch), and split 0 records it for the launch after. A final one-program-per-row launch resolves
-# the last digit and writes the threshold. Histograms, the search state and the row max live in two slots
-# written by alternate launches, so no launch reads what it writes.
-_RADIX_BITS = 4
-_RADIX_BINS = 1 << _RADIX_BITS
-_RADIX_PASSES = 32 // _RADIX_BITS
+# histograms digit t over the tokens whose key lies in the bucket resolved so far: grid (row blocks, vocab
+# splits; one row per block on a GPU), 16 counts (top-k) or 16 probability masses (top-p) per (row, split),
+# each in its own place (no atomics, so the result is deterministic). The next launch starts by resolving
+# digit t from those per-split histograms: every program of the row does it redundantly (16 * splits
+# values, so no select launch), and split 0 records it for the launch after. A final per-row launch
+# resolves the last digit and writes the threshold. Histograms and search state live in two slots written
+# by alternate launches, so no launch overwrites what its own programs still read.
+_RADIX_BINS = 16                     # 4-bit digits; the kernels hard-code them (shifts 28 - 4 * level, & 15)
+_RADIX_PASSES = 8
 
 
 def threshold_launches(use_top_k: bool, use_top_p: bool) -> int:
@@ -452,9 +451,9 @@ def _threshold_pass_kernel(
                     m = tl.maximum(m, tl.max(tl.where(ok & (_order_key(z) >= lo), z, float("-inf")), axis=1))
                 tl.store(pmax_ptr + rows * S + split, m, mask=row_ok)
             m = tl.where(m == float("-inf"), 0.0, m)[:, None]
-            acc = tl.zeros((BLOCK_ROWS, BLOCK_V, 16), tl.float32)
+            acc = tl.zeros((BLOCK_ROWS, 16, BLOCK_V), tl.float32)
         else:
-            acc = tl.zeros((BLOCK_ROWS, BLOCK_V, 16), tl.int32)
+            acc = tl.zeros((BLOCK_ROWS, 16, BLOCK_V), tl.int32)
         for v0 in range(v_lo, v_lo + CHUNK, BLOCK_V):
             idx = v0 + tl.arange(0, BLOCK_V)
             ok = row_ok[:, None] & (idx < V)[None, :]
@@ -464,16 +463,18 @@ def _threshold_pass_kernel(
             # Late passes usually have few candidates: skip the 16-bin one-hot for tiles without any.
             if tl.max(tl.max(cand.to(tl.int32), axis=1), axis=0) > 0:
                 digit = tl.where(cand, ((key ^ -2147483648) >> shift) & 15, 16)
-                hit = digit[:, :, None] == bins[None, None, :]
+                # Bins in the middle, tokens last: each thread keeps all 16 bins of its own tokens, so the
+                # per-token work is not replicated across the bins.
+                hit = digit[:, None, :] == bins[None, :, None]
                 if HIST == 2:
-                    acc += tl.where(hit, tl.exp(z - m)[:, :, None], 0.0)
+                    acc += tl.where(hit, tl.exp(z - m)[:, None, :], 0.0)
                 else:
                     acc += hit.to(tl.int32)
         out = ((slot * R + rows[:, None]) * S + split) * 16 + bins[None, :]
         if HIST == 2:
-            tl.store(mass_ptr + out, tl.sum(acc, axis=1), mask=row_ok[:, None])
+            tl.store(mass_ptr + out, tl.sum(acc, axis=2), mask=row_ok[:, None])
         else:
-            tl.store(cnt_ptr + out, tl.sum(acc, axis=1), mask=row_ok[:, None])
+            tl.store(cnt_ptr + out, tl.sum(acc, axis=2), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -606,6 +607,7 @@ def _filter_threshold(logits: torch.Tensor, temp_t: torch.Tensor, topk_t: torch.
     # The one-hot bins are a [BLOCK_V, 16] accumulator: a 256-token tile keeps it in registers on a GPU.
     block_v = block_v if interpreting() else min(block_v, 256)
     thr = torch.empty(r, dtype=torch.int32, device=dev)
+    # Buffers of a filter that is off are never read: any tensor stands in for their pointers.
     cnt = torch.empty((2, r, s, _RADIX_BINS), dtype=torch.int32, device=dev) if use_top_k else thr
     mass = torch.empty((2, r, s, _RADIX_BINS), dtype=torch.float32, device=dev) if use_top_p else thr
     pmax = torch.empty((r, s), dtype=torch.float32, device=dev) if use_top_p else thr
@@ -706,7 +708,7 @@ def verify_sample(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperatu
         temperature: float > 0, or an ``[N]`` fp32/fp64 device tensor (per request; values > 0 are the
             caller's responsibility, they are not read on the host).
         top_k: int >= 0 (0 disables) or an ``[N]`` int tensor. top_p: float in (0, 1] (1 disables) or an
-            ``[N]`` float tensor. Per-request tensors turn the filter launch on for the whole batch.
+            ``[N]`` float tensor. Per-request tensors turn the filter launches on for the whole batch.
         seed, offset: int or 1-element int32/int64 tensor on the logits' device (tensors keep CUDA-graph
             replay reproducible: bump ``offset`` in place between rounds).
         backend: ``"auto" | "triton" | "torch"`` (the torch reference uses torch.Generator, a different
@@ -738,7 +740,7 @@ def _verify_sample_op(logits: torch.Tensor, draft_tokens: torch.Tensor, temperat
 
     temperature / top_k / top_p: ``[1]`` (whole batch) or ``[N]`` (per request), any float / int dtype;
     seed / offset: 1-element int tensors. All are read on the device at run time. ``use_top_k`` /
-    ``use_top_p`` switch the filter launch on (the reference filters from the values themselves).
+    ``use_top_p`` switch the filter launches on (the reference filters from the values themselves).
     """
     n = logits.shape[0]
     params = (temperature, top_k, top_p)

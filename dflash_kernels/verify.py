@@ -1,4 +1,12 @@
-"""Verification of a drafted block against the target's logits: greedy and sampled (temperature > 0)."""
+"""Verification of a drafted block against the target's logits: greedy and sampled (temperature > 0).
+
+Greedy: 2 launches. Sampled: 2 launches, plus, when top-k / top-p filtering is on, an exact per-row
+threshold found by a radix select split across CTAs: ``threshold_launches(use_top_k, use_top_p)`` =
+8 histogram passes per filter + 1 (9 with one filter, 17 with both; grid (row blocks, vocab splits)),
+moving ``threshold_bytes(rows, vocab, itemsize, use_top_k, use_top_p)`` bytes: the logits once per pass
+(``(8 * filters + top_p) * rows * vocab * itemsize``) plus 64-byte per-split histograms. It replaced a
+single-program bisection (one launch, ~67 serial passes over each row, one program per row).
+"""
 from __future__ import annotations
 
 import torch
@@ -285,89 +293,188 @@ def _order_key(z):
     return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
-@triton.jit
-def _filter_threshold_kernel(
-    logits_ptr, thr_ptr, temp_ptr, topk_ptr, topp_ptr, R, B, V, stride_n, stride_b, stride_param,
-    TOP_K: tl.constexpr, TOP_P: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """Per row, the smallest kept order key: tokens with key(z) < thr are filtered out.
+# Exact top-k / top-p threshold: radix select over the 32-bit order key, split across CTAs.
+#
+# The key (``_order_key``) is read as 8 digits of 4 bits, most significant first. Launch t of a search
+# histograms digit t over the tokens whose key lies in the bucket resolved so far: grid (row blocks, vocab
+# splits; one row per block on a GPU), 16 counts (top-k) or 16 probability masses (top-p) per (row, split),
+# each in its own place (no atomics, so the result is deterministic). The next launch starts by resolving
+# digit t from those per-split histograms: every program of the row does it redundantly (16 * splits
+# values, so no select launch), and split 0 records it for the launch after. A final per-row launch
+# resolves the last digit and writes the threshold. Histograms and search state live in two slots written
+# by alternate launches, so no launch overwrites what its own programs still read.
+_RADIX_BINS = 16                     # 4-bit digits; the kernels hard-code them (shifts 28 - 4 * level, & 15)
+_RADIX_PASSES = 8
 
-    top-k: the k-th largest key K* (ties kept). top-p: the smallest key T with
-    sum_{key <= T} p > 1 - top_p over the top-k survivors. Both by bisection on the int32 key range (32
-    passes each), which is exact without sorting the row. Parameters are per request (stride_param 1) or
-    shared (stride_param 0); top_k <= 0 or >= V and top_p >= 1 disable a filter for that request.
+
+def threshold_launches(use_top_k: bool, use_top_p: bool) -> int:
+    """Launches of the top-k / top-p threshold: 8 histogram passes per filter, plus one that writes it."""
+    filters = int(use_top_k) + int(use_top_p)
+    return filters * _RADIX_PASSES + 1 if filters else 0
+
+
+def threshold_bytes(rows: int, vocab: int, itemsize: int, use_top_k: bool, use_top_p: bool) -> int:
+    """Bytes the threshold launches move for ``rows`` rows of ``vocab`` logits of ``itemsize`` bytes.
+
+    Each histogram pass reads the logits once (top-p's first pass twice: its split maxima, then its masses)
+    and writes 16 four-byte bins per (row, split); each program of the next launch re-reads its row's bins
+    (splits * 64 bytes), and top-p's picks the split maxima. Per-row parameters and search state (< 64 bytes
+    per row and launch) are left out; the threshold written is counted."""
+    passes = _RADIX_PASSES * (int(use_top_k) + int(use_top_p))
+    if not passes:
+        return 0
+    _, _, s = _vocab_split(vocab, rows)
+    bins = rows * s * _RADIX_BINS * 4                               # one pass's histograms
+    total = (passes + int(use_top_p)) * rows * vocab * itemsize
+    total += passes * bins + ((passes - 1) * s + 1) * bins          # written; read by (rows, splits) or rows programs
+    if use_top_p:
+        total += rows * s * 4 * ((_RADIX_PASSES - 1) * s + 2)       # split maxima: written once, read 7 * s + 1 times
+    return total + rows * 4
+
+
+@triton.jit
+def _radix_pick(cnt_ptr, mass_ptr, pmax_ptr, pre_ptr, acc_ptr, budget_ptr, topk_ptr, topp_ptr, rows, row_ok, prm,
+                R, V, S, sel, rd, MASS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Resolve digit ``sel`` of the rows' searches from the per-split histograms in slot ``rd``.
+
+    Returns (prefix, carry, m), each [BLOCK_ROWS]: the sel+1 resolved digits (the top bits of key + 2**31),
+    the carry into the next digit, and the row max of the kept z (top-p; 0.0 for top-k).
+    top-k (counts): the largest digit d with count(digit >= d) >= need, where need (carry) starts at k and
+    drops by the count above each chosen bucket, so it ends on the k-th largest key exactly.
+    top-p (masses): the smallest d with mass(digit <= d) > budget, where budget (carry) starts at
+    (1 - top_p) * total and drops by the mass below each chosen bucket; if fp32 rounding of the finer
+    bins leaves no such d, the largest bucket with mass (the bound was reached at its top).
+    """
+    sp = tl.arange(0, BLOCK_S)
+    bins = tl.arange(0, 16)
+    hofs = ((rd * R + rows[:, None, None]) * S + sp[None, :, None]) * 16 + bins[None, None, :]
+    hmask = row_ok[:, None, None] & (sp < S)[None, :, None]
+    first = sel == 0
+    later = row_ok & (sel != 0)
+    prefix = tl.load(pre_ptr + rd * R + rows, mask=later, other=0)
+    if MASS:
+        pm = tl.load(pmax_ptr + rows[:, None] * S + sp[None, :], mask=row_ok[:, None] & (sp < S)[None, :],
+                     other=float("-inf"))
+        m = tl.max(pm, axis=1)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        # The first pass's bins are relative to each split's own max; later passes use the row max m.
+        scale = tl.where(first, tl.exp(pm - m_safe[:, None]), 1.0)
+        h = tl.sum(tl.load(mass_ptr + hofs, mask=hmask, other=0.0) * scale[:, :, None], axis=1)
+        top_p = tl.load(topp_ptr + prm, mask=row_ok, other=1.0)
+        budget = tl.where(first, (1.0 - top_p) * tl.sum(h, axis=1),
+                          tl.load(budget_ptr + rd * R + rows, mask=later, other=0.0))
+        cum = tl.sum(tl.where(bins[None, None, :] <= bins[None, :, None], h[:, None, :], 0.0), axis=2)
+        d_first = tl.min(tl.where(cum > budget[:, None], bins[None, :], 16), axis=1)
+        d = tl.where(d_first < 16, d_first, tl.max(tl.where(h > 0.0, bins[None, :], 0), axis=1))
+        # cum is monotone, so the chosen bucket has mass and budget - cum[d-1] >= 0.
+        carry = budget - tl.sum(tl.where(bins[None, :] == d[:, None] - 1, cum, 0.0), axis=1)
+    else:
+        m = tl.zeros_like(rows).to(tl.float32)
+        h = tl.sum(tl.load(cnt_ptr + hofs, mask=hmask, other=0), axis=1).to(tl.int64)
+        k = tl.load(topk_ptr + prm, mask=row_ok, other=0).to(tl.int64)
+        # A disabled row (k <= 0 or k >= V) searches for the V-th largest key: the row min, so all is kept.
+        need = tl.where(first, tl.where((k > 0) & (k < V), k, V), tl.load(acc_ptr + rd * R + rows, mask=later, other=1))
+        suf = tl.sum(tl.where(bins[None, None, :] >= bins[None, :, None], h[:, None, :], 0), axis=2)
+        d = tl.max(tl.where(suf >= need[:, None], bins[None, :], 0), axis=1)
+        carry = need - tl.sum(tl.where(bins[None, :] > d[:, None], h, 0), axis=1)
+    return prefix * 16 + d, carry, m
+
+
+# level / slot / has_lb change between launches: one compiled kernel per (PREV, HIST), not per value.
+@triton.jit(do_not_specialize=["level", "slot", "has_lb"])
+def _threshold_pass_kernel(
+    logits_ptr, temp_ptr, topk_ptr, topp_ptr, cnt_ptr, mass_ptr, pmax_ptr, pre_ptr, acc_ptr, budget_ptr, thr_ptr,
+    R, B, V, stride_n, stride_b, stride_param, CHUNK, S, level, slot, has_lb,
+    PREV: tl.constexpr, HIST: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One launch of the threshold search; grid (row blocks, vocab splits), or (row blocks, 1) for the last.
+
+    PREV (what the previous launch histogrammed): 0 nothing, 1 top-k counts, 2 top-p masses; its last digit
+    is resolved first (digit level-1, or digit 7 when the search changes). HIST: 1 counts / 2 masses of
+    digit ``level`` of this launch's search, or 0: write the threshold (smallest kept key) instead.
+    Tokens with key(logits * inv_temp) < thr are filtered out; top-p's masses are over the tokens top-k
+    keeps (thr_ptr holds top-k's threshold from top-p's first launch on when has_lb).
     """
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < R
-    rows64 = rows.to(tl.int64)
-    base = (rows64 // B) * stride_n + (rows64 % B) * stride_b
-    prm = (rows64 // B) * stride_param
-    inv_temp = (1.0 / tl.load(temp_ptr + prm, mask=row_ok, other=1.0))[:, None]
-    kmin = tl.full((BLOCK_ROWS,), 2147483647, tl.int64)
-    kmax = tl.full((BLOCK_ROWS,), -2147483648, tl.int64)
-    for v0 in range(0, V, BLOCK_V):
-        idx = v0 + tl.arange(0, BLOCK_V)
-        ok = row_ok[:, None] & (idx < V)[None, :]
-        z = tl.load(logits_ptr + base[:, None] + idx[None, :].to(tl.int64), mask=ok, other=0.0).to(tl.float32)
-        key = _order_key(z * inv_temp).to(tl.int64)
-        kmin = tl.minimum(kmin, tl.min(tl.where(ok, key, 2147483647), axis=1))
-        kmax = tl.maximum(kmax, tl.max(tl.where(ok, key, -2147483648), axis=1))
-    thr = kmin
-    if TOP_K:
-        top_k_row = tl.load(topk_ptr + prm, mask=row_ok, other=0).to(tl.int64)
-        lo = kmin
-        hi = kmax
-        for _ in range(32):
-            mid = lo + (hi - lo + 1) // 2
-            cnt = tl.zeros((BLOCK_ROWS,), tl.int64)
-            for v0 in range(0, V, BLOCK_V):
-                idx = v0 + tl.arange(0, BLOCK_V)
-                ok = row_ok[:, None] & (idx < V)[None, :]
-                z = tl.load(logits_ptr + base[:, None] + idx[None, :].to(tl.int64), mask=ok, other=0.0)
-                key = _order_key(z.to(tl.float32) * inv_temp).to(tl.int64)
-                cnt += tl.sum((ok & (key >= mid[:, None])).to(tl.int64), axis=1)
-            take = cnt >= top_k_row
-            lo = tl.where(take, mid, lo)
-            hi = tl.where(take, hi, mid - 1)
-        thr = tl.where((top_k_row > 0) & (top_k_row < V), lo, kmin)
-    if TOP_P:
-        top_p_row = tl.load(topp_ptr + prm, mask=row_ok, other=1.0)
-        m = tl.full((BLOCK_ROWS,), float("-inf"), tl.float32)
-        for v0 in range(0, V, BLOCK_V):
+    rows = rows.to(tl.int64)
+    split = tl.program_id(1)
+    prm = (rows // B) * stride_param
+    rd = 1 - slot
+    if PREV != 0:
+        prefix, carry, m = _radix_pick(cnt_ptr, mass_ptr, pmax_ptr, pre_ptr, acc_ptr, budget_ptr, topk_ptr, topp_ptr,
+                                       rows, row_ok, prm, R, V, S, (level + 7) % 8, rd, PREV == 2, BLOCK_S)
+        if PREV != HIST:
+            # The previous search ended: prefix is its whole key + 2**31; this search starts from the root.
+            prev_key = (prefix - 2147483648).to(tl.int32)
+            prefix = tl.zeros_like(rows)
+    else:
+        prefix = tl.zeros_like(rows)
+    if PREV == 1 and HIST != 1:
+        lb = prev_key                                # top-k's threshold bounds top-p's search
+    else:
+        lb = tl.load(thr_ptr + rows, mask=row_ok & (has_lb != 0), other=-2147483648)
+    if HIST == 0:
+        if PREV == 2:
+            top_p = tl.load(topp_ptr + prm, mask=row_ok, other=1.0)
+            prev_key = tl.where(top_p < 1.0, prev_key, lb)
+        tl.store(thr_ptr + rows, prev_key, mask=row_ok)
+    else:
+        if split == 0:
+            if PREV == HIST:
+                tl.store(pre_ptr + slot * R + rows, prefix, mask=row_ok)
+                if HIST == 2:
+                    tl.store(budget_ptr + slot * R + rows, carry, mask=row_ok)
+                else:
+                    tl.store(acc_ptr + slot * R + rows, carry, mask=row_ok)
+            if PREV == 1 and HIST == 2:
+                tl.store(thr_ptr + rows, lb, mask=row_ok)
+        # Candidates: keys in the resolved bucket [lo, hi] and >= lb; digit = bits of key + 2**31.
+        width = tl.full((), 1, tl.int64) << (32 - 4 * level)
+        lo = prefix * width - 2147483648
+        hi = (lo + width - 1).to(tl.int32)[:, None]
+        lo = tl.maximum(lo, lb.to(tl.int64)).to(tl.int32)[:, None]
+        shift = 28 - 4 * level
+        base = ((rows // B) * stride_n + (rows % B) * stride_b)[:, None]
+        inv_temp = (1.0 / tl.load(temp_ptr + prm, mask=row_ok, other=1.0))[:, None]
+        bins = tl.arange(0, 16)
+        v_lo = split * CHUNK
+        if HIST == 2:
+            if PREV != 2:
+                # First top-p pass: the row max is not known yet; bin masses relative to this split's max.
+                m = tl.full((BLOCK_ROWS,), float("-inf"), tl.float32)
+                for v0 in range(v_lo, v_lo + CHUNK, BLOCK_V):
+                    idx = v0 + tl.arange(0, BLOCK_V)
+                    ok = row_ok[:, None] & (idx < V)[None, :]
+                    z = tl.load(logits_ptr + base + idx[None, :].to(tl.int64), mask=ok, other=0.0).to(tl.float32)
+                    z = z * inv_temp
+                    m = tl.maximum(m, tl.max(tl.where(ok & (_order_key(z) >= lo), z, float("-inf")), axis=1))
+                tl.store(pmax_ptr + rows * S + split, m, mask=row_ok)
+            m = tl.where(m == float("-inf"), 0.0, m)[:, None]
+            acc = tl.zeros((BLOCK_ROWS, 16, BLOCK_V), tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_ROWS, 16, BLOCK_V), tl.int32)
+        for v0 in range(v_lo, v_lo + CHUNK, BLOCK_V):
             idx = v0 + tl.arange(0, BLOCK_V)
             ok = row_ok[:, None] & (idx < V)[None, :]
-            z = tl.load(logits_ptr + base[:, None] + idx[None, :].to(tl.int64), mask=ok, other=0.0)
-            z = z.to(tl.float32) * inv_temp
-            kept = ok & (_order_key(z).to(tl.int64) >= thr[:, None])
-            m = tl.maximum(m, tl.max(tl.where(kept, z, float("-inf")), axis=1))
-        m = tl.where(m == float("-inf"), 0.0, m)
-        total = tl.zeros((BLOCK_ROWS,), tl.float32)
-        for v0 in range(0, V, BLOCK_V):
-            idx = v0 + tl.arange(0, BLOCK_V)
-            ok = row_ok[:, None] & (idx < V)[None, :]
-            z = tl.load(logits_ptr + base[:, None] + idx[None, :].to(tl.int64), mask=ok, other=0.0)
-            z = z.to(tl.float32) * inv_temp
-            kept = ok & (_order_key(z).to(tl.int64) >= thr[:, None])
-            total += tl.sum(tl.where(kept, tl.exp(z - m[:, None]), 0.0), axis=1)
-        limit = (1.0 - top_p_row) * total
-        lo = thr
-        hi = kmax
-        for _ in range(32):
-            mid = lo + (hi - lo) // 2
-            mass = tl.zeros((BLOCK_ROWS,), tl.float32)
-            for v0 in range(0, V, BLOCK_V):
-                idx = v0 + tl.arange(0, BLOCK_V)
-                ok = row_ok[:, None] & (idx < V)[None, :]
-                z = tl.load(logits_ptr + base[:, None] + idx[None, :].to(tl.int64), mask=ok, other=0.0)
-                z = z.to(tl.float32) * inv_temp
-                key = _order_key(z).to(tl.int64)
-                below = ok & (key >= thr[:, None]) & (key <= mid[:, None])
-                mass += tl.sum(tl.where(below, tl.exp(z - m[:, None]), 0.0), axis=1)
-            enough = mass > limit
-            hi = tl.where(enough, mid, hi)
-            lo = tl.where(enough, lo, mid + 1)
-        thr = tl.where(top_p_row < 1.0, hi, thr)
-    tl.store(thr_ptr + rows64, thr.to(tl.int32), mask=row_ok)
+            z = tl.load(logits_ptr + base + idx[None, :].to(tl.int64), mask=ok, other=0.0).to(tl.float32) * inv_temp
+            key = _order_key(z)
+            cand = ok & (key >= lo) & (key <= hi)
+            # Late passes usually have few candidates: skip the 16-bin one-hot for tiles without any.
+            if tl.max(tl.max(cand.to(tl.int32), axis=1), axis=0) > 0:
+                digit = tl.where(cand, ((key ^ -2147483648) >> shift) & 15, 16)
+                # Bins in the middle, tokens last: each thread keeps all 16 bins of its own tokens, so the
+                # per-token work is not replicated across the bins.
+                hit = digit[:, None, :] == bins[None, :, None]
+                if HIST == 2:
+                    acc += tl.where(hit, tl.exp(z - m)[:, None, :], 0.0)
+                else:
+                    acc += hit.to(tl.int32)
+        out = ((slot * R + rows[:, None]) * S + split) * 16 + bins[None, :]
+        if HIST == 2:
+            tl.store(mass_ptr + out, tl.sum(acc, axis=2), mask=row_ok[:, None])
+        else:
+            tl.store(cnt_ptr + out, tl.sum(acc, axis=2), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -490,17 +597,38 @@ def order_key_reference(z: torch.Tensor) -> torch.Tensor:
 
 def _filter_threshold(logits: torch.Tensor, temp_t: torch.Tensor, topk_t: torch.Tensor, topp_t: torch.Tensor,
                       use_top_k: bool, use_top_p: bool) -> torch.Tensor:
-    """[N*B] int32: token x of row r survives top-k/top-p iff order_key(logits[r, x] / temp) >= thr[r]."""
+    """[N*B] int32: token x of row r survives top-k/top-p iff order_key(logits[r, x] / temp) >= thr[r].
+
+    ``threshold_launches(use_top_k, use_top_p)`` launches; no host sync, static shapes."""
     n, b, v = logits.shape
     r = n * b
-    block_v, _, _ = _vocab_split(v, r)
-    br = _rows_per_program(r, block_v)
-    thr = torch.empty(r, dtype=torch.int32, device=logits.device)
-    _filter_threshold_kernel[(triton.cdiv(r, br),)](
-        logits_ptr=logits, thr_ptr=thr, temp_ptr=temp_t, topk_ptr=topk_t, topp_ptr=topp_t, R=r, B=b, V=v,
-        stride_n=logits.stride(0), stride_b=logits.stride(1), stride_param=1 if temp_t.numel() > 1 else 0,
-        TOP_K=use_top_k, TOP_P=use_top_p, BLOCK_ROWS=br, BLOCK_V=block_v,
-    )
+    dev = logits.device
+    block_v, chunk, s = _vocab_split(v, r)
+    # The one-hot bins are a [BLOCK_V, 16] accumulator: a 256-token tile keeps it in registers on a GPU.
+    block_v = block_v if interpreting() else min(block_v, 256)
+    thr = torch.empty(r, dtype=torch.int32, device=dev)
+    # Buffers of a filter that is off are never read: any tensor stands in for their pointers.
+    cnt = torch.empty((2, r, s, _RADIX_BINS), dtype=torch.int32, device=dev) if use_top_k else thr
+    mass = torch.empty((2, r, s, _RADIX_BINS), dtype=torch.float32, device=dev) if use_top_p else thr
+    pmax = torch.empty((r, s), dtype=torch.float32, device=dev) if use_top_p else thr
+    pre = torch.empty((2, r), dtype=torch.int64, device=dev)
+    acc = torch.empty((2, r), dtype=torch.int64, device=dev) if use_top_k else pre
+    budget = torch.empty((2, r), dtype=torch.float32, device=dev) if use_top_p else thr
+    plan = []                                                   # (PREV, HIST, level, has_lb)
+    if use_top_k:
+        plan += [(1 if t else 0, 1, t, 0) for t in range(_RADIX_PASSES)]
+    if use_top_p:
+        plan += [(2 if t else int(use_top_k), 2, t, int(use_top_k and t > 0)) for t in range(_RADIX_PASSES)]
+    plan.append((2 if use_top_p else 1, 0, _RADIX_PASSES, int(use_top_k and use_top_p)))
+    br = _rows_per_program(r, max(block_v, 16))          # tiles [rows, max(BLOCK_V, 16), 16] <= 2**20
+    for g, (prev, hist, level, has_lb) in enumerate(plan):
+        _threshold_pass_kernel[(triton.cdiv(r, br), s if hist else 1)](
+            logits_ptr=logits, temp_ptr=temp_t, topk_ptr=topk_t, topp_ptr=topp_t, cnt_ptr=cnt, mass_ptr=mass,
+            pmax_ptr=pmax, pre_ptr=pre, acc_ptr=acc, budget_ptr=budget, thr_ptr=thr, R=r, B=b, V=v,
+            stride_n=logits.stride(0), stride_b=logits.stride(1), stride_param=1 if temp_t.numel() > 1 else 0,
+            CHUNK=chunk, S=s, level=level, slot=g % 2, has_lb=has_lb, PREV=prev, HIST=hist, BLOCK_ROWS=br,
+            BLOCK_V=block_v, BLOCK_S=next_pow2(s),
+        )
     return thr
 
 
@@ -571,8 +699,8 @@ def verify_sample(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperatu
     next token is sampled from p_j with d_j removed (renormalised); if all B-1 drafts are accepted it is
     sampled from p_{B-1}. Triton: one online max/sum-exp pass per vocab split plus Gumbel-max sampling
     (no [N, B, V] probabilities), Philox keyed by (seed, offset, request, row, token): the same
-    (seed, offset) gives the same tokens. top-k / top-p run in-kernel as an exact threshold search (an
-    extra launch, only when filtering is on; see README for tie and rounding notes).
+    (seed, offset) gives the same tokens. top-k / top-p run in-kernel as an exact threshold search
+    (``threshold_launches`` extra launches, only when filtering is on; see README for tie and rounding notes).
 
     Args:
         logits: ``[N, B, V]`` fp32/bf16/fp16, last dim contiguous (row i predicts block position i+1).
@@ -580,7 +708,7 @@ def verify_sample(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperatu
         temperature: float > 0, or an ``[N]`` fp32/fp64 device tensor (per request; values > 0 are the
             caller's responsibility, they are not read on the host).
         top_k: int >= 0 (0 disables) or an ``[N]`` int tensor. top_p: float in (0, 1] (1 disables) or an
-            ``[N]`` float tensor. Per-request tensors turn the filter launch on for the whole batch.
+            ``[N]`` float tensor. Per-request tensors turn the filter launches on for the whole batch.
         seed, offset: int or 1-element int32/int64 tensor on the logits' device (tensors keep CUDA-graph
             replay reproducible: bump ``offset`` in place between rounds).
         backend: ``"auto" | "triton" | "torch"`` (the torch reference uses torch.Generator, a different
@@ -612,7 +740,7 @@ def _verify_sample_op(logits: torch.Tensor, draft_tokens: torch.Tensor, temperat
 
     temperature / top_k / top_p: ``[1]`` (whole batch) or ``[N]`` (per request), any float / int dtype;
     seed / offset: 1-element int tensors. All are read on the device at run time. ``use_top_k`` /
-    ``use_top_p`` switch the filter launch on (the reference filters from the values themselves).
+    ``use_top_p`` switch the filter launches on (the reference filters from the values themselves).
     """
     n = logits.shape[0]
     params = (temperature, top_k, top_p)

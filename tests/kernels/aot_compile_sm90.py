@@ -115,9 +115,11 @@ def configs():
     add("verify greedy accept", vf._greedy_accept_kernel,
         dict(pval_ptr=f32, pidx_ptr="*i32", draft_ptr="*i64", acc_ptr="*i64", bonus_ptr="*i64"),
         dict(BLOCK_REQ=64, BLOCK_S=32))
-    add("verify_sample filter threshold", vf._filter_threshold_kernel,
-        dict(logits_ptr=bf, thr_ptr="*i32", temp_ptr=f32, topk_ptr="*i32", topp_ptr=f32, stride_n="i64"),
-        dict(TOP_K=True, TOP_P=True, BLOCK_ROWS=1, BLOCK_V=2048))
+    thr_ptrs = dict(logits_ptr=bf, temp_ptr=f32, topk_ptr="*i32", topp_ptr=f32, cnt_ptr="*i32", mass_ptr=f32,
+                    pmax_ptr=f32, pre_ptr="*i64", acc_ptr="*i64", budget_ptr=f32, thr_ptr="*i32", stride_n="i64")
+    for prev, hist in ((0, 1), (1, 1), (0, 2), (1, 2), (2, 2), (1, 0), (2, 0)):  # every launch _filter_threshold makes
+        add(f"verify_sample threshold pass prev={prev} hist={hist}", vf._threshold_pass_kernel, thr_ptrs,
+            dict(PREV=prev, HIST=hist, BLOCK_ROWS=1, BLOCK_V=256, BLOCK_S=32))
     for filt in (False, True):
         add(f"verify_sample partial filter={filt}", vf._sample_partial_kernel,
             dict(z_ptr=bf, draft_ptr="*i64", seed_ptr="*i64", offset_ptr="*i64", thr_ptr="*i32",

@@ -17,7 +17,7 @@ def _launched_kernels() -> set[str]:
     for f in os.listdir(PACKAGE):
         if f.endswith(".py"):
             src = open(os.path.join(PACKAGE, f)).read()
-            names |= set(re.findall(r"@triton\.jit\s*\ndef (\w+_kernel)\(", src))
+            names |= set(re.findall(r"@triton\.jit(?:\([^)]*\))?\s*\ndef (\w+_kernel)\(", src))
     return names
 
 

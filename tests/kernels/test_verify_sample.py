@@ -160,14 +160,23 @@ def test_bad_inputs():
         verify_sample(logits, draft[:, :1], temperature=1.0, seed=0, offset=0)
 
 
-def _triton_kept(logits, temperature, top_k, top_p):
+def _triton_threshold(logits, temperature, top_k, top_p):
+    """(keys, thr): the Triton filter keeps token x of row (n, j) iff keys[n, j, x] >= thr[n, j]. Parameters are
+    scalars, or [N] tensors (per request: both filters run, as in verify_sample)."""
     from dflash_kernels.verify import _filter_threshold, order_key_reference
 
     n, b, v = logits.shape
-    temp = torch.tensor([temperature], dtype=torch.float32)
-    thr = _filter_threshold(logits, temp, torch.tensor([top_k], dtype=torch.int32),
-                            torch.tensor([top_p], dtype=torch.float32), 0 < top_k < v, top_p < 1.0)
-    return order_key_reference(logits.float() * (1.0 / temp)) >= thr.view(n, b, 1)
+    per_request = isinstance(top_k, torch.Tensor)
+    temp = torch.as_tensor(temperature, dtype=torch.float32).reshape(-1)
+    thr = _filter_threshold(logits, temp, torch.as_tensor(top_k, dtype=torch.int32).reshape(-1),
+                            torch.as_tensor(top_p, dtype=torch.float32).reshape(-1),
+                            per_request or 0 < top_k < v, per_request or top_p < 1.0)
+    return order_key_reference(logits.float() * (1.0 / temp).view(-1, 1, 1)), thr.view(n, b, 1)
+
+
+def _triton_kept(logits, temperature, top_k, top_p):
+    keys, thr = _triton_threshold(logits, temperature, top_k, top_p)
+    return keys >= thr
 
 
 @pytest.mark.parametrize("case", range(8))
@@ -249,3 +258,81 @@ def test_distribution_across_vocab_splits(backend):
     probs = torch.cat([torch.cat([exact[a, main], exact[a, other].sum()[None]]) for a in range(b)])
     stat, crit = _chi2(counts, probs, n)
     assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f}\n{counts}\n{probs * n}"
+
+
+def _tie_closed_reference(logits, temperature, top_k, top_p):
+    """Finite tokens the HF rule keeps, closed under ties: {z >= the smallest z HF keeps}. This is the
+    kernel's contract; it differs from HF only where HF's unstable sort splits a tied top-p boundary group."""
+    z0 = logits.float() / torch.as_tensor(temperature, dtype=torch.float32).view(-1, 1, 1)
+    z = filter_logits_reference(logits, temperature, top_k, top_p)
+    floor = torch.where(torch.isfinite(z), z, torch.full_like(z, float("inf"))).amin(-1, keepdim=True)
+    return (z0 >= floor) & torch.isfinite(z0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v", [1, 2, 257, 1000, 5003])
+def test_threshold_exact_per_request(v, dtype):
+    """The radix-select threshold against the reference, one request per (top_k, top_p) pair: off, k = 1,
+    k = V, k > V, top_p 1 / tiny / 0.5 / 0.999. Rows: continuous, heavy ties (few distinct values, so the
+    k-th value and the top-p boundary sit in tied groups), ties plus -inf tokens, one all-equal and one all
+    -inf row. The kept finite tokens must be exactly the tie-closed reference's."""
+    b = 2
+    params = [(0, 1.0), (1, 1.0), (v, 0.5), (v + 3, 0.999), (max(1, v // 3), 1e-6), (max(1, v // 7), 0.5),
+              (0, 0.5), (2, 0.999), (5, 0.9)]
+    n = len(params)
+    top_k = torch.tensor([k for k, _ in params])
+    top_p = torch.tensor([p for _, p in params])
+    temperature = torch.linspace(0.5, 1.5, n)
+    logits = torch.randn(n, b, v) * 3
+    ties = (torch.randn(n, b, v) * 1.5).round()
+    kind = (torch.arange(n)[:, None] + torch.arange(b)[None, :]) % 3          # 0 continuous, 1 ties, 2 ties + -inf
+    logits = torch.where((kind > 0)[..., None], ties, logits)
+    logits[..., ::4] = torch.where((kind == 2)[..., None], float("-inf"), logits[..., ::4])
+    logits[4, 0] = 1.25
+    logits[6, 1] = float("-inf")
+    logits = logits.to(dtype)
+
+    keys, thr = _triton_threshold(logits, temperature, top_k, top_p)
+    keys, finite = keys.long(), torch.isfinite(logits.float())
+    ref = _tie_closed_reference(logits, temperature, top_k, top_p)
+    kept = (keys >= thr) & finite
+    bad = (kept != ref).any(-1).nonzero().tolist()
+    assert not bad, f"(request, row) with a different kept set: {bad}, params {[params[i] for i, _ in bad]}"
+
+    # Power: a threshold one tie group off either way (the next finite key above or below thr, i.e. any
+    # off-by-one-bucket rule at the last digit that changes the kept set) fails this check in every row that
+    # has such a group, and the cases do filter, with ties at the threshold.
+    big = torch.iinfo(torch.int64).max
+    up = torch.where(finite & (keys > thr), keys, big).amin(-1, keepdim=True)
+    down = torch.where(finite & (keys < thr), keys, -big).amax(-1, keepdim=True)
+    for wrong, exists in ((up, up < big), (down, down > -big)):
+        caught = (((keys >= torch.where(exists, wrong, thr)) & finite) != ref).any(-1, keepdim=True)
+        assert torch.equal(caught, exists)
+    if v >= 257:
+        filtered = (ref != finite).any(-1)
+        tied_at_thr = ((keys == thr) & finite).sum(-1) > 1
+        assert filtered.sum() >= n and (filtered & tied_at_thr).sum() >= 4, (filtered, tied_at_thr)
+
+
+def test_threshold_launch_count(monkeypatch):
+    """threshold_launches is the rule the launcher follows (one histogram launch per digit and filter + 1)."""
+    import dflash_kernels.verify as vf
+
+    grids = []
+    kernel = vf._threshold_pass_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(vf, "_threshold_pass_kernel", Counting())
+    logits = torch.randn(1, 2, 40)
+    for use_top_k, use_top_p in ((True, False), (False, True), (True, True)):
+        grids.clear()
+        vf._filter_threshold(logits, torch.ones(1), torch.tensor([3], dtype=torch.int32), torch.tensor([0.5]),
+                             use_top_k, use_top_p)
+        assert len(grids) == vf.threshold_launches(use_top_k, use_top_p)
+        # Every histogram launch reads the logits (top-p's first one twice); bins and state come on top.
+        assert vf.threshold_bytes(16, 151936, 2, use_top_k, use_top_p) > (len(grids) - 1 + use_top_p) * 16 * 151936 * 2
+    assert vf.threshold_launches(False, False) == vf.threshold_bytes(16, 151936, 2, False, False) == 0

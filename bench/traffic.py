@@ -59,6 +59,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from dflash_kernels.draft_attention import active_splits, pick_max_splits  # noqa: E402
+from dflash_kernels.verify import threshold_bytes, threshold_launches  # noqa: E402
 
 H200_BYTES_PER_S = 4.3e12
 H200_FLOPS = 790e12
@@ -221,9 +222,14 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
         return 1, nbytes([x, weight]) + 2 * nbytes([residual]) + distinct_bytes(out), 4 * x.numel()
     if name == "silu_mul":
         return 1, distinct_bytes(args[0]) + distinct_bytes(out), 4 * out.numel()
-    if name in ("verify_greedy", "verify_sample"):
-        launches = 2 + (1 if name == "verify_sample" and (args[7] or args[8]) else 0)
-        return launches, nbytes(args) + nbytes(out), args[0].numel()
+    if name == "verify_greedy":
+        return 2, nbytes(args) + nbytes(out), args[0].numel()
+    if name == "verify_sample":  # the sampling pass + acceptance, plus the radix-select threshold when filtering
+        logits, use_top_k, use_top_p = args[0], args[7], args[8]
+        rows, vocab = logits.numel() // logits.shape[-1], logits.shape[-1]
+        return (2 + threshold_launches(use_top_k, use_top_p),
+                nbytes(args) + nbytes(out) + threshold_bytes(rows, vocab, logits.element_size(), use_top_k, use_top_p),
+                logits.numel())
     if name == "commit_round":
         mutated = nbytes(args[3:8])
         return 1, nbytes(args) + mutated + distinct_bytes(out), 0

@@ -5,10 +5,8 @@ The engine is built for a real configuration on the ``meta`` device (no weights,
 allocated), the engine state is set to `context` cached rows per request, and each step runs once
 under a ``TorchDispatchMode`` that records every dispatched op. Runs under ``torch.no_grad()`` (not
 inference mode) so that composite ops decompose into the aten ops a GPU runs (``linear`` -> ``mm``,
-``to`` -> ``_to_copy`` only when it copies); ``scaled_dot_product_attention`` on meta takes the math
-path, which (per issue 12) is the one CUDA takes for the lean target's boolean mask with ``enable_gqa``;
-that path repeats K/V over the query heads and upcasts bf16 q/k/v to fp32, so it is counted that way
-(the CUDA kernel choice is not checked here: no GPU).
+``to`` -> ``_to_copy`` only when it copies). Launches are split into "pre" (before the first layer's
+input norm), "layer" and "post" (from the final norm) by the first op that reads those norm weights.
 
 Model, per recorded op (a model, not a measurement):
   launches  views / metadata / allocation ops are free (``OpOverload.is_view`` and FREE_OPS below);
@@ -16,20 +14,24 @@ Model, per recorded op (a model, not a measurement):
             fills, eq, all, where, as ATen implements it). ``torch.ops.dflash.*`` per their
             contracts in dflash_kernels/README.md, on the Triton/ext GPU path:
             fused_context 1 GEMM + 1 RMSNorm unless the norm fuses into the epilogue (one split and
-            one column tile covers H), inject_context_kv 1, draft_attention 2 (split + merge),
-            verify_greedy 2, verify_sample 2 (+1 threshold pass with top-k/top-p), commit_round 1
-            (the ext op).
+            one column tile covers H), inject_context_kv 1, draft_attention / verify_attention 2
+            (split + merge), add_rms_norm 1, silu_mul 1, verify_greedy 2, verify_sample 2 (+ the
+            radix-select threshold's launches with top-k/top-p, ``threshold_launches``),
+            commit_round 1 (the ext op).
   bytes     every distinct tensor operand read once and every output written once (stride-0,
             broadcast dimensions count once); an in-place op's mutated operand is written once and
             also read, except pure overwrites (copy_, fill_, zero_). Gathers and scatters move only
             the rows they touch: ``index`` / ``embedding`` read as many bytes as they write,
             ``index_put_`` reads the values and writes the same number of bytes. dflash ops per
-            contract: draft_attention reads the live context rows only (``context`` per request,
-            not the capacity) plus its fp32 split partials written and read once; inject_context_kv
-            reads ctx and the stacked K/V weights once and writes only the injected rows;
-            fused_context reads the taps and the fc weight once (+ fp32 split-K partials).
-            Split counts follow the kernels' own heuristics for an H200 (132 SMs).
-  FLOPs     mm / bmm / addmm 2*M*N*K; draft_attention 4*B*nH*D*(context + B) per request;
+            contract: draft_attention / verify_attention read the live context rows only
+            (``context`` per request, not the capacity) plus the fp32 partials of their active splits
+            (the kernels' own rule), written and read once; verify_attention also writes the block's
+            K/V rows; add_rms_norm reads x, the weight and the residual and writes the output and the
+            residual; silu_mul reads [.., 2I] and writes [.., I]; inject_context_kv reads ctx and the
+            stacked K/V weights once and writes only the injected rows; fused_context reads the taps
+            and the fc weight once (+ fp32 split-K partials); the top-k/top-p threshold per
+            ``threshold_bytes``. Split counts follow the kernels' own heuristics for an H200 (132 SMs).
+  FLOPs     mm / bmm / addmm 2*M*N*K; the attention ops 4*B*nH*D*(context + B) per request;
             inject_context_kv and fused_context their GEMMs; everything else one per output element.
   floor     what the step cannot avoid moving: every weight it uses once (the embedding table only
             as the rows looked up; the LM head in full), the live K/V once, the new K/V rows

@@ -42,11 +42,13 @@ def test_kernels_smoke_through_cli(tmp_path, capsys):
 
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["bench", "kernels", "--device", "cpu", "--size", "tiny", "--ops", "verify_greedy,commit_round,"
-                  "fused_context", "--warmup", "1", "--reps", "3", "--budget", "0.05", "--out", str(tmp_path)])
+                  "fused_context,verify_attention,add_rms_norm,silu_mul", "--warmup", "1", "--reps", "3", "--budget",
+                  "0.05", "--out", str(tmp_path)])
     assert exit_info.value.code in (0, None)
     rows = _rows(tmp_path / "kernels-cpu.csv")
     ok = {(r["op"], r["backend"]): r for r in rows if r["status"] == "ok"}
-    assert ("fused_context", "torch") in ok and ("verify_greedy", "torch") in ok and ("commit_round", "torch") in ok
+    for op in ("fused_context", "verify_greedy", "commit_round", "verify_attention", "add_rms_norm", "silu_mul"):
+        assert (op, "torch") in ok and float(ok[op, "torch"]["GBps"]) > 0, op
     for r in rows:
         if r["backend"] == "triton":
             assert r["status"] != "ok"  # never timed on CPU (interpreter), and the row says so

@@ -124,13 +124,20 @@ def instantiate_random(target_config, draft_config, device: torch.device, dtype:
             draft = DFlashDraftModel(draft_config).eval()
     finally:
         torch.set_default_dtype(old)
+    return randomize_(target, draft, norm_range=norm_range)
+
+
+def randomize_(*modules, norm_range: tuple[float, float] = (0.5, 1.5)):
+    """Every matrix of ``modules`` ~N(0, 0.02) and every vector (norm weights) uniform in ``norm_range``,
+    in place, on the parameters' device; returns ``modules``."""
     with torch.no_grad():
-        for p in list(target.parameters()) + list(draft.parameters()):
-            if p.dim() >= 2:
-                p.normal_(0, 0.02)
-            else:
-                p.uniform_(*norm_range)
-    return target, draft
+        for module in modules:
+            for p in module.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0, 0.02)
+                else:
+                    p.uniform_(*norm_range)
+    return modules
 
 
 # ---------------------------------------------------------------------------------------- ceilings

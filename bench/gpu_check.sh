@@ -13,8 +13,11 @@
 #   graphs_e2e     bench/gpu_tests.py: graph capture/replay of both steps == target greedy == eager,
 #                  fast == reference runtime, sampling graph == eager, bf16 draft step == reference draft
 #   ext_gpu        tests/ext -m gpu: CUDA ops vs references, torch.compile, graph capture of the ops
-#   kernels_real   bench/gpu_tests.py: every compiled backend vs its reference at Qwen3-8B shapes
-#   draft_latency, e2e, kernels: the three benchmarks at a small sweep
+#   kernels_real   bench/gpu_tests.py: every compiled backend vs its reference at Qwen3-8B shapes, and the
+#                  verify step's lean target vs HF's bf16 forward (Qwen3 and LLaMA)
+#   step_latency   bench/step_latency.py: both decode steps of qwen3-8b, eager and graph, batch 1/8, ctx 2k/32k,
+#                  next to bench/traffic.py's H200 prediction
+#   draft_latency, e2e, kernels: the other benchmarks at a small sweep
 #   summary        bench/summarize.py: headline tables and every step's status and seconds
 #
 # Budget per step (seconds; the cap is the step's timeout, clipped to what is left of
@@ -32,19 +35,35 @@
 #                                kernels x 2-3 specialisations x ~1.5 s compile + graph capture + 8 s start
 #   ext_gpu            40    90  62 tests (tests/ext's 113 CPU twins: 7 s here); the two inductor
 #                                compiles on CUDA with cold caches dominate (~10-15 s each)
-#   kernels_real       40    90  18 tests; compiles not already cached by graphs_e2e (head_dim 128,
-#                                vocab 151936 shapes) ~1.5 s each; runs are milliseconds
-#   draft_latency      45    70  qwen3-8b draft + embedding/LM head (4.6 GB bf16, made on the GPU), batch 1, ctx 2k/32k,
-#                                blocks 1/4/16 x 3 providers = 18 measurements x (warm-up + 0.15 s) +
-#                                compiles and one graph capture per block
+#   kernels_real       65   100  25 tests; compiles not already cached by graphs_e2e (head_dim 128,
+#                                vocab 151936 shapes) ~1.5 s each; runs are milliseconds. The 8 new ones
+#                                (verify_attention x2, add_rms_norm x2, silu_mul x2 at Qwen3-8B shapes:
+#                                ~4 new specialisations, ~8 s; lean target vs HF x2 (4 layers, hidden 256,
+#                                head_dim 64): ~12 specialisations of both steps' kernels ~18 s, one graph
+#                                capture per step, 40-token decodes) were estimated, not timed: CPU dry
+#                                run of the 8 with the torch backend 100 s, all of it bf16 CPU math
+#   step_latency       45    75  imports ~8 s; the accountant's 8 predictions (2 batches x 2 contexts x
+#                                eager/graph, meta tensors: 8 s for the first on the shared 2-core CPU,
+#                                0.35 s each after); qwen3-8b pair (18 GB bf16, random on the GPU) ~10 s;
+#                                4 engines (batch x mode; batch 8 holds 44 GB of caches at 32k), state
+#                                drawn on the device; 16 medians of <= 20 reps or 0.2 s (steps 1-14 ms
+#                                predicted); 4 graph captures; compiles mostly cached by kernels_real.
+#                                A timeout keeps the finished engines' rows (.partial.csv)
+#   draft_latency      35    60  qwen3-8b draft + embedding/LM head (4.6 GB bf16, made on the GPU), batch 1, ctx 2k/32k,
+#                                blocks 1/16 x 3 providers = 12 measurements x (warm-up + 0.15 s) +
+#                                compiles and one graph capture per block; was blocks 1/4/16 (45 s, with the
+#                                context drawn on the host: ~2 s per 32k fill, now on the device); block 16
+#                                is also in step_latency
 #   e2e                60    90  qwen3-8b pair (19 GB bf16, random on the GPU: ~10 s), oracle-6, block 16,
 #                                512-token prompt, 64 new tokens, 4 runtimes each with a warm-up; the
 #                                eager HF AR baseline (~25 ms/token, 100 tokens) is the slowest part
-#   kernels            30    50  real shapes, 30 reps or 0.1 s per row, torch/triton/ext per op
+#   kernels            40    60  real shapes, 20 reps or 0.05 s per row, torch/triton/ext per op: 9 ops,
+#                                27 shapes (8 new: verify_attention, add_rms_norm, silu_mul); the 30 s of
+#                                the 6 older ops' 19 shapes scaled, fewer reps
 #   summary             3     -  reads the CSVs
-#   total             ~350  450  + summary: <= 8 minutes
+#   total             ~418  450  + summary: <= 8 minutes
 # Output under $OUT (the device tool returns at most 8 files): gpu_check.log (every step's output in
-# order), steps.tsv, the three CSVs and draft_latency's PNG.
+# order), steps.tsv, the four CSVs and draft_latency's PNG.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -102,12 +121,14 @@ if [[ "$DRY" == 1 ]]; then  # plumbing check on a CPU machine: no build, tiny sh
   DL=(--models tiny --batch 1 --contexts 48 --blocks 4 --warmup 1 --reps 3 --budget 0.05)
   E2E=(--model smoke --pairs oracle-3 --block 4 --prompt-len 8 --max-new 8)
   KER=(--size tiny --ops verify_greedy,commit_round --warmup 1 --reps 3 --budget 0.05)
+  SL=(--model tiny --batch 1 --contexts 48 --warmup 1 --reps 3 --budget 0.05)
 else
   GRAPH_SEL=(-k "$GRAPH_K")
   KERNEL_SEL=(-k "not ($GRAPH_K)")
-  DL=(--models qwen3-8b --batch 1 --contexts 2k,32k --blocks 1,4,16 --warmup 2 --reps 20 --budget 0.15)
+  DL=(--models qwen3-8b --batch 1 --contexts 2k,32k --blocks 1,16 --warmup 2 --reps 20 --budget 0.15)
   E2E=(--model qwen3-8b --pairs oracle-6 --block 16 --prompt-len 512 --max-new 64)
-  KER=(--size real --reps 30 --budget 0.1)
+  KER=(--size real --reps 20 --budget 0.05)
+  SL=(--model qwen3-8b --batch 1,8 --contexts 2k,32k --warmup 3 --reps 20 --budget 0.2)
 fi
 
 # 1. versions, and the nvcc the build will use (exported as CUDA_HOME) against torch's CUDA version
@@ -142,12 +163,13 @@ else
 fi
 step graphs_e2e 150 30 "${PYTEST[@]}" bench/gpu_tests.py "${GRAPH_SEL[@]}"
 step ext_gpu 90 20 "${PYTEST[@]}" -m gpu tests/ext -k "not nvcc_compiles and not cmake_build"
-step kernels_real 90 20 "${PYTEST[@]}" bench/gpu_tests.py "${KERNEL_SEL[@]}"
+step kernels_real 100 20 "${PYTEST[@]}" bench/gpu_tests.py "${KERNEL_SEL[@]}"
 
-# 4. benchmarks, small sweeps
-step draft_latency 70 25 $PY bench/draft_latency.py "${DL[@]}" --out "$OUT" --tag draft_latency-gpu_check
+# 4. benchmarks, small sweeps: the decode steps against the accountant's prediction first
+step step_latency 75 25 $PY bench/step_latency.py "${SL[@]}" --out "$OUT" --tag step_latency-gpu_check
+step draft_latency 60 25 $PY bench/draft_latency.py "${DL[@]}" --out "$OUT" --tag draft_latency-gpu_check
 step e2e 90 30 $PY bench/e2e.py "${E2E[@]}" --out "$OUT" --tag e2e-gpu_check
-step kernels 50 15 $PY bench/kernels.py "${KER[@]}" --out "$OUT" --tag kernels-gpu_check
+step kernels 60 15 $PY bench/kernels.py "${KER[@]}" --out "$OUT" --tag kernels-gpu_check
 
 # 5. summary, last: the device tool returns the tail of the output
 echo

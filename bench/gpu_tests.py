@@ -1,8 +1,10 @@
 """GPU checks run by bench/gpu_check.sh (pytest; needs CUDA; not part of `pytest tests`).
 
   * every op's compiled backends (triton, ext) vs its reference at the real Qwen3-8B-DFlash-b16
-    shapes, on CUDA, with the kernel tests' tolerance rule (error vs fp64 at most 2x the torch
-    reference's error in the same dtype + 1 ulp) and exact integer outputs;
+    shapes (verify_attention, add_rms_norm, silu_mul: the Qwen3-8B target's), on CUDA, with the
+    kernel tests' tolerance rule (error vs fp64 at most 2x the torch reference's error in the same
+    dtype + 1 ulp) and exact integer outputs;
+  * the engine's verify step (the lean target) vs HF's forward in bf16, Qwen3 and LLaMA targets;
   * the fast runtime with CUDA graphs: both steps captured and replayed, output == the target's own
     greedy output == the eager fast runtime == the reference runtime, and sampling graph == eager;
   * the kernel-backed draft step proposes what the reference draft proposes.
@@ -23,6 +25,7 @@ for sub in ("bench", "tests/kernels", "tests/runtime"):
         sys.path.insert(0, str(ROOT / sub))
 
 import os  # noqa: E402
+from functools import partial  # noqa: E402
 
 # DFLASH_GPU_TESTS_DEVICE=cpu dry-runs the logic on CPU (no graphs, torch/ext backends only).
 DEV = os.environ.get("DFLASH_GPU_TESTS_DEVICE", "cuda")
@@ -33,7 +36,7 @@ import dflash_kernels as dk  # noqa: E402
 from dflash_kernels._dispatch import backend_status  # noqa: E402
 from dflash.sampling import SamplingParams  # noqa: E402
 
-H, T, L, NH, KVH, D, V = 4096, 5, 5, 32, 8, 128, 151936
+H, T, L, NH, KVH, D, V, I = 4096, 5, 5, 32, 8, 128, 151936, 12288
 BF = torch.bfloat16
 
 
@@ -119,6 +122,96 @@ def test_draft_attention_real_shape(backend, window):
     ref = draft_attention_reference(*(x.double() for x in (q, k, v, kc, vc)), cl, qw.double(), kw.double(), **kwargs)
     lowp = draft_attention_reference(q, k, v, kc, vc, cl, qw, kw, **kwargs)
     assert_within_rule(out, ref, lowp, f"draft_attention window={window}")
+
+
+@pytest.mark.parametrize("backend", _backends(["triton"]))
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_verify_attention_real_shape(backend, qk_norm):
+    """Output and caches (the block rows written, every other row untouched) within the rule."""
+    from _tol import assert_within_rule
+    from dflash_kernels.draft_attention import verify_attention_reference
+
+    n, b, lens = 4, 16, [8191, 0, 17, 2048]
+    cap = max(lens) + b
+    q, k, v = _rnd(n, b, NH, D), _rnd(n, b, KVH, D), _rnd(n, b, KVH, D)
+    kc, vc = _rnd(n, cap, KVH, D), _rnd(n, cap, KVH, D)
+    cl = torch.tensor(lens, device=DEV)
+    norms = [(1 + 0.1 * torch.randn(D, device=DEV)).to(BF) if qk_norm else None for _ in "qk"]
+    outs = {}
+    for name, dt in (("kernel", BF), ("f64", torch.float64), ("lowp", BF)):
+        caches = kc.to(dt, copy=True), vc.to(dt, copy=True)
+        args = (q.to(dt), k.to(dt), v.to(dt), *caches, cl, *(w if w is None else w.to(dt) for w in norms))
+        fn = verify_attention_reference if name != "kernel" else partial(dk.verify_attention, backend=backend)
+        outs[name] = (fn(*args, inv_freq=_inv_freq(D)), *caches)
+    for i, what in enumerate(("out", "K cache", "V cache")):
+        assert_within_rule(outs["kernel"][i], outs["f64"][i], outs["lowp"][i], f"verify_attention {what}")
+
+
+@pytest.mark.parametrize("backend", _backends(["triton"]))
+@pytest.mark.parametrize("rows", [16, 128])
+def test_add_rms_norm_real_shape(backend, rows):
+    from _tol import assert_within_rule
+    from dflash_kernels.layer_ops import add_rms_norm_reference
+
+    x, res = _rnd(rows, H), _rnd(rows, H)
+    w = (1 + 0.1 * torch.randn(H, device=DEV)).to(BF)
+    got_res, low_res = res.clone(), res.clone()
+    out = dk.add_rms_norm(x, w, 1e-6, residual=got_res, backend=backend)
+    ref = add_rms_norm_reference(x.double(), w.double(), 1e-6, residual=res.double())
+    assert_within_rule(out, ref, add_rms_norm_reference(x, w, 1e-6, residual=low_res), f"add_rms_norm rows={rows}")
+    assert torch.equal(got_res, low_res), "the residual must be residual + x rounded once, as PyTorch adds"
+
+
+@pytest.mark.parametrize("backend", _backends(["triton"]))
+@pytest.mark.parametrize("rows", [16, 128])
+def test_silu_mul_real_shape(backend, rows):
+    from _tol import assert_within_rule
+    from dflash_kernels.layer_ops import silu_mul_reference
+
+    gate_up = _rnd(rows, 2 * I, scale=3.0)
+    out = dk.silu_mul(gate_up, backend=backend)
+    assert_within_rule(out, silu_mul_reference(gate_up.double()), silu_mul_reference(gate_up), f"silu_mul rows={rows}")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_verify_step_equals_hf_forward_bf16(arch):
+    """The engine's verify-step forward (lean target: add_rms_norm, merged GEMMs, verify_attention, silu_mul; the
+    compiled kernels on CUDA) over [anchor, 15 proposals] after a 100-token prefill, vs HF's forward over the
+    same 116 tokens. Rule: the block's logits within 2x the largest difference between HF's own bf16 and fp32
+    forwards (+ 1 bf16 ulp, `_tol`). Then greedy tokens: a 40-token decode through the engine (captured steps on
+    CUDA) equals HF's bf16 greedy generate, on the same target made tie-free (bench/e2e.py make_margin_target:
+    a random bf16 target has near-ties that either side may legitimately flip)."""
+    import copy
+
+    from _tol import assert_within_rule
+    from e2e import make_margin_target
+    from tiny_models import make_draft, make_target
+
+    from dflash import generate
+    from dflash.engine import DFlashEngine
+
+    torch.manual_seed(4)
+    ref32 = make_target(arch, vocab=1024, layers=4, hidden=256).to(DEV)  # head_dim 64
+    with torch.no_grad():  # non-trivial norms: a misplaced norm shows
+        for name, p in ref32.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    target = copy.deepcopy(ref32).to(BF)
+    draft = make_draft(target, layers=1, block_size=16).to(DEV, BF)
+    prompt = torch.randint(0, 1024, (100,), device=DEV)
+    eng = DFlashEngine(target, draft, batch=1, capacity=192, block_size=16, use_cuda_graphs=False)
+    with torch.inference_mode():
+        eng.reset([prompt], [40], [[]], SamplingParams(), 0)
+        eng.proposals.copy_(torch.randint(0, 1024, (1, 15), device=DEV))
+        block = torch.cat([eng.anchor[:, None], eng.proposals], dim=1)
+        logits, _ = eng.target.forward(block, eng.positions, eng.kv_bound)  # what verify_step runs
+        ids = torch.cat([prompt[None], block], dim=1)
+        ref, lowp = (m(ids).logits[:, -16:] for m in (ref32, target))
+    assert_within_rule(logits, ref.double(), lowp, f"{arch} verify logits")
+    make_margin_target(target)
+    with torch.inference_mode():
+        fast = generate(target, draft, prompt, 40, backend="fast", use_cuda_graphs=GRAPHS)
+    assert torch.equal(fast.sequences[0], _greedy(target, prompt, 40))
 
 
 @pytest.mark.parametrize("backend", _backends(["triton", "ext"]))

@@ -6,8 +6,14 @@ interpreter runs kernels element by element in Python, so its timings say nothin
 kernel and are not taken), ext (the compiled C++/CUDA op, for verify_greedy and commit_round).
 A backend that cannot run is listed with the reason, never skipped silently.
 
-Bytes counted per call = each input read once + each output written once (the floor); GB/s =
-bytes / median time; %copy = GB/s / measured copy bandwidth (read + write bytes of a large copy).
+Bytes counted per call = each input read once + each output written once (the floor; for the
+attention ops the live context K/V, and verify_attention's block K/V rows written; the fp32 split
+partials of the README's cost contract, ~13 % of the K/V bytes at the Qwen3-8B tile, are not counted);
+GB/s = bytes / median time; %copy = GB/s / measured copy bandwidth (read + write bytes of a large copy).
+In-place ops are timed on inputs they keep valid: inject_context_kv and verify_attention rewrite the
+same cache rows with the same values and never read the rows they write; add_rms_norm's residual
+grows by x per call (the timing does not depend on the values); commit_round's state is restored
+before each call. compare() runs the reference and the backend on the same snapshot.
 Input sets are rotated so that the working set exceeds 4x L2 (GPU) and repeated calls do not read
 from cache; on GPU each call is timed with CUDA events, and ops that can be captured are also
 timed as CUDA-graph replays (launch overhead excluded as in the decode loop).
@@ -30,19 +36,23 @@ import dflash_kernels as dk  # noqa: E402
 from dflash_kernels._dispatch import backend_status  # noqa: E402
 from dflash.graphs import capture  # noqa: E402
 
-OPS = ("fused_context", "inject_context_kv", "draft_attention", "verify_greedy", "verify_sample", "commit_round")
+OPS = ("fused_context", "inject_context_kv", "draft_attention", "verify_attention", "add_rms_norm", "silu_mul",
+       "verify_greedy", "verify_sample", "commit_round")
 BACKENDS = {
     "fused_context": ("torch", "triton"),
     "inject_context_kv": ("torch", "triton"),
     "draft_attention": ("torch", "triton"),
+    "verify_attention": ("torch", "triton"),
+    "add_rms_norm": ("torch", "triton"),
+    "silu_mul": ("torch", "triton"),
     "verify_greedy": ("torch", "triton", "ext"),
     "verify_sample": ("torch", "triton"),
     "commit_round": ("torch", "ext"),
 }
-SIZES = {  # hidden, taps, draft layers, heads, kv heads, head dim, vocab
-    "real": dict(H=4096, T=5, L=5, nH=32, kvH=8, D=128, V=151936),  # Qwen3-8B-DFlash-b16
-    "small": dict(H=512, T=5, L=5, nH=8, kvH=2, D=64, V=16384),     # CPU stand-in (bench/draft_latency cpu-small)
-    "tiny": dict(H=64, T=2, L=2, nH=4, kvH=2, D=16, V=512),         # smoke test
+SIZES = {  # hidden, taps, draft layers, heads, kv heads, head dim, vocab, intermediate
+    "real": dict(H=4096, T=5, L=5, nH=32, kvH=8, D=128, V=151936, I=12288),  # Qwen3-8B(-DFlash-b16)
+    "small": dict(H=512, T=5, L=5, nH=8, kvH=2, D=64, V=16384, I=1536),      # CPU stand-in (draft_latency cpu-small)
+    "tiny": dict(H=64, T=2, L=2, nH=4, kvH=2, D=16, V=512, I=128),           # smoke test
 }
 # per op: list of shape dicts; rows = batch * block
 SWEEPS = {
@@ -51,6 +61,10 @@ SWEEPS = {
         "inject_context_kv": [dict(R=1, B=16), dict(R=4, B=16), dict(R=16, B=16)],
         "draft_attention": [dict(R=1, B=16, ctx=2048), dict(R=1, B=16, ctx=32768), dict(R=4, B=16, ctx=8192),
                             dict(R=16, B=16, ctx=8192)],
+        "verify_attention": [dict(R=1, B=16, ctx=2048), dict(R=8, B=16, ctx=2048), dict(R=1, B=16, ctx=32768),
+                             dict(R=8, B=16, ctx=32768)],  # one target layer of the verify step
+        "add_rms_norm": [dict(N=16), dict(N=128)],
+        "silu_mul": [dict(N=16), dict(N=128)],
         "verify_greedy": [dict(R=1, B=16), dict(R=4, B=16), dict(R=16, B=16)],
         "verify_sample": [dict(R=1, B=16, filt=False), dict(R=16, B=16, filt=False), dict(R=16, B=16, filt=True)],
         "commit_round": [dict(R=1, B=16), dict(R=16, B=16), dict(R=64, B=16)],
@@ -59,6 +73,9 @@ SWEEPS = {
         "fused_context": [dict(N=16), dict(N=64)],
         "inject_context_kv": [dict(R=1, B=16), dict(R=4, B=16)],
         "draft_attention": [dict(R=1, B=16, ctx=512), dict(R=1, B=16, ctx=2048), dict(R=4, B=16, ctx=2048)],
+        "verify_attention": [dict(R=1, B=16, ctx=512), dict(R=4, B=16, ctx=2048)],
+        "add_rms_norm": [dict(N=16), dict(N=128)],
+        "silu_mul": [dict(N=16), dict(N=128)],
         "verify_greedy": [dict(R=1, B=16), dict(R=4, B=16), dict(R=16, B=16)],
         "verify_sample": [dict(R=1, B=16, filt=False), dict(R=4, B=16, filt=True)],
         "commit_round": [dict(R=1, B=16), dict(R=16, B=16), dict(R=64, B=16)],
@@ -67,6 +84,9 @@ SWEEPS = {
         "fused_context": [dict(N=8)],
         "inject_context_kv": [dict(R=1, B=4)],
         "draft_attention": [dict(R=1, B=4, ctx=32)],
+        "verify_attention": [dict(R=2, B=4, ctx=32)],
+        "add_rms_norm": [dict(N=8)],
+        "silu_mul": [dict(N=8)],
         "verify_greedy": [dict(R=2, B=4)],
         "verify_sample": [dict(R=2, B=4, filt=True)],
         "commit_round": [dict(R=4, B=4)],
@@ -85,7 +105,6 @@ class Case:
         self.op, self.shape, self.dims, self.device, self.dtype = op, shape, dims, device, dtype
         self.elem = torch.tensor([], dtype=dtype).element_size()
         self.nbytes = getattr(self, f"_bytes_{op}")()
-        self.mutates = op in ("inject_context_kv", "commit_round")
 
     def label(self) -> str:
         return " ".join(f"{k}={'T' if v is True else 'F' if v is False else v}" for k, v in self.shape.items())
@@ -109,6 +128,17 @@ class Case:
         d, e, s = self.dims, self.elem, self.shape
         R, B, ctx = s["R"], s["B"], s["ctx"]
         return (2 * R * B * d["nH"] * d["D"] + 2 * R * B * d["kvH"] * d["D"] + 2 * R * ctx * d["kvH"] * d["D"]) * e
+
+    def _bytes_verify_attention(self):  # + the block's K and V rows written
+        s, d = self.shape, self.dims
+        return self._bytes_draft_attention() + 2 * s["R"] * s["B"] * d["kvH"] * d["D"] * self.elem
+
+    def _bytes_add_rms_norm(self):  # x and the residual read, out and the residual written, the weight read
+        H = self.dims["H"]
+        return (4 * self.shape["N"] * H + H) * self.elem
+
+    def _bytes_silu_mul(self):  # [N, 2I] read, [N, I] written
+        return 3 * self.shape["N"] * self.dims["I"] * self.elem
 
     def _bytes_verify_greedy(self):
         s = self.shape
@@ -154,6 +184,15 @@ class Case:
                     qw=(1 + 0.1 * torch.randn(D, device=self.device)).to(self.dtype),
                     kw=(1 + 0.1 * torch.randn(D, device=self.device)).to(self.dtype),
                     inv=_inv_freq(D).to(self.device))
+
+    _make_verify_attention = _make_draft_attention
+
+    def _make_add_rms_norm(self):
+        N, H = self.shape["N"], self.dims["H"]
+        return dict(x=self.rnd(N, H), res=self.rnd(N, H), w=(1 + 0.1 * torch.randn(H, device=self.device)).to(self.dtype))
+
+    def _make_silu_mul(self):
+        return dict(gu=self.rnd(self.shape["N"], 2 * self.dims["I"]))
 
     def _logits_and_drafts(self):
         R, B, V = self.shape["R"], self.shape["B"], self.dims["V"]
@@ -205,6 +244,15 @@ class Case:
             return dk.draft_attention(x["q"], x["k"], x["v"], x["kc"], x["vc"], x["lens"], x["qw"], x["kw"],
                                       inv_freq=x["inv"], max_context_len=self.shape["ctx"] + self.shape["B"],
                                       backend=backend)
+        if self.op == "verify_attention":  # the output and the block rows it wrote
+            ctx = self.shape["ctx"]
+            out = dk.verify_attention(x["q"], x["k"], x["v"], x["kc"], x["vc"], x["lens"], x["qw"], x["kw"],
+                                      inv_freq=x["inv"], max_context_len=ctx, backend=backend)
+            return out, x["kc"][:, ctx:], x["vc"][:, ctx:]
+        if self.op == "add_rms_norm":
+            return dk.add_rms_norm(x["x"], x["w"], 1e-6, residual=x["res"], backend=backend), x["res"]
+        if self.op == "silu_mul":
+            return dk.silu_mul(x["gu"], backend=backend)
         if self.op == "verify_greedy":
             return dk.verify_greedy(x["logits"], x["drafts"], backend=backend)
         if self.op == "verify_sample":
@@ -332,6 +380,7 @@ def run(args):
 HOST_READS = {  # torch references that read device values on the host: a CUDA graph cannot hold them
     ("inject_context_kv", "torch"): "reference reads cu_ctx_lens/cache_lens on the host",
     ("draft_attention", "torch"): "reference reads cache_lens on the host",
+    ("verify_attention", "torch"): "reference reads cache_lens on the host",
     ("verify_sample", "torch"): "reference reads seed/offset on the host",
 }
 

@@ -1,5 +1,5 @@
-"""Short summary of a benchmark output folder (the CSVs of draft_latency, kernels, e2e): the headline
-numbers, as a few small tables. Used as the last step of bench/gpu_check.sh.
+"""Short summary of a benchmark output folder (the CSVs of step_latency, draft_latency, kernels, e2e): the
+headline numbers, as a few small tables. Used as the last step of bench/gpu_check.sh.
 
 Usage: python bench/summarize.py DIR [--steps steps.tsv]
 """
@@ -59,6 +59,22 @@ def draft_summary(rows: list[dict]) -> str:
     return text
 
 
+def step_latency_summary(rows: list[dict]) -> str:
+    """Per model, batch, context and step: the eager and graph medians next to the accountant's H200
+    predictions (CSV rows or step_latency's own)."""
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["model"], int(r["batch"]), int(r["context"]), r["step"])
+        w = out.setdefault(key, dict(zip(("model", "batch", "ctx", "step"), key), floor_ms=_f(r["floor_ms_h200"])))
+        mode, ok = r["mode"], r["status"] == "ok"
+        w[f"{mode}_ms"] = _f(r["median_ms"]) if ok else "n/a"
+        w[f"pred_{mode}"] = _f(r["predicted_ms_h200"])
+        w[f"{mode}/pred"] = _f(r["measured_over_predicted"]) if ok else "n/a"
+    return common.table(list(out.values()), ["model", "batch", "ctx", "step", "eager_ms", "pred_eager", "eager/pred",
+                                             "graph_ms", "pred_graph", "graph/pred", "floor_ms"]) + \
+        "\n(pred_*, floor_ms: bench/traffic.py's H200 model, not a measurement; n/a: not run, see the CSV's status)"
+
+
 def kernel_summary(rows: list[dict]) -> str:
     out = []
     for r in rows:
@@ -93,7 +109,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", help="TSV of step, status, seconds, note")
     args = p.parse_args(argv)
     d = Path(args.dir)
-    for pattern, title, fn in (("draft_latency*.csv", "draft step latency", draft_summary),
+    for pattern, title, fn in (("step_latency*.csv", "draft and verify steps vs the H200 prediction",
+                                step_latency_summary), ("draft_latency*.csv", "draft step latency", draft_summary),
                                ("kernels*.csv", "kernels", kernel_summary), ("e2e*.csv", "end to end", e2e_summary)):
         for path in sorted(d.glob(pattern)):
             rows = _read(path)

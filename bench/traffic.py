@@ -97,13 +97,13 @@ PURE_OVERWRITE = {aten.copy_.default, aten.fill_.Scalar, aten.zero_.default}
 MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default}
 
 
-def build_engine(model: str, batch: int, capacity: int, block: int, graphs: bool):
-    """``DFlashEngine`` for ``model`` with every weight and buffer on the meta device."""
+def build_models(model: str, capacity: int, block: int, device, dtype: torch.dtype = DTYPE):
+    """The HF target and the DFlash draft of ``model`` (``MODELS``), built in ``dtype`` on ``device`` with
+    HF's own initialisation (none on ``meta``)."""
     from transformers import LlamaConfig, Qwen3Config, LlamaForCausalLM, Qwen3ForCausalLM
 
     from dflash.config import DFlashConfig, build_target_layer_ids
     from dflash.draft import DraftModel
-    from dflash.engine import DFlashEngine
 
     s = MODELS[model]
     cfg_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if s["type"] == "qwen3" else (LlamaConfig, LlamaForCausalLM)
@@ -119,15 +119,21 @@ def build_engine(model: str, batch: int, capacity: int, block: int, graphs: bool
                         max_position_embeddings=max(40960, capacity + block),
                         rope_parameters={"rope_type": "default", "rope_theta": s["rope_theta"]})
     old = torch.get_default_dtype()
-    torch.set_default_dtype(DTYPE)
+    torch.set_default_dtype(dtype)
     try:
-        with torch.device("meta"):
-            target, draft = model_cls(tcfg), DraftModel(dcfg)
-            engine = DFlashEngine(target, draft, batch=batch, capacity=capacity, block_size=block,
-                                  use_cuda_graphs="emulate" if graphs else False)
+        with torch.device(device):
+            return model_cls(tcfg).eval(), DraftModel(dcfg).eval()
     finally:
         torch.set_default_dtype(old)
-    return engine
+
+
+def build_engine(model: str, batch: int, capacity: int, block: int, graphs: bool):
+    """``DFlashEngine`` for ``model`` with every weight and buffer on the meta device."""
+    from dflash.engine import DFlashEngine
+
+    target, draft = build_models(model, capacity, block, "meta")
+    return DFlashEngine(target, draft, batch=batch, capacity=capacity, block_size=block,
+                        use_cuda_graphs="emulate" if graphs else False)
 
 
 # ---------------------------------------------------------------------------------- the cost model

@@ -14,6 +14,7 @@ BENCHMARKS = {
     "kernels": "kernels.py",
     "e2e": "e2e.py",
     "traffic": "traffic.py",
+    "step-latency": "step_latency.py",
 }
 # name -> ("module:function" taking the remaining arguments, help)
 SUBCOMMANDS = {

@@ -193,13 +193,14 @@ class DFlashEngine:
         self._reset_kv_bound(longest)
 
     def fill_random_context(self, context: int, generator: torch.Generator | None = None) -> None:
-        """Benchmark state without a prefill: :meth:`set_context` with random context rows, features and anchors."""
+        """Benchmark state without a prefill: :meth:`set_context` with random context rows (draft and target
+        caches), features and anchors, drawn in place on the engine's device (``generator`` must live there):
+        a host draw of a batch-8, 32k-context Qwen3-8B state would take minutes and twice its memory."""
         vocab = self.target_model.get_input_embeddings().weight.shape[0]
         rows = min(context + self.block_size, self.k_cache.shape[2])
-        for cache in (self.k_cache, self.v_cache, self.features):
-            view = cache[:, :, :rows] if cache.dim() == 5 else cache
-            view.copy_(torch.randn(view.shape, generator=generator).to(view.dtype))
-        self.anchor.copy_(torch.randint(0, vocab, self.anchor.shape, generator=generator))
+        for cache in (self.k_cache, self.v_cache, self.target.k_cache, self.target.v_cache, self.features):
+            (cache[:, :, :rows] if cache.dim() == 5 else cache).normal_(generator=generator)
+        self.anchor.random_(0, vocab, generator=generator)
         self.set_context(context)
 
     def set_context(self, context: int) -> None:

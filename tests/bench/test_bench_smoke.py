@@ -42,11 +42,13 @@ def test_kernels_smoke_through_cli(tmp_path, capsys):
 
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["bench", "kernels", "--device", "cpu", "--size", "tiny", "--ops", "verify_greedy,commit_round,"
-                  "fused_context", "--warmup", "1", "--reps", "3", "--budget", "0.05", "--out", str(tmp_path)])
+                  "fused_context,verify_attention,add_rms_norm,silu_mul", "--warmup", "1", "--reps", "3", "--budget",
+                  "0.05", "--out", str(tmp_path)])
     assert exit_info.value.code in (0, None)
     rows = _rows(tmp_path / "kernels-cpu.csv")
     ok = {(r["op"], r["backend"]): r for r in rows if r["status"] == "ok"}
-    assert ("fused_context", "torch") in ok and ("verify_greedy", "torch") in ok and ("commit_round", "torch") in ok
+    for op in ("fused_context", "verify_greedy", "commit_round", "verify_attention", "add_rms_norm", "silu_mul"):
+        assert (op, "torch") in ok and float(ok[op, "torch"]["GBps"]) > 0, op
     for r in rows:
         if r["backend"] == "triton":
             assert r["status"] != "ok"  # never timed on CPU (interpreter), and the row says so
@@ -82,3 +84,30 @@ def test_draft_latency_through_cli_writes_csv_and_png(tmp_path):
     _rows(tmp_path / "draft_latency-cpu.csv")
     png = tmp_path / "draft_latency-cpu.png"
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+
+
+def test_step_latency_through_cli(tmp_path):
+    """Both steps timed eagerly on the tiny pair, each row next to the accountant's prediction for the
+    same configuration; graph rows say they are unavailable on CPU but still carry the prediction."""
+    import traffic
+
+    from dflash import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "step-latency", "--device", "cpu", "--batch", "1", "--contexts", "48", "--warmup", "1",
+                  "--reps", "3", "--budget", "0.05", "--out", str(tmp_path)])
+    assert exit_info.value.code in (0, None)
+    rows = {(r["step"], r["mode"]): r for r in _rows(tmp_path / "step_latency-cpu.csv")}
+    assert set(rows) == {(s, m) for s in ("draft", "verify") for m in ("eager", "graph")}
+    for (step, mode), r in rows.items():
+        assert (r["model"], r["capacity"], r["block"]) == ("tiny", "64", "16")
+        assert float(r["predicted_ms_h200"]) > float(r["floor_ms_h200"]) > 0
+        if mode == "graph":
+            assert r["status"].startswith("unavailable")
+            continue
+        assert r["status"] == "ok" and float(r["median_ms"]) > 0
+        assert float(r["measured_over_predicted"]) == pytest.approx(float(r["median_ms"]) / float(r["predicted_ms_h200"]))
+    eager = {s["step"]: s for s in traffic.measure("tiny", 1, 48, 64, 16, graphs=False)}
+    for step in ("draft", "verify"):
+        assert float(rows[step, "eager"]["predicted_ms_h200"]) == pytest.approx(eager[step]["predicted_ms_h200"])
+    assert not (tmp_path / "step_latency-cpu.partial.csv").exists()

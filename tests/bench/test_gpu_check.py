@@ -18,8 +18,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import toolchain  # noqa: E402
 
-STEPS = ["toolchain", "build", "graphs_runtime", "graphs_e2e", "ext_gpu", "kernels_real", "draft_latency", "e2e",
-         "kernels"]
+STEPS = ["toolchain", "build", "graphs_runtime", "graphs_e2e", "ext_gpu", "kernels_real", "step_latency",
+         "draft_latency", "e2e", "kernels"]
 NVCC_13_0 = "nvcc: NVIDIA (R) Cuda compiler driver\nCuda compilation tools, release 13.0, V13.0.88\n"
 
 
@@ -41,7 +41,7 @@ def test_toolchain_compare(nvcc, text, cuda, status, words):
 
 def run_script(out: Path, **env) -> subprocess.CompletedProcess:
     full = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "OUT": str(out), "PY": sys.executable, **env}
-    return subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=full, capture_output=True, text=True, timeout=240)
+    return subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=full, capture_output=True, text=True, timeout=300)
 
 
 def steps(out: Path) -> list[dict]:
@@ -63,14 +63,15 @@ def test_dry_run(tmp_path):
     assert re.search(r"\b1 passed\b", rows["graphs_e2e"]["note"]) and "skipped" in rows["ext_gpu"]["note"]
     # the summary comes last: tables, the steps, the toolchain line, the verdict
     out = proc.stdout
-    assert out.index("################ summary") < out.index("== end to end") < out.index("== steps")
-    ok = 7 if graphs_file else 6
-    assert out.rstrip().splitlines()[-1].startswith(f"gpu_check: {ok} ok, {9 - 1 - ok} skipped, 1 with a problem")
+    assert out.index("################ summary") < out.index("== draft and verify steps vs the H200 prediction") \
+        < out.index("== end to end") < out.index("== steps")
+    ok = len(STEPS) - 2 if graphs_file else len(STEPS) - 3
+    assert out.rstrip().splitlines()[-1].startswith(f"gpu_check: {ok} ok, {len(STEPS) - 1 - ok} skipped, 1 with a problem")
     # what the device tool brings back: at most 8 plain files, none in a subfolder
     files = sorted(p.name for p in tmp_path.iterdir())
     assert all((tmp_path / f).is_file() for f in files) and len(files) <= 8, files
-    assert {"gpu_check.log", "steps.tsv", "draft_latency-gpu_check.csv", "e2e-gpu_check.csv",
-            "kernels-gpu_check.csv"} <= set(files)
+    assert {"gpu_check.log", "steps.tsv", "step_latency-gpu_check.csv", "draft_latency-gpu_check.csv",
+            "e2e-gpu_check.csv", "kernels-gpu_check.csv"} <= set(files)
     log = (tmp_path / "gpu_check.log").read_text()
     assert "== kernels_real (timeout" in log and "wrote" in log
 

@@ -7,6 +7,7 @@ Entry point ``main(argv)`` (also ``dflash train …`` and ``python -m dflash.tra
 * ``fit``   — train a draft on a generated data folder (resumable from its checkpoint folder)
 * ``export``— write a checkpoint as a z-lab draft folder (bf16)
 * ``evaluate`` — teacher-forced acceptance estimate of a draft on a data folder
+* ``vocab`` — give a draft a vocabulary subset: the most frequent response tokens of the data
 """
 from __future__ import annotations
 

@@ -48,12 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     try:
         from dflash.train.trainer import add_fit_args, add_export_args, add_evaluate_args
+        from dflash.train.vocab import add_vocab_args
     except ImportError:  # pragma: no cover - during bootstrap
         pass
     else:
         add_fit_args(sub)
         add_export_args(sub)
         add_evaluate_args(sub)
+        add_vocab_args(sub)
     return p
 
 

@@ -142,7 +142,7 @@ def configs():
 
     att = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, kc_ptr=bf, vc_ptr=bf, lens_ptr="*i64", blens_ptr="*i64",
                table_ptr="*i32", qw_ptr=bf, kw_ptr=bf, inv_freq_ptr=f32, po_ptr=f32, pm_ptr=f32, pl_ptr=f32,
-               attention_scaling="fp32", eps="fp32", qk_scale="fp32", stride_kcp="i64", stride_vcp="i64")
+               out_ptr=bf, attention_scaling="fp32", eps="fp32", qk_scale="fp32", stride_kcp="i64", stride_vcp="i64")
     # The launcher's tiles: Qwen3-8B (nH 32, kvH 8, D 128, B 16: B*G = 64 rows, 8 warps) and the SmolLM2-135M
     # draft/target (nH 9, kvH 3, D 64, B 8: B*G = 24 -> 32 rows, 4 warps); bf16 -> 16-bit dot operands.
     qwen = dict(MIN_CHUNK=da.MIN_CHUNK, LOWP_DOT=True, DOT_PREC="tf32", BLOCK_R=64, BLOCK_N=64, BLOCK_B=16,

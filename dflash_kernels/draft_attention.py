@@ -394,6 +394,17 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _split_tile(b: int, g: int, d: int) -> tuple[dict, int]:
+    """The split kernel's tile constexprs and num_warps on a GPU for B block rows, G = nH/kvH, head dim D."""
+    block_r, block_half = max(16, next_pow2(b * g)), max(16, next_pow2(d // 2))
+    wide = block_r * block_half >= 4096
+    # The wide tiles (Qwen3-8B: 64 rows x D 128) take 8 warps; 32 context rows per step keep the score tile and
+    # the K/V staging within 128 registers, 2 CTAs/SM (README resource table).
+    tile = dict(BLOCK_R=block_r, BLOCK_N=32 if wide or d > 128 else 64, BLOCK_B=max(16, next_pow2(b)),
+                BLOCK_HALF=block_half)
+    return tile, (8 if wide else 4)
+
+
 def _partials(n: int, splits: int, b: int, nh: int, d: int, device: torch.device):
     """fp32 (acc [N, S, B, nH, D], max, sum [N, S, B, nH]) of every split slot; a request writes
     ``partial_slots`` of them."""
@@ -416,7 +427,6 @@ def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_no
     capacity = block_table.shape[1] * page_size if paged else page_size
     bound = capacity if max_context_len is None else min(capacity, max(1, int(max_context_len)))
     half = d // 2
-    block_n = 64 if interpreting() else (64 if d <= 128 else 32)
     if num_splits is None:
         # The interpreter pretends to have 2*N*kvH SMs: up to 4 splits, so the tests reach the split logic.
         sms = 2 * n * kvh if interpreting() else _sm_count(q.device.index if q.device.index is not None
@@ -428,7 +438,9 @@ def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_no
     lowp_dot = q.dtype == k_cache.dtype != torch.float32 and not interpreting()
     has_norm = q_norm_weight is not None
     causal = (sliding_window is not None) if causal is None else causal
-    block_r, block_half = max(16, next_pow2(b * g)), max(16, next_pow2(half))
+    tile, num_warps = _split_tile(b, g, d)
+    if interpreting():
+        tile["BLOCK_N"] = 64  # fewer interpreted loop steps
     _attn_split_kernel[(n, kvh, num_splits)](
         q_ptr=q, k_ptr=k, v_ptr=v, kc_ptr=k_cache, vc_ptr=v_cache, lens_ptr=cache_lens,
         blens_ptr=block_lens if block_lens is not None else cache_lens,
@@ -446,9 +458,7 @@ def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_no
         stride_tn=table.stride(0) if table is not None else 0,
         HAS_TABLE=table is not None, SLIDING=sliding_window is not None, CAUSAL=causal,
         HAS_BLOCK_LENS=block_lens is not None, HAS_QK_NORM=has_norm, WRITE_KV=write_kv, MIN_CHUNK=MIN_CHUNK,
-        LOWP_DOT=lowp_dot, DOT_PREC=dot_prec, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_B=max(16, next_pow2(b)),
-        BLOCK_HALF=block_half,
-        num_warps=8 if block_r * block_half >= 4096 else 4,
+        LOWP_DOT=lowp_dot, DOT_PREC=dot_prec, num_warps=num_warps, **tile,
     )
     rows = b * nh
     block_rows = min(next_pow2(rows), 256 if interpreting() else 16)

@@ -143,11 +143,11 @@ def configs():
     att = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, kc_ptr=bf, vc_ptr=bf, lens_ptr="*i64", blens_ptr="*i64",
                table_ptr="*i32", qw_ptr=bf, kw_ptr=bf, inv_freq_ptr=f32, po_ptr=f32, pm_ptr=f32, pl_ptr=f32,
                out_ptr=bf, attention_scaling="fp32", eps="fp32", qk_scale="fp32", stride_kcp="i64", stride_vcp="i64")
-    # The launcher's tiles: Qwen3-8B (nH 32, kvH 8, D 128, B 16: B*G = 64 rows, 8 warps) and the SmolLM2-135M
-    # draft/target (nH 9, kvH 3, D 64, B 8: B*G = 24 -> 32 rows, 4 warps); bf16 -> 16-bit dot operands.
-    qwen = dict(MIN_CHUNK=da.MIN_CHUNK, LOWP_DOT=True, DOT_PREC="tf32", BLOCK_R=64, BLOCK_N=64, BLOCK_B=16,
-                BLOCK_HALF=64)
-    smol = dict(qwen, BLOCK_R=32, BLOCK_HALF=32)
+    # The launcher's tiles (_split_tile): Qwen3-8B (nH 32, kvH 8, D 128, B 16: B*G = 64 rows, 8 warps) and the
+    # SmolLM2-135M draft/target (nH 9, kvH 3, D 64, B 8: B*G = 24 -> 32 rows, 4 warps); bf16 -> 16-bit dots.
+    (qwen, qwen_warps), (smol, smol_warps) = da._split_tile(16, 4, 128), da._split_tile(8, 3, 64)
+    qwen.update(MIN_CHUNK=da.MIN_CHUNK, LOWP_DOT=True, DOT_PREC="tf32")
+    smol.update(MIN_CHUNK=da.MIN_CHUNK, LOWP_DOT=True, DOT_PREC="tf32")
 
     def shape_ints(nh, kvh, d, b):
         """The split kernel's integer arguments fixed by the model shape: q, k, v viewed from one fused QKV
@@ -166,16 +166,16 @@ def configs():
         add(f"draft_attention split Qwen3-8B table={table} sliding={sliding} causal={causal} block_lens={blens}",
             da._attn_split_kernel, att,
             dict(HAS_TABLE=table, SLIDING=sliding, CAUSAL=causal, HAS_BLOCK_LENS=blens, HAS_QK_NORM=True,
-                 WRITE_KV=False, **qwen), num_warps=8, ints=qwen_ints)
+                 WRITE_KV=False, **qwen), num_warps=qwen_warps, ints=qwen_ints)
     add("draft_attention split Qwen3-8B fp32 operands (tf32)", da._attn_split_kernel, att,
         dict(HAS_TABLE=False, SLIDING=False, CAUSAL=False, HAS_BLOCK_LENS=False, HAS_QK_NORM=True, WRITE_KV=False,
-             **dict(qwen, LOWP_DOT=False)), num_warps=8, ints=qwen_ints)
+             **dict(qwen, LOWP_DOT=False)), num_warps=qwen_warps, ints=qwen_ints)
     add("draft_attention split SmolLM2", da._attn_split_kernel, att,
         dict(HAS_TABLE=False, SLIDING=False, CAUSAL=False, HAS_BLOCK_LENS=False, HAS_QK_NORM=True, WRITE_KV=False,
-             **smol), ints=smol_ints)
-    for name, tile, table, norm, warps, ints in (("Qwen3-8B", qwen, False, True, 8, qwen_ints),
-                                                 ("Qwen3-8B", qwen, True, False, 8, qwen_ints),
-                                                 ("SmolLM2", smol, False, False, 4, smol_ints)):
+             **smol), num_warps=smol_warps, ints=smol_ints)
+    for name, tile, table, norm, warps, ints in (("Qwen3-8B", qwen, False, True, qwen_warps, qwen_ints),
+                                                 ("Qwen3-8B", qwen, True, False, qwen_warps, qwen_ints),
+                                                 ("SmolLM2", smol, False, False, smol_warps, smol_ints)):
         add(f"verify_attention split {name} table={table} qk_norm={norm}", da._attn_split_kernel, att,
             dict(HAS_TABLE=table, SLIDING=False, CAUSAL=True, HAS_BLOCK_LENS=False, HAS_QK_NORM=norm, WRITE_KV=True,
                  **tile), num_warps=warps, ints=ints)

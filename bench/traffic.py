@@ -60,7 +60,7 @@ import common  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from dflash_kernels.draft_attention import active_splits, pick_max_splits  # noqa: E402
+from dflash_kernels.draft_attention import partial_slots, pick_max_splits  # noqa: E402
 from dflash_kernels.verify import threshold_bytes, threshold_launches  # noqa: E402
 
 H200_BYTES_PER_S = 4.3e12
@@ -219,8 +219,8 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
         num_splits, bound = (args[16], args[17]) if name == "draft_attention" else (args[14], args[15])
         bound = k_cache.shape[1] if bound is None else min(k_cache.shape[1], max(1, bound))
         splits = num_splits or pick_max_splits(n, kvh, bound, H200_SMS)
-        # fp32 partials (acc [B*nH, D], max, sum) of the active splits and the block's, written once, read once
-        partials = 2 * n * (active_splits(context, splits) + 1) * b * nh * (d + 2) * 4
+        # fp32 partials (acc [B*nH, D], max, sum) of the active splits (none when one is), written once, read once
+        partials = 2 * n * partial_slots(context, splits) * b * nh * (d + 2) * 4
         live = 2 * n * context * kvh * d * k_cache.element_size()  # live context K/V only, not the capacity
         written = 2 * n * b * kvh * d * k_cache.element_size() if name == "verify_attention" else 0
         small = nbytes([q, k, v, *args[5:9]]) + (nbytes([args[15]]) if name == "draft_attention" else 0)

@@ -5,17 +5,17 @@ block's own keys]. One kernel family (a split kernel and a merge kernel, constex
 * ``verify_attention``: a target layer of the verify step; causal inside the block, optional q/k norm, and
   the block's normed + rotated K rows and raw V rows are written into the cache at rows ``cache_lens[n] + i``.
 
-Cost contract of one call (``bench/traffic.py`` models it; ``active_splits`` and ``pick_max_splits`` are the
-split rule). Per request, ``live`` = context rows read: ``min(cache_lens[n], capacity)``, and with a sliding
-window only the last ``W - 1`` of them; ``S`` = the grid's maximum split count, ``A = active_splits(live, S)``;
-element sizes ``e`` (q's dtype) and ``c`` (the cache's):
+Cost contract of one call (``bench/traffic.py`` models it; ``active_splits``, ``partial_slots`` and
+``pick_max_splits`` are the split rule). Per request, ``live`` = context rows read: ``min(cache_lens[n],
+capacity)``, and with a sliding window only the last ``W - 1`` of them; ``S`` = the grid's maximum split count,
+``A = active_splits(live, S)``; element sizes ``e`` (q's dtype) and ``c`` (the cache's):
 
 * launches: 2 (split kernel, merge kernel); none when N = 0.
 * bytes: the live context K/V rows read once, ``2 * live * kvH * D * c``; q, k, v of the block read once and
   the output written once (q's dtype); verify only: the B new K and V rows written, ``2 * B * kvH * D * c``
-  (rows past the capacity are dropped); fp32 partials of the ``A + 1`` splits (active context splits and the
-  block) written once and read once, ``2 * (A + 1) * B * nH * (D + 2) * 4``; plus the small vectors
-  (cache_lens, block_lens, norm weights, inv_freq, the table entries used).
+  (rows past the capacity are dropped); fp32 partials of ``P = partial_slots(live, S)`` splits (A, or none
+  when A = 1: the one split writes the output) written once and read once, ``2 * P * B * nH * (D + 2) * 4``;
+  plus the small vectors (cache_lens, block_lens, norm weights, inv_freq, the table entries used).
 * FLOPs: ``4 * B * nH * D * (live + B)`` (QK^T and PV; the masked part of the block is counted in full).
 """
 from __future__ import annotations
@@ -39,12 +39,13 @@ VERIFY_OP = "verify_attention"
 _BACKENDS = ("triton", "torch")
 _LOG2E = 1.4426950408889634
 
-# Context rows per active split (A = cdiv(live, MIN_CHUNK) capped by the grid). One split's fp32 partial (acc
-# [B*G, D], max and sum [B*G]) is B*G*(D+2)*4 bytes per KV head, written once and read once by the merge; the
-# bf16 K/V rows it summarises are chunk*D*2*2 bytes, chunk = live / A. Partials / K/V = 2*B*G*(D+2) / (chunk*D):
-# at chunk = 1024, 12.7 % at B*G = 64 (Qwen3-8B verify or draft, B = 16, G = 4, D = 128) and 4.8 % at B*G = 24
-# (SmolLM2 draft, B = 8, G = 3, D = 64). chunk ranges from 1024 down to 513 (live = 1025: twice that ratio, on
-# a tiny context) and tends to 1024 or more on long contexts. Smaller chunks would add parallelism at small N·kvH.
+# Context rows per active split (A = cdiv(live, MIN_CHUNK) capped by the grid). When A > 1, one split's fp32
+# partial (acc [B*G, D], max and sum [B*G]) is B*G*(D+2)*4 bytes per KV head, written once and read once by the
+# merge (a single active split writes the output itself); the bf16 K/V rows it summarises are chunk*D*2*2 bytes,
+# chunk = live / A. Partials / K/V = 2*B*G*(D+2) / (chunk*D): at chunk = 1024, 12.7 % at B*G = 64 (Qwen3-8B
+# verify or draft, B = 16, G = 4, D = 128) and 4.8 % at B*G = 24 (SmolLM2 draft, B = 8, G = 3, D = 64). chunk
+# ranges from 1024 down to 513 (live = 1025: twice that ratio, on a tiny context) and tends to 1024 or more on
+# long contexts. Smaller chunks would add parallelism at small N·kvH.
 MIN_CHUNK = 1024
 
 
@@ -52,6 +53,13 @@ def active_splits(live: int, max_splits: int) -> int:
     """Context splits that do work for a request with ``live`` context rows in a grid of ``max_splits``:
     one per MIN_CHUNK rows, at least 1, at most ``max_splits`` (the kernels' ``_split_plan``)."""
     return min(max(triton.cdiv(live, MIN_CHUNK), 1), max_splits)
+
+
+def partial_slots(live: int, max_splits: int) -> int:
+    """fp32 partial slots a request writes (and the merge reads): one per active split, none when a single
+    split is active (it normalises and stores the output itself)."""
+    a = active_splits(live, max_splits)
+    return 0 if a == 1 else a
 
 
 def pick_max_splits(n: int, kvh: int, bound: int, sm_count: int) -> int:
@@ -211,9 +219,20 @@ def _cache_rows(table_ptr, n, stride_tn, t, t_ok, page_size, HAS_TABLE: tl.const
 
 
 @triton.jit
+def _online_softmax(s, m_i, l_i):
+    """Fold a tile of scores (log2 units, -inf where hidden) into the running max and sum: returns the tile's
+    probabilities, the factor that rescales the accumulator, and the new max and sum."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _attn_split_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, lens_ptr, blens_ptr, table_ptr, qw_ptr, kw_ptr, inv_freq_ptr, po_ptr, pm_ptr,
-    pl_ptr,
+    pl_ptr, out_ptr,
     B, G, NH, HALF, page_size, CAP, window, attention_scaling, eps, qk_scale, NSPLIT,
     stride_qn, stride_qb, stride_qh, stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
     stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch, stride_tn,
@@ -227,7 +246,7 @@ def _attn_split_kernel(
     split = tl.program_id(2)
     ctx_len = tl.load(lens_ptr + n).to(tl.int64)
     lo, ctx_end, active = _split_plan(ctx_len, CAP, window, NSPLIT, SLIDING, MIN_CHUNK)
-    if (split < NSPLIT) & (split >= active):
+    if split >= active:
         return
     # GQA packing: the B x G query rows of KV head h form one tile (row r = block row r // G, head h*G + r % G).
     r = tl.arange(0, BLOCK_R)
@@ -253,41 +272,34 @@ def _attn_split_kernel(
     l_i = tl.zeros((BLOCK_R,), tl.float32)
     acc_lo = tl.zeros((BLOCK_R, BLOCK_HALF), tl.float32)
     acc_hi = tl.zeros((BLOCK_R, BLOCK_HALF), tl.float32)
-    if split < NSPLIT:
-        # Not rounded to BLOCK_N: with active capped at NSPLIT that could leave the last splits empty.
-        chunk = tl.cdiv(ctx_end - lo, active)
-        start = lo + split * chunk
-        end = tl.minimum(start + chunk, ctx_end)
-        for t0 in range(start, end, BLOCK_N):
-            t = t0 + tl.arange(0, BLOCK_N)
-            t_ok = t < end
-            page, slot = _cache_rows(table_ptr, n, stride_tn, t, t_ok, page_size, HAS_TABLE)
-            kmask = t_ok[:, None] & dh_ok[None, :]
-            k_base = kc_ptr + (page * stride_kcp + slot * stride_kcs + h * stride_kch)[:, None]
-            k_lo = tl.load(k_base + dh[None, :], mask=kmask, other=0.0).to(DOT_T)
-            k_hi = tl.load(k_base + HALF + dh[None, :], mask=kmask, other=0.0).to(DOT_T)
-            s = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PREC)
-            s = tl.dot(q_hi, tl.trans(k_hi), s, input_precision=DOT_PREC)
-            valid = r_ok[:, None] & t_ok[None, :]
-            if SLIDING:
-                valid = valid & ((qpos[:, None] - t[None, :]) < window)
-            s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v_base = vc_ptr + (page * stride_vcp + slot * stride_vcs + h * stride_vch)[:, None]
-            v_lo = tl.load(v_base + dh[None, :], mask=kmask, other=0.0).to(DOT_T)
-            v_hi = tl.load(v_base + HALF + dh[None, :], mask=kmask, other=0.0).to(DOT_T)
-            p = p.to(DOT_T)
-            acc_lo = tl.dot(p, v_lo, acc_lo * alpha[:, None], input_precision=DOT_PREC)
-            acc_hi = tl.dot(p, v_hi, acc_hi * alpha[:, None], input_precision=DOT_PREC)
-            m_i = m_new
-    else:
-        # The block's own keys: k_norm + RoPE here, from registers (WRITE_KV stores them for later steps; the
-        # context splits of this launch read rows < cache_lens only, so there is no race). Keys at rows
-        # >= block_lens[n] are neither loaded nor seen (a shortened tail block).
+    # Not rounded to BLOCK_N: with active capped at NSPLIT that could leave the last splits empty.
+    chunk = tl.cdiv(ctx_end - lo, active)
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, ctx_end)
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        t_ok = t < end
+        page, slot = _cache_rows(table_ptr, n, stride_tn, t, t_ok, page_size, HAS_TABLE)
+        kmask = t_ok[:, None] & dh_ok[None, :]
+        k_base = kc_ptr + (page * stride_kcp + slot * stride_kcs + h * stride_kch)[:, None]
+        k_lo = tl.load(k_base + dh[None, :], mask=kmask, other=0.0).to(DOT_T)
+        k_hi = tl.load(k_base + HALF + dh[None, :], mask=kmask, other=0.0).to(DOT_T)
+        s = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PREC)
+        s = tl.dot(q_hi, tl.trans(k_hi), s, input_precision=DOT_PREC)
+        valid = r_ok[:, None] & t_ok[None, :]
+        if SLIDING:
+            valid = valid & ((qpos[:, None] - t[None, :]) < window)
+        p, alpha, m_i, l_i = _online_softmax(tl.where(valid, s, float("-inf")), m_i, l_i)
+        v_base = vc_ptr + (page * stride_vcp + slot * stride_vcs + h * stride_vch)[:, None]
+        v_lo = tl.load(v_base + dh[None, :], mask=kmask, other=0.0).to(DOT_T)
+        v_hi = tl.load(v_base + HALF + dh[None, :], mask=kmask, other=0.0).to(DOT_T)
+        p = p.to(DOT_T)
+        acc_lo = tl.dot(p, v_lo, acc_lo * alpha[:, None], input_precision=DOT_PREC)
+        acc_hi = tl.dot(p, v_hi, acc_hi * alpha[:, None], input_precision=DOT_PREC)
+    if split == active - 1:
+        # The last active split also takes the block's own keys, in the same softmax state: k_norm + RoPE here,
+        # from registers (WRITE_KV stores them for later steps; the context reads of this launch stop at
+        # cache_lens, so there is no race). Keys at rows >= block_lens[n] are neither loaded nor seen.
         j = tl.arange(0, BLOCK_B)
         j_ok = j < B
         if HAS_BLOCK_LENS:
@@ -321,23 +333,28 @@ def _attn_split_kernel(
             valid = valid & (diff >= 0)
         if SLIDING:
             valid = valid & (diff < window) & (diff > -window)
-        s = tl.where(valid, s, float("-inf"))
-        m_i = tl.max(s, axis=1)
-        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = tl.sum(p, axis=1)
+        p, alpha, m_i, l_i = _online_softmax(tl.where(valid, s, float("-inf")), m_i, l_i)
         p = p.to(DOT_T)
-        acc_lo = tl.dot(p, v_lo.to(DOT_T), input_precision=DOT_PREC)
-        acc_hi = tl.dot(p, v_hi.to(DOT_T), input_precision=DOT_PREC)
-    # Unnormalised partials (acc, running max m, sum l) in the natural [N, S+1, B, nH, D] layout so the
-    # merge treats (block row, head) as rows; no log/exp round trip of l (its error grows with |lse|).
+        acc_lo = tl.dot(p, v_lo.to(DOT_T), acc_lo * alpha[:, None], input_precision=DOT_PREC)
+        acc_hi = tl.dot(p, v_hi.to(DOT_T), acc_hi * alpha[:, None], input_precision=DOT_PREC)
+    # Rows are (block row, head) in the natural [N, B, nH, D] order of the output and the partials.
     row = (qi * NH + head).to(tl.int64)
-    ps = (n * (NSPLIT + 1) + split) * B * NH
-    o_base = po_ptr + (ps + row)[:, None] * (2 * HALF)
-    tl.store(o_base + dh[None, :], acc_lo, mask=qmask)
-    tl.store(o_base + HALF + dh[None, :], acc_hi, mask=qmask)
-    tl.store(pm_ptr + ps + row, m_i, mask=r_ok)
-    tl.store(pl_ptr + ps + row, l_i, mask=r_ok)
+    if active == 1:
+        # The only split holds the whole softmax: normalise and store the output; the merge skips this request.
+        # Rows that see no key (past block_lens) have l = 0 and acc = 0: their output is 0.
+        inv_l = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+        out_base = out_ptr + (n * B * NH + row)[:, None] * (2 * HALF)
+        tl.store(out_base + dh[None, :], (acc_lo * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
+        tl.store(out_base + HALF + dh[None, :], (acc_hi * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
+    else:
+        # Unnormalised partials (acc, running max m, sum l) in slot `split` of [N, S, B, nH, D]; no log/exp
+        # round trip of l (its error grows with |lse|).
+        ps = (n * NSPLIT + split) * B * NH + row
+        po_base = po_ptr + ps[:, None] * (2 * HALF)
+        tl.store(po_base + dh[None, :], acc_lo, mask=qmask)
+        tl.store(po_base + HALF + dh[None, :], acc_hi, mask=qmask)
+        tl.store(pm_ptr + ps, m_i, mask=r_ok)
+        tl.store(pl_ptr + ps, l_i, mask=r_ok)
 
 
 @triton.jit
@@ -345,18 +362,18 @@ def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, lens_ptr, ROWS, D, NSP
                          stride_or, SLIDING: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                          BLOCK_D: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
+    _, _, active = _split_plan(tl.load(lens_ptr + n).to(tl.int64), CAP, window, NSPLIT, SLIDING, MIN_CHUNK)
+    if active == 1:
+        return  # the split kernel wrote this request's output
     rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     r_ok = rows < ROWS
     d = tl.arange(0, BLOCK_D)
     mask = r_ok[:, None] & (d < D)[None, :]
-    _, _, active = _split_plan(tl.load(lens_ptr + n).to(tl.int64), CAP, window, NSPLIT, SLIDING, MIN_CHUNK)
     m = tl.full((BLOCK_ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_ROWS,), tl.float32)
     acc = tl.zeros((BLOCK_ROWS, BLOCK_D), tl.float32)
-    for i in range(0, active + 1):
-        # The active context splits 0..active-1, then the block's partial in slot NSPLIT.
-        s = tl.where(i < active, i, NSPLIT)
-        base = (n * (NSPLIT + 1) + s) * ROWS + rows.to(tl.int64)
+    for s in range(0, active):
+        base = (n * NSPLIT + s) * ROWS + rows.to(tl.int64)
         m_s = tl.load(pm_ptr + base, mask=r_ok, other=float("-inf"))
         l_s = tl.load(pl_ptr + base, mask=r_ok, other=0.0)
         o = tl.load(po_ptr + base[:, None] * D + d[None, :], mask=mask, other=0.0)
@@ -377,10 +394,22 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _split_tile(b: int, g: int, d: int) -> tuple[dict, int]:
+    """The split kernel's tile constexprs and num_warps on a GPU for B block rows, G = nH/kvH, head dim D."""
+    block_r, block_half = max(16, next_pow2(b * g)), max(16, next_pow2(d // 2))
+    wide = block_r * block_half >= 4096
+    # The wide tiles (Qwen3-8B: 64 rows x D 128) take 8 warps; 32 context rows per step keep the score tile and
+    # the K/V staging within 128 registers, 2 CTAs/SM (README resource table).
+    tile = dict(BLOCK_R=block_r, BLOCK_N=32 if wide or d > 128 else 64, BLOCK_B=max(16, next_pow2(b)),
+                BLOCK_HALF=block_half)
+    return tile, (8 if wide else 4)
+
+
 def _partials(n: int, splits: int, b: int, nh: int, d: int, device: torch.device):
-    """fp32 (acc [N, S+1, B, nH, D], max, sum [N, S+1, B, nH]) of every split slot; only active slots are written."""
-    po = torch.empty((n, splits + 1, b, nh, d), dtype=torch.float32, device=device)
-    pm = torch.empty((n, splits + 1, b, nh), dtype=torch.float32, device=device)
+    """fp32 (acc [N, S, B, nH, D], max, sum [N, S, B, nH]) of every split slot; a request writes
+    ``partial_slots`` of them."""
+    po = torch.empty((n, splits, b, nh, d), dtype=torch.float32, device=device)
+    pm = torch.empty((n, splits, b, nh), dtype=torch.float32, device=device)
     return po, pm, torch.empty_like(pm)
 
 
@@ -398,7 +427,6 @@ def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_no
     capacity = block_table.shape[1] * page_size if paged else page_size
     bound = capacity if max_context_len is None else min(capacity, max(1, int(max_context_len)))
     half = d // 2
-    block_n = 64 if interpreting() else (64 if d <= 128 else 32)
     if num_splits is None:
         # The interpreter pretends to have 2*N*kvH SMs: up to 4 splits, so the tests reach the split logic.
         sms = 2 * n * kvh if interpreting() else _sm_count(q.device.index if q.device.index is not None
@@ -410,13 +438,15 @@ def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_no
     lowp_dot = q.dtype == k_cache.dtype != torch.float32 and not interpreting()
     has_norm = q_norm_weight is not None
     causal = (sliding_window is not None) if causal is None else causal
-    block_r, block_half = max(16, next_pow2(b * g)), max(16, next_pow2(half))
-    _attn_split_kernel[(n, kvh, num_splits + 1)](
+    tile, num_warps = _split_tile(b, g, d)
+    if interpreting():
+        tile["BLOCK_N"] = 64  # fewer interpreted loop steps
+    _attn_split_kernel[(n, kvh, num_splits)](
         q_ptr=q, k_ptr=k, v_ptr=v, kc_ptr=k_cache, vc_ptr=v_cache, lens_ptr=cache_lens,
         blens_ptr=block_lens if block_lens is not None else cache_lens,
         table_ptr=table if table is not None else cache_lens,
         qw_ptr=q_norm_weight if has_norm else inv_freq, kw_ptr=k_norm_weight if has_norm else inv_freq,
-        inv_freq_ptr=inv_freq.to(torch.float32), po_ptr=po, pm_ptr=pm, pl_ptr=pl,
+        inv_freq_ptr=inv_freq.to(torch.float32), po_ptr=po, pm_ptr=pm, pl_ptr=pl, out_ptr=out,
         B=b, G=g, NH=nh, HALF=half, page_size=page_size, CAP=capacity, window=sliding_window or 0,
         attention_scaling=float(attention_scaling), eps=float(eps),
         qk_scale=(d ** -0.5 if scale is None else float(scale)) * _LOG2E, NSPLIT=num_splits,
@@ -428,9 +458,7 @@ def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_no
         stride_tn=table.stride(0) if table is not None else 0,
         HAS_TABLE=table is not None, SLIDING=sliding_window is not None, CAUSAL=causal,
         HAS_BLOCK_LENS=block_lens is not None, HAS_QK_NORM=has_norm, WRITE_KV=write_kv, MIN_CHUNK=MIN_CHUNK,
-        LOWP_DOT=lowp_dot, DOT_PREC=dot_prec, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_B=max(16, next_pow2(b)),
-        BLOCK_HALF=block_half,
-        num_warps=8 if block_r * block_half >= 4096 else 4,
+        LOWP_DOT=lowp_dot, DOT_PREC=dot_prec, num_warps=num_warps, **tile,
     )
     rows = b * nh
     block_rows = min(next_pow2(rows), 256 if interpreting() else 16)

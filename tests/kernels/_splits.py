@@ -25,10 +25,14 @@ def nan_partials(monkeypatch) -> list:
     return seen
 
 
-def assert_slots(pm: torch.Tensor, live: list[int], max_splits: int) -> None:
-    """The slots the split kernel wrote = request r's active context splits and the block slot (the last)."""
-    assert pm.shape[1] == max_splits + 1
-    for r, rows in enumerate(live):
-        a = da.active_splits(rows, max_splits)
-        written = [bool((~torch.isnan(pm[r, s])).all()) for s in range(max_splits + 1)]
-        assert written == [s < a or s == max_splits for s in range(max_splits + 1)], (r, rows, a, written)
+def assert_slots(partials, live: list[int], max_splits: int) -> None:
+    """The slots the split kernel wrote = request r's active splits 0..A-1, or none when A = 1 (that split
+    stores the output itself); acc, max and sum alike."""
+    for t in partials:
+        assert t.shape[1] == max_splits
+        for r, rows in enumerate(live):
+            a = da.active_splits(rows, max_splits)
+            assert da.partial_slots(rows, max_splits) == (0 if a == 1 else a)
+            nan = [torch.isnan(t[r, s]) for s in range(max_splits)]
+            written = ["all" if not x.any() else "none" if x.all() else "part" for x in nan]
+            assert written == ["all" if 1 < a and s < a else "none" for s in range(max_splits)], (r, rows, a, written)

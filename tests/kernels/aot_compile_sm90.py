@@ -78,9 +78,20 @@ def max_ctas_per_sm(regs: int, warps: int, shared: int) -> int:
     return min(by_regs, 228 * 1024 // (shared + 1024), 64 // warps, 32)
 
 
-def compile_one(label, fn, types, consts, num_warps=4, with_spills=False):
+def jit_attrs(fn, sig: dict, ints: dict | None) -> dict:
+    """The divisibility hints the JIT gives a launch: 16 for pointers (the caching allocator's alignment) and
+    for the integer arguments that are multiples of 16. ``ints``: a config's integer arguments fixed by the
+    model shape; None = no hints (runtime values unknown)."""
+    if ints is None:
+        return {}
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+            if sig[name].startswith("*") or ints.get(name, 1) % 16 == 0}
+
+
+def compile_one(label, fn, types, consts, num_warps=4, with_spills=False, ints=None):
     t = time.time()
-    src = ASTSource(fn=fn, signature=sig_of(fn, types, consts), constexprs=consts)
+    sig = sig_of(fn, types, consts)
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=jit_attrs(fn, sig, ints))
     k = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
     md = k.metadata
     regs, usage = resource_usage(k.asm["cubin"])
@@ -91,12 +102,12 @@ def compile_one(label, fn, types, consts, num_warps=4, with_spills=False):
 
 
 def configs():
-    """Every (label, kernel, argument types, constexprs, num_warps) compiled here: each launched kernel with
-    the launch configs the launchers use on a GPU."""
+    """Every (label, kernel, argument types, constexprs, num_warps, shape-fixed ints) compiled here: each
+    launched kernel with the launch configs the launchers use on a GPU."""
     out = []
 
-    def add(label, fn, types, consts, num_warps=4):
-        out.append((label, fn, types, consts, num_warps))
+    def add(label, fn, types, consts, num_warps=4, ints=None):
+        out.append((label, fn, types, consts, num_warps, ints))
 
     bf, f32 = "*bf16", "*fp32"
     fc_ptrs = {f"t{i}": bf for i in range(8)}
@@ -133,33 +144,48 @@ def configs():
 
     att = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, kc_ptr=bf, vc_ptr=bf, lens_ptr="*i64", blens_ptr="*i64",
                table_ptr="*i32", qw_ptr=bf, kw_ptr=bf, inv_freq_ptr=f32, po_ptr=f32, pm_ptr=f32, pl_ptr=f32,
-               attention_scaling="fp32", eps="fp32", qk_scale="fp32", stride_kcp="i64", stride_vcp="i64")
-    # The launcher's tiles: Qwen3-8B (nH 32, kvH 8, D 128, B 16: B*G = 64 rows, 8 warps) and the SmolLM2-135M
-    # draft/target (nH 9, kvH 3, D 64, B 8: B*G = 24 -> 32 rows, 4 warps); bf16 -> 16-bit dot operands.
-    qwen = dict(MIN_CHUNK=da.MIN_CHUNK, LOWP_DOT=True, DOT_PREC="tf32", BLOCK_R=64, BLOCK_N=64, BLOCK_B=16,
-                BLOCK_HALF=64)
-    smol = dict(qwen, BLOCK_R=32, BLOCK_HALF=32)
+               out_ptr=bf, attention_scaling="fp32", eps="fp32", qk_scale="fp32", stride_kcp="i64", stride_vcp="i64")
+    # The launcher's tiles (_split_tile): Qwen3-8B (nH 32, kvH 8, D 128, B 16: B*G = 64 rows, 8 warps) and the
+    # SmolLM2-135M draft/target (nH 9, kvH 3, D 64, B 8: B*G = 24 -> 32 rows, 4 warps); bf16 -> 16-bit dots.
+    (qwen, qwen_warps), (smol, smol_warps) = da._split_tile(16, 4, 128), da._split_tile(8, 3, 64)
+    qwen.update(MIN_CHUNK=da.MIN_CHUNK, LOWP_DOT=True, DOT_PREC="tf32")
+    smol.update(MIN_CHUNK=da.MIN_CHUNK, LOWP_DOT=True, DOT_PREC="tf32")
+
+    def shape_ints(nh, kvh, d, b):
+        """The split kernel's integer arguments fixed by the model shape: q, k, v viewed from one fused QKV
+        projection [N*B, (nH + 2*kvH)*D], caches [..., rows, kvH, D] (pages of 16 rows)."""
+        row = (nh + 2 * kvh) * d
+        ints = dict(B=b, G=nh // kvh, NH=nh, HALF=d // 2)
+        for x in "qkv":
+            ints.update({f"stride_{x}n": b * row, f"stride_{x}b": row, f"stride_{x}h": d})
+        for x in "kv":
+            ints.update({f"stride_{x}cp": 16 * kvh * d, f"stride_{x}cs": kvh * d, f"stride_{x}ch": d})
+        return ints
+
+    qwen_ints, smol_ints = shape_ints(32, 8, 128, 16), shape_ints(9, 3, 64, 8)
     for table, sliding, causal, blens in ((False, False, False, False), (True, False, False, True),
                                           (True, True, True, True), (True, True, False, False)):
         add(f"draft_attention split Qwen3-8B table={table} sliding={sliding} causal={causal} block_lens={blens}",
             da._attn_split_kernel, att,
             dict(HAS_TABLE=table, SLIDING=sliding, CAUSAL=causal, HAS_BLOCK_LENS=blens, HAS_QK_NORM=True,
-                 WRITE_KV=False, **qwen), num_warps=8)
+                 WRITE_KV=False, **qwen), num_warps=qwen_warps, ints=qwen_ints)
     add("draft_attention split Qwen3-8B fp32 operands (tf32)", da._attn_split_kernel, att,
         dict(HAS_TABLE=False, SLIDING=False, CAUSAL=False, HAS_BLOCK_LENS=False, HAS_QK_NORM=True, WRITE_KV=False,
-             **dict(qwen, LOWP_DOT=False)), num_warps=8)
+             **dict(qwen, LOWP_DOT=False)), num_warps=qwen_warps, ints=qwen_ints)
     add("draft_attention split SmolLM2", da._attn_split_kernel, att,
         dict(HAS_TABLE=False, SLIDING=False, CAUSAL=False, HAS_BLOCK_LENS=False, HAS_QK_NORM=True, WRITE_KV=False,
-             **smol))
-    for name, tile, table, norm, warps in (("Qwen3-8B", qwen, False, True, 8), ("Qwen3-8B", qwen, True, False, 8),
-                                           ("SmolLM2", smol, False, False, 4)):
+             **smol), num_warps=smol_warps, ints=smol_ints)
+    for name, tile, table, norm, warps, ints in (("Qwen3-8B", qwen, False, True, qwen_warps, qwen_ints),
+                                                 ("Qwen3-8B", qwen, True, False, qwen_warps, qwen_ints),
+                                                 ("SmolLM2", smol, False, False, smol_warps, smol_ints)):
         add(f"verify_attention split {name} table={table} qk_norm={norm}", da._attn_split_kernel, att,
             dict(HAS_TABLE=table, SLIDING=False, CAUSAL=True, HAS_BLOCK_LENS=False, HAS_QK_NORM=norm, WRITE_KV=True,
-                 **tile), num_warps=warps)
-    for sliding, d in ((False, 128), (True, 128), (False, 64)):
+                 **tile), num_warps=warps, ints=ints)
+    for sliding, (nh, d, b) in ((False, (32, 128, 16)), (True, (32, 128, 16)), (False, (9, 64, 8))):
         add(f"attention merge D={d} sliding={sliding}", da._merge_splits_kernel,
             dict(po_ptr=f32, pm_ptr=f32, pl_ptr=f32, out_ptr=bf, lens_ptr="*i64"),
-            dict(SLIDING=sliding, MIN_CHUNK=da.MIN_CHUNK, BLOCK_ROWS=16, BLOCK_D=d))
+            dict(SLIDING=sliding, MIN_CHUNK=da.MIN_CHUNK, BLOCK_ROWS=16, BLOCK_D=d),
+            ints=dict(ROWS=b * nh, D=d, stride_on=b * nh * d, stride_or=d))
     add("inject_context_kv", ik._inject_kernel,
         dict(ctx_ptr=bf, kw_ptr=bf, vw_ptr=bf, knw_ptr=bf, pos_ptr="*i64", cu_ptr="*i64", lens_ptr="*i64",
              table_ptr="*i32", inv_freq_ptr=f32, kc_ptr=bf, vc_ptr=bf, attention_scaling="fp32", eps="fp32",
@@ -179,11 +205,11 @@ def configs():
 def main():
     plan = configs()
     if "--list" in sys.argv[1:]:
-        for label, fn, _, _, _ in plan:
+        for label, fn, *_ in plan:
             print(f"{fn.__name__}\t{label}")
         return
-    for label, fn, types, consts, num_warps in plan:
-        compile_one(label, fn, types, consts, num_warps, with_spills="--spills" in sys.argv[1:])
+    for label, fn, types, consts, num_warps, ints in plan:
+        compile_one(label, fn, types, consts, num_warps, with_spills="--spills" in sys.argv[1:], ints=ints)
 
 
 if __name__ == "__main__":

@@ -101,8 +101,9 @@ def test_without_qk_norm(backend, dtype, case, window):
 @pytest.mark.parametrize("window", [None, 100])
 def test_split_count_follows_the_live_length(monkeypatch, window):
     """MIN_CHUNK lowered to 64 rows, a grid of 4 splits: each request's active split count follows its live
-    rows (the context, or its last W - 1 rows with a window), inactive slots are neither written nor read by
-    the merge (NaN-filled partials), and the result is within the rule."""
+    rows (the context, or its last W - 1 rows with a window), it writes exactly its active slots (none with
+    one active split), inactive slots are not read by the merge (NaN-filled partials), and the result is
+    within the rule."""
     monkeypatch.setattr(da, "MIN_CHUNK", 64)
     lens = [300, 0, 130, 65, 64]
     live = [c if window is None else min(c, window - 1) for c in lens]
@@ -112,9 +113,40 @@ def test_split_count_follows_the_live_length(monkeypatch, window):
     rope = dict(inv_freq=_inv_freq(16), sliding_window=window)
     seen = nan_partials(monkeypatch)
     out = draft_attention(*args, num_splits=4, backend="triton", **rope)
-    assert_slots(seen[0][1], live, 4)
+    assert_slots(seen[0], live, 4)
     ref, lowp = _refs(args, **rope)
     assert_within_rule(out, ref, lowp, "draft_attention live splits")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("window,block_lens", [(None, None), (20, [2, 5, 1, 5])])
+def test_one_active_split_stores_the_output(monkeypatch, dtype, paged, window, block_lens):
+    """MIN_CHUNK lowered to 64 rows, a grid of 4 splits, at most 64 live rows per request: the one active
+    split normalises and stores the output itself, no partial slot is written (NaN-filled: the merge would
+    be poisoned by reading one), and the result is within the rule (rows past block_lens: finite)."""
+    monkeypatch.setattr(da, "MIN_CHUNK", 64)
+    lens = [64, 0, 17, 40]
+    n, b, nh, kvh, d = 4, 5, 6, 2, 16
+    q, k, v, kc, vc, cl, qw, kw = _case(n, b, nh, kvh, d, lens, dtype)
+    caches = dict()
+    kc_in, vc_in = kc, vc
+    if paged:
+        table, num_pages = random_block_table(n, kc.shape[1], 16)
+        kc_in, vc_in = to_paged(kc, table, num_pages, 16), to_paged(vc, table, num_pages, 16)
+        caches = dict(block_table=table)
+    blens = None if block_lens is None else torch.tensor(block_lens)
+    rope = dict(inv_freq=_inv_freq(d), sliding_window=window)
+    seen = nan_partials(monkeypatch)
+    out = draft_attention(q, k, v, kc_in, vc_in, cl, qw, kw, block_lens=blens, num_splits=4, backend="triton",
+                          **caches, **rope)
+    assert_slots(seen[0], [c if window is None else min(c, window - 1) for c in lens], 4)
+    assert torch.isfinite(out).all()
+    for r in range(n):
+        nb = b if block_lens is None else block_lens[r]
+        short = tuple(x[r:r + 1, :nb] for x in (q, k, v)) + (kc[r:r + 1], vc[r:r + 1], cl[r:r + 1], qw, kw)
+        ref, lowp = _refs(short, **rope)
+        assert_within_rule(out[r:r + 1, :nb], ref, lowp, f"draft_attention one split, request {r}")
 
 
 def test_split_count_does_not_change_result():

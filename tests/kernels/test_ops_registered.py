@@ -11,8 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dflash_kernels
 from dflash_kernels import _ext
 
-OPS = ("fused_context", "inject_context_kv", "draft_attention", "verify_attention", "verify_greedy", "verify_sample",
-       "commit_round", "add_rms_norm", "silu_mul")
+OPS = ("fused_context", "inject_context_kv", "draft_attention", "verify_greedy", "verify_sample", "commit_round",
+       "verify_attention", "add_rms_norm", "silu_mul")  # the order _round calls them in
 EXT_OK = _ext.status("cpu")[0]
 
 

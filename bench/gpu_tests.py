@@ -105,17 +105,21 @@ def test_inject_context_kv_real_shape(backend):
         assert_within_rule(got[written], r64[written], lo[written], f"inject {what}")
 
 
+def _attention_inputs(lens=(8191, 0, 17, 2048), b=16):
+    """Qwen3-8B-shaped block q/k/v of 4 requests with ragged context lengths, caches holding them plus a block."""
+    n, cap = len(lens), max(lens) + b
+    q, k, v = _rnd(n, b, NH, D), _rnd(n, b, KVH, D), _rnd(n, b, KVH, D)
+    return q, k, v, _rnd(n, cap, KVH, D), _rnd(n, cap, KVH, D), torch.tensor(lens, device=DEV)
+
+
 @pytest.mark.parametrize("backend", _backends(["triton"]))
 @pytest.mark.parametrize("window", [None, 2048])
 def test_draft_attention_real_shape(backend, window):
     from _tol import assert_within_rule
     from dflash_kernels.draft_attention import draft_attention_reference
 
-    n, b, lens = 4, 16, [8191, 0, 17, 2048]
-    cap = max(lens) + b
-    q, k, v = _rnd(n, b, NH, D), _rnd(n, b, KVH, D), _rnd(n, b, KVH, D)
-    kc, vc = _rnd(n, cap, KVH, D), _rnd(n, cap, KVH, D)
-    cl = torch.tensor(lens, device=DEV)
+    q, k, v, kc, vc, cl = _attention_inputs()
+    cap = kc.shape[1]
     qw, kw = (1 + 0.1 * torch.randn(D, device=DEV)).to(BF), (1 + 0.1 * torch.randn(D, device=DEV)).to(BF)
     kwargs = dict(inv_freq=_inv_freq(D), sliding_window=window)
     out = dk.draft_attention(q, k, v, kc, vc, cl, qw, kw, max_context_len=cap, backend=backend, **kwargs)
@@ -131,11 +135,7 @@ def test_verify_attention_real_shape(backend, qk_norm):
     from _tol import assert_within_rule
     from dflash_kernels.draft_attention import verify_attention_reference
 
-    n, b, lens = 4, 16, [8191, 0, 17, 2048]
-    cap = max(lens) + b
-    q, k, v = _rnd(n, b, NH, D), _rnd(n, b, KVH, D), _rnd(n, b, KVH, D)
-    kc, vc = _rnd(n, cap, KVH, D), _rnd(n, cap, KVH, D)
-    cl = torch.tensor(lens, device=DEV)
+    q, k, v, kc, vc, cl = _attention_inputs()
     norms = [(1 + 0.1 * torch.randn(D, device=DEV)).to(BF) if qk_norm else None for _ in "qk"]
     outs = {}
     for name, dt in (("kernel", BF), ("f64", torch.float64), ("lowp", BF)):

@@ -27,7 +27,7 @@ def _cmd_data(args) -> int:
     tr = build_prompts(args.num_prompts, "train", seed=args.seed)
     generate_dataset(os.path.join(args.out, "train"), tr, model=model, tokenizer=tok,
                      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                     shard_size=args.shard_size, log=log)
+                     shard_size=args.shard_size, max_shards=args.max_shards, log=log)
     return 0
 
 
@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--batch-size", type=int, default=32)
     d.add_argument("--shard-size", type=int, default=64)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--max-shards", type=int, default=None,
+                   help="generate only the first N train shards of the prompt set (rerun with more to continue)")
     d.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, i.e. all cores)")
     d.set_defaults(func=_cmd_data)
 

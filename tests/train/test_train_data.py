@@ -85,3 +85,34 @@ def test_fit_resumed_one_step_at_a_time_equals_uninterrupted(tmp_path):
     assert whole["step"] == pieces["step"] == 5
     for name, w in whole["draft"].items():
         assert torch.equal(w, pieces["draft"][name]), name
+
+
+class _CharTokenizer:
+    """Just enough of a HF tokenizer for generate_dataset: a chat template and character ids."""
+    eos_token_id, unk_token_id = 1, 0
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return "".join(m["content"] for m in messages) + ">"
+
+    def convert_tokens_to_ids(self, name):
+        return 0
+
+    def __call__(self, text, add_special_tokens):
+        return {"input_ids": [4 + ord(c) % (V - 4) for c in text]}
+
+
+def test_generate_dataset_max_shards_then_resume(tmp_path):
+    """--max-shards stops after the first shards; a later call writes the rest and leaves those alone."""
+    from dflash.train.data import generate_dataset
+
+    target = tiny_target(layers=2)
+    prompts = [f"q{i}" for i in range(5)]
+    kw = dict(model=target, tokenizer=_CharTokenizer(), max_new_tokens=3, batch_size=2, shard_size=2,
+              capture_layers=(1,), log=lambda m: None)
+    first = generate_dataset(str(tmp_path), prompts, max_shards=2, **kw)
+    assert [os.path.basename(p) for p in first] == ["shard_00000.pt", "shard_00001.pt"]
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith("shard")) == ["shard_00000.pt", "shard_00001.pt"]
+    before = os.path.getmtime(first[0])
+    every = generate_dataset(str(tmp_path), prompts, **kw)
+    assert len(every) == 3 and os.path.getmtime(first[0]) == before
+    assert len(load_dataset(str(tmp_path))) == 5

@@ -74,7 +74,7 @@ def vocab_main(args) -> int:
     vocab = args.vocab or draft.config.vocab_size
     if vocab is None:
         raise SystemExit(f"vocab: {args.draft}'s config has no vocab_size; pass --vocab (the target's vocabulary size)")
-    train = response_token_counts(load_dataset(args.data), vocab)
+    train = response_token_counts(load_dataset(args.data, max_shards=args.max_shards), vocab)
     coverage = 0.999 if args.coverage is None and args.size is None else args.coverage
     ids = choose_subset(train, coverage=coverage, size=args.size)
     line = f"draft vocabulary: {ids.numel()} of {vocab} ids, {coverage_of(ids, train):.4%} of {int(train.sum())} train response tokens"
@@ -96,6 +96,7 @@ def add_vocab_args(sub) -> None:
     v.add_argument("out", help="destination folder (bf16 z-lab layout with draft_token_ids)")
     v.add_argument("--data", default=os.path.join(cache_path("data", "smollm2"), "train"),
                    help="training data folder (default: %(default)s)")
+    v.add_argument("--max-shards", type=int, default=None, help="use only the first N train shards")
     v.add_argument("--vocab", type=int, default=None, help="target vocabulary size (default: the draft config's)")
     v.add_argument("--eval", default=None, help="held-out data folder: report the subset's coverage there too")
     group = v.add_mutually_exclusive_group()

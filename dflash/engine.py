@@ -44,8 +44,9 @@ from dflash_kernels import (
 
 
 def default_kernel_backend(device: torch.device) -> str:
-    """``"auto"`` on GPU; the PyTorch references on CPU, where the Triton interpreter is for tests only."""
-    return "auto" if device.type == "cuda" else "torch"
+    """``"auto"`` on GPU; on CPU the ops' eager CPU implementations (``"cpu"``: an op without one runs its
+    reference), never the Triton interpreter, which is for tests only."""
+    return "auto" if device.type == "cuda" else "cpu"
 
 
 def graph_mode_for(use_cuda_graphs, device: torch.device) -> str | None:

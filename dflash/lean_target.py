@@ -26,7 +26,8 @@ from dflash.target import check_target
 from dflash_kernels import add_rms_norm, silu_mul, verify_attention
 
 LEAN_MODEL_TYPES = ("llama", "qwen3")
-# Blocks of more rows (prefill chunks) take the attention reference: the kernel's tile holds B x G query rows.
+# Blocks of more rows (prefill chunks) take the attention reference on the Triton backend: the kernel's tile holds
+# B x G query rows ("cpu" runs any block).
 MAX_KERNEL_ROWS = 64
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -88,7 +89,7 @@ class LeanTarget:
         model = self.model
         n, q = input_ids.shape
         nh, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        attn_backend = self.backend if q <= MAX_KERNEL_ROWS else "torch"
+        attn_backend = self.backend if q <= MAX_KERNEL_ROWS or self.backend == "cpu" else "torch"
         h = F.embedding(input_ids, model.model.embed_tokens.weight)  # the residual stream, updated in place
         hidden = h.shape[-1]
         features = h.new_empty((n, q, len(self.layer_ids) * hidden)) if self.layer_ids else None

@@ -1,8 +1,12 @@
 """Backend selection shared by every public op.
 
 Rule: an explicitly requested backend that cannot run raises; ``"auto"`` picks the fastest
-backend that can run on the given tensors. ``DFLASH_KERNELS_BACKEND`` (auto|triton|torch|ext)
+backend that can run on the given tensors. ``DFLASH_KERNELS_BACKEND`` (auto|triton|cpu|torch|ext)
 overrides the ``backend=`` argument of every op process-wide.
+
+``"cpu"`` is the eager CPU path: an op's CPU implementation (the same definition as its reference, with
+the per-call Python work cut: batched over requests, one RoPE table per call) where it has one, else
+its reference, which is already what runs on a CPU. It runs on CPU tensors only.
 """
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import os
 
 import torch
 
-BACKENDS = ("auto", "triton", "torch", "ext")
+BACKENDS = ("auto", "triton", "cpu", "torch", "ext")
 ENV_VAR = "DFLASH_KERNELS_BACKEND"
 
 
@@ -49,17 +53,22 @@ def resolve_backend(op: str, backend: str, device: torch.device, available: tupl
             if backend_status(candidate, device)[0]:
                 return candidate
         return "torch"
-    if backend not in available:
+    if backend not in available and backend != "cpu":
         raise ValueError(f"{op}: backend={backend!r} is not implemented for this op; choose from {available}")
     ok, why = backend_status(backend, device)
     if not ok:
         raise RuntimeError(f"{op}: backend={backend!r} cannot run on {device.type} tensors: {why}")
-    return backend
+    # "cpu" on an op without a separate CPU implementation: its reference is that op's CPU path.
+    return backend if backend in available else "torch"
 
 
 def backend_status(backend: str, device: torch.device) -> tuple[bool, str]:
     if backend == "torch":
         return True, "pure PyTorch reference"
+    if backend == "cpu":
+        if device.type == "cpu":
+            return True, "eager CPU implementation"
+        return False, f"the CPU implementations need CPU tensors, these are on {device.type}"
     if backend == "triton":
         return triton_status(device)
     if backend == "ext":

@@ -36,7 +36,7 @@ from dflash_kernels._triton_utils import (
 
 OP = "draft_attention"
 VERIFY_OP = "verify_attention"
-_BACKENDS = ("triton", "torch")
+_BACKENDS = ("triton", "cpu", "torch")
 _LOG2E = 1.4426950408889634
 
 # Context rows per active split (A = cdiv(live, MIN_CHUNK) capped by the grid). When A > 1, one split's fp32
@@ -193,6 +193,62 @@ def verify_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_wei
     return draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
                                      inv_freq=inv_freq, attention_scaling=attention_scaling, eps=eps, causal=True,
                                      block_table=block_table, cache_batch_idx=cache_batch_idx, scale=scale)
+
+
+def _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, attention_scaling,
+                   eps, scale, sliding_window, causal, cache_batch_idx, block_lens, write_kv):
+    """The ``"cpu"`` backend of both ops on a contiguous cache: the references' formula (same ops, same SDPA
+    call, so the same bits), with the per-request Python cut: one RoPE table and one q/k norm + RoPE for all
+    requests, the cache rows written by slicing, the block keys read from the cache rows just written (no
+    concatenation), and no mask where every key is visible. Reads the lengths on the host."""
+    causal = (sliding_window is not None) if causal is None else causal
+    n, b, nh, d = q.shape
+    kvh = k.shape[2]
+    out = torch.empty((n, b, nh, d), dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
+    lens = cache_lens.tolist()
+    cache_rows = cache_batch_idx.tolist() if cache_batch_idx is not None else range(n)
+    valid = block_lens.tolist() if block_lens is not None else [b] * n
+    offsets = torch.arange(b, device=q.device)
+    cos, sin = rope_cos_sin_reference(cache_lens.to(torch.int64)[:, None] + offsets, inv_freq, attention_scaling,
+                                      q.dtype)
+    cos, sin = cos.view(n * b, d), sin.view(n * b, d)
+    qn = _norm_rope_reference(q.reshape(n * b, nh, d), q_norm_weight, cos, sin, eps).view(n, b, nh, d)
+    kn = _norm_rope_reference(k.reshape(n * b, kvh, d), k_norm_weight, cos, sin, eps).view(n, b, kvh, d)
+    capacity = k_cache.shape[1]
+    # Every query sees a key unless a window can hide them all (the reference's masked_fill); with one block
+    # row, or neither causality nor a window, no key is hidden at all and SDPA takes no mask.
+    unmasked = sliding_window is None and (not causal or b == 1)
+    scale = d ** -0.5 if scale is None else scale
+    for r in range(n):
+        c, nb, row = min(int(lens[r]), capacity), int(valid[r]), int(cache_rows[r])
+        end = min(c + b, capacity)
+        if write_kv and end > c:
+            k_cache[row, c:end] = kn[r, :end - c].to(k_cache.dtype)
+            v_cache[row, c:end] = v[r, :end - c].to(v_cache.dtype)
+        if write_kv and c + nb <= capacity and k_cache.dtype == q.dtype:
+            keys, vals = k_cache[row, :c + nb], v_cache[row, :c + nb]
+        else:
+            keys = torch.cat([k_cache[row, :c].to(q.dtype), kn[r, :nb]], 0)
+            vals = torch.cat([v_cache[row, :c].to(q.dtype), v[r, :nb]], 0)
+        mask = None
+        if not unmasked:
+            qpos = c + offsets[:, None]
+            kpos = torch.arange(c + nb, device=q.device)[None, :]
+            mask = torch.ones(b, c + nb, dtype=torch.bool, device=q.device)
+            if causal:
+                mask &= kpos <= qpos
+            if sliding_window is not None:
+                mask &= (qpos - kpos < sliding_window) & (kpos - qpos < sliding_window)
+        o = F.scaled_dot_product_attention(qn[r].transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                           vals.transpose(0, 1)[None],
+                                           attn_mask=None if mask is None else mask[None, None], scale=scale,
+                                           enable_gqa=kvh != nh)[0].transpose(0, 1)
+        if sliding_window is not None:
+            o = o.masked_fill(~mask.any(1)[:, None, None], 0)
+        out[r] = o
+    return out
 
 
 @triton.jit
@@ -518,7 +574,8 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             ``pick_max_splits`` from the SM count and the capacity. Each request uses
             ``active_splits(live rows, num_splits)`` of them, computed in-kernel.
         max_context_len: optional host-side upper bound of ``cache_lens`` to size the grid (no sync).
-        backend: ``"auto" | "triton" | "torch"``.
+        backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"``: CPU tensors, the reference's formula with
+            less per-call work; a paged cache runs the reference).
 
     Returns:
         A new ``[N, B, nH, D]`` tensor in q's dtype.
@@ -542,7 +599,11 @@ def _draft_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
                         max_context_len: Optional[int], backend: str) -> torch.Tensor:
     """``torch.ops.dflash.draft_attention``: :func:`draft_attention` after validation."""
     chosen = resolve_backend(OP, backend, q.device, available=_BACKENDS)
-    if chosen == "torch":
+    if chosen == "cpu" and block_table is None:
+        return _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
+                              attention_scaling, eps, None, sliding_window, causal, cache_batch_idx, block_lens,
+                              write_kv=False)
+    if chosen in ("torch", "cpu"):  # "cpu" on a paged cache: the reference
         return draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
                                          inv_freq=inv_freq, attention_scaling=attention_scaling, eps=eps,
                                          sliding_window=sliding_window, causal=causal, block_table=block_table,
@@ -590,7 +651,8 @@ def verify_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         block_table, cache_batch_idx: as in :func:`draft_attention`.
         num_splits, max_context_len: as in :func:`draft_attention` (``max_context_len`` bounds
             ``cache_lens``, the context read, not ``cache_lens + B``).
-        backend: ``"auto" | "triton" | "torch"``.
+        backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"``: CPU tensors, the reference's formula with
+            less per-call work; a paged cache runs the reference).
 
     Returns:
         A new ``[N, B, nH, D]`` tensor in q's dtype.
@@ -618,7 +680,10 @@ def _verify_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ca
                          max_context_len: Optional[int], backend: str) -> torch.Tensor:
     """``torch.ops.dflash.verify_attention``: :func:`verify_attention` after validation (writes k_cache, v_cache)."""
     chosen = resolve_backend(VERIFY_OP, backend, q.device, available=_BACKENDS)
-    if chosen == "torch":
+    if chosen == "cpu" and block_table is None:
+        return _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
+                              attention_scaling, eps, scale, None, True, cache_batch_idx, None, write_kv=True)
+    if chosen in ("torch", "cpu"):  # "cpu" on a paged cache: the reference
         return verify_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
                                           inv_freq=inv_freq, attention_scaling=attention_scaling, eps=eps,
                                           scale=scale, block_table=block_table, cache_batch_idx=cache_batch_idx)

@@ -28,6 +28,7 @@ from dflash_kernels._triton_utils import (
 )
 
 _BACKENDS = ("triton", "torch")
+_NORM_BACKENDS = ("triton", "cpu", "torch")
 
 
 @triton.jit
@@ -56,6 +57,13 @@ def add_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1
     if residual is not None:
         x = residual.add_(x)
     return rms_norm_reference(x, weight, eps)
+
+
+def _add_rms_norm_cpu(x, weight, eps, residual) -> torch.Tensor:
+    """The ``"cpu"`` backend: the reference's rounding steps with torch's fused RMSNorm (fp32 statistics, the
+    normalised value rounded to the dtype, then the weight multiply): fewer ops per call."""
+    s = x if residual is None else residual.add_(x)
+    return weight.to(s.dtype) * F.rms_norm(s, (s.shape[-1],), eps=eps)
 
 
 @triton.jit
@@ -124,14 +132,14 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
         eps: RMSNorm epsilon.
         residual: None, or the contiguous residual stream (x's shape and dtype); it is updated in place
             to ``residual + x`` rounded to the dtype, and that sum is what gets normalised.
-        backend: ``"auto" | "triton" | "torch"``.
+        backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"``: CPU tensors, torch's fused RMSNorm).
 
     Returns:
         A new tensor of x's shape and dtype: ``RMSNorm(residual + x or x) * weight`` with fp32 statistics,
         the normalised value rounded to the dtype before the weight multiply (HF order). One launch.
     """
     _validate_add_rms_norm(x, weight, eps, residual)
-    chosen = resolve_backend(ADD_RMS_NORM, backend, x.device, available=_BACKENDS)
+    chosen = resolve_backend(ADD_RMS_NORM, backend, x.device, available=_NORM_BACKENDS)
     return torch.ops.dflash.add_rms_norm(x, weight, float(eps), residual, chosen)
 
 
@@ -139,10 +147,12 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
 def _add_rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor],
                      backend: str) -> torch.Tensor:
     """``torch.ops.dflash.add_rms_norm``: :func:`add_rms_norm` after validation (writes residual)."""
-    chosen = resolve_backend(ADD_RMS_NORM, backend, x.device, available=_BACKENDS)
+    chosen = resolve_backend(ADD_RMS_NORM, backend, x.device, available=_NORM_BACKENDS)
     if chosen == "torch":
         # contiguous(): the fake's layout, whatever the row strides of x.
         return add_rms_norm_reference(x, weight, eps, residual=residual).contiguous()
+    if chosen == "cpu":
+        return _add_rms_norm_cpu(x, weight, eps, residual).contiguous()
     return _add_rms_norm_triton(x, weight, eps, residual)
 
 
@@ -194,7 +204,7 @@ def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     Args:
         gate_up: ``[..., 2I]`` fp32/bf16/fp16, last dim contiguous (rows may be strided): columns ``:I`` are
             the gate projection, ``I:`` the up projection (``x @ cat([W_gate, W_up]).T``). May be empty.
-        backend: ``"auto" | "triton" | "torch"``.
+        backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"`` runs the reference, this op's CPU path).
 
     Returns:
         A new ``[..., I]`` tensor in gate_up's dtype; ``silu`` in fp32 rounded to the dtype, then times up

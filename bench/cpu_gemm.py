@@ -93,7 +93,9 @@ def candidates(ws: list[torch.Tensor], x: torch.Tensor, with_compile: bool) -> d
             fn(x)
         return lambda: fn(x)
 
+    x1 = x[:1].clone()
     out = {
+        "F.linear_1row": lambda: per_copy(lambda i: F.linear(x1, ws[i])),  # the GEMV reference, same rounds
         "F.linear": lambda: per_copy(lambda i: F.linear(x, ws[i])),
         "mm_pretransposed": mm_pretransposed,
         "gemv_per_row": lambda: per_copy(lambda i: torch.stack([torch.mv(ws[i], r) for r in x])),
@@ -123,6 +125,9 @@ def bench_shape(name: str, k: int, n: int, m: int, args) -> list[dict]:
         except Exception as e:  # a candidate that cannot run still gets a row saying why
             passes.pop(cname, None)
             rows[cname] = {"note": f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+            continue
+        if cname == "F.linear_1row":  # F.linear itself, on x[:1]
+            rows[cname] = {"t": []}
             continue
         try:
             assert_within_rule(y, ref, base, f"{name} M={m} {cname}")
@@ -161,23 +166,28 @@ def bench_shape(name: str, k: int, n: int, m: int, args) -> list[dict]:
 
 
 def gemm_markdown(rows: list[dict], cands: list[str]) -> str:
-    lines = ["| shape | K -> N | rows | floor ms | " + " | ".join(cands) + " |",
-             "|---|---|---:|---:|" + "---:|" * len(cands)]
+    """One line per shape and row count: each candidate's median ms (x floor); the fastest passing one in
+    bold, and its time over the 1-row F.linear's of the same rounds (GEMV per weight byte = 1)."""
+    cands = [c for c in cands if c != "F.linear_1row"]
+    lines = ["| shape | K -> N | rows | floor ms | 1-row F.linear | " + " | ".join(cands) + " | best / 1-row |",
+             "|---|---|---:|---:|---:|" + "---:|" * (len(cands) + 1)]
     keys = sorted({(r["shape"], r["rows"]) for r in rows}, key=lambda s: (list(SHAPES).index(s[0]), s[1]))
     for shape, m in keys:
         sel = {r["candidate"]: r for r in rows if r["shape"] == shape and r["rows"] == m}
-        any_r = next(iter(sel.values()))
-        best = min((r["median_ms"] for r in sel.values() if "median_ms" in r and r.get("ok")), default=None)
+        ref = sel["F.linear_1row"]
+        timed = [c for c in cands if "median_ms" in sel.get(c, {})]
+        best = min((c for c in timed if sel[c]["ok"]), key=lambda c: sel[c]["median_ms"], default=None)
         cells = []
         for c in cands:
             r = sel.get(c)
-            if r is None or "median_ms" not in r:
+            if c not in timed:
                 cells.append("n/a")
                 continue
             cell = f"{fmt(r['median_ms'])} ({r['x_floor']:.2f}x)" + ("" if r["ok"] else " FAIL")
-            cells.append(f"**{cell}**" if r["median_ms"] == best else cell)
-        lines.append(f"| {shape} | {any_r['K']} -> {any_r['N']} | {m} | {fmt(any_r['floor_ms'])} | "
-                     + " | ".join(cells) + " |")
+            cells.append(f"**{cell}**" if c == best else cell)
+        ratio = f"{sel[best]['median_ms'] / ref['median_ms']:.2f}" if best else "n/a"
+        lines.append(f"| {shape} | {ref['K']} -> {ref['N']} | {m} | {fmt(ref['floor_ms'])} | "
+                     f"{fmt(ref['median_ms'])} ({ref['x_floor']:.2f}x) | " + " | ".join(cells) + f" | {ratio} |")
     return "\n".join(lines)
 
 

@@ -86,8 +86,9 @@ static void tile(const float* x, long ldx, const float* w0, const float* w1, lon
 typedef void (*tile_fn)(const float*, long, const float*, const float*, long, long, const float*, float*, long, int);
 static const tile_fn TILES[9] = {0, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>, tile<8>};
 
-extern "C" void dflash_cpu_linear_f32(const float* x, long M, long ldx, const float* w, long ldw, long K,
-                                      long N, const float* b, float* y, int threads) {
+// x [M, K] and y [M, N] contiguous, w [N, K] with row stride ldw.
+extern "C" void dflash_cpu_linear_f32(const float* x, long M, const float* w, long ldw, long K, long N,
+                                      const float* b, float* y, int threads) {
   long pairs = (N + 1) / 2;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (long p = 0; p < pairs; ++p) {
@@ -95,7 +96,7 @@ extern "C" void dflash_cpu_linear_f32(const float* x, long M, long ldx, const fl
     int two = n + 1 < N;
     for (long m = 0; m < M; m += 8) {
       int mr = M - m < 8 ? (int)(M - m) : 8;
-      TILES[mr](x + m * ldx, ldx, w + n * ldw, w + (n + two) * ldw, ldw, K, b ? b + n : 0, y + m * N + n, N, two);
+      TILES[mr](x + m * K, K, w + n * ldw, w + (n + two) * ldw, ldw, K, b ? b + n : 0, y + m * N + n, N, two);
     }
   }
 }
@@ -131,8 +132,8 @@ def _build():
         os.replace(tmp, path)  # atomic: concurrent builders each write their own tmp
     fn = ctypes.CDLL(path).dflash_cpu_linear_f32
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
-                   ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return fn
 
 
@@ -164,10 +165,9 @@ def available() -> bool:
 def _fast_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> bool:
     f32 = torch.float32
     return (MIN_ROWS <= rows <= MAX_ROWS
-            and x.device.type == "cpu" and weight.device.type == "cpu"
-            and x.dtype == f32 and weight.dtype == f32
+            and x.is_cpu and weight.is_cpu and x.dtype == f32 and weight.dtype == f32
             and weight.dim() == 2 and weight.shape[1] == x.shape[-1] and weight.stride(1) == 1
-            and (bias is None or (bias.device.type == "cpu" and bias.dtype == f32 and bias.shape == weight.shape[:1]
+            and (bias is None or (bias.is_cpu and bias.dtype == f32 and bias.shape == weight.shape[:1]
                                   and bias.stride(0) == 1))
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))
@@ -180,11 +180,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.numel() // k if k else 0
     if not _fast_ok(x, weight, bias, rows) or (_kernel is None and _load() is None):
         return F.linear(x, weight, bias)
-    x2 = x.reshape(rows, k)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    x = x.contiguous()
     n = weight.shape[0]
-    out = torch.empty((rows, n), dtype=x.dtype)
-    _kernel(x2.data_ptr(), rows, x2.stride(0), weight.data_ptr(), weight.stride(0), k, n,
+    out = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+    _kernel(x.data_ptr(), rows, weight.data_ptr(), weight.stride(0), k, n,
             None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
-    return out.view(*x.shape[:-1], n)
+    return out

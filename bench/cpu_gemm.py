@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import gc
 import os
 import statistics
@@ -57,9 +58,9 @@ class _Copies(torch.nn.ModuleList):
     """One bias-free Linear per weight copy; forward runs them all (what torch.compile compiles)."""
 
     def __init__(self, ws: list[torch.Tensor]):
-        super().__init__(torch.nn.Linear(w.shape[1], w.shape[0], bias=False) for w in ws)
+        super().__init__(torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta") for w in ws)
         for lin, w in zip(self, ws):
-            lin.weight.data.copy_(w)
+            lin.weight = torch.nn.Parameter(w, requires_grad=False)  # shares the copy's memory
 
     def forward(self, x):
         return [lin(x) for lin in self]
@@ -161,8 +162,22 @@ def bench_shape(name: str, k: int, n: int, m: int, args) -> list[dict]:
                        min_ms=t[0], x_floor=statistics.median(t) / floor_ms)
         out.append(row)
     del ws, passes, src, dst
-    gc.collect()
+    _release_memory()
     return out
+
+
+def _release_memory() -> None:
+    """Free the last shape's weight copies: inductor keeps each compiled module (with its frozen, packed
+    weights) in sys.modules, and glibc keeps freed heap; without this the sweep runs out of memory."""
+    from torch._inductor.codecache import PyCodeCache
+
+    torch.compiler.reset()
+    PyCodeCache.cache_clear()
+    for name in [n for n in sys.modules if n.startswith("torch._inductor.runtime.compile_tasks.")]:
+        del sys.modules[name]
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def gemm_markdown(rows: list[dict], cands: list[str]) -> str:

@@ -182,7 +182,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     x = x.contiguous()
     n = weight.shape[0]
-    out = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+    out = x.new_empty(x.shape[:-1] + (n,))
     _kernel(x.data_ptr(), rows, weight.data_ptr(), weight.stride(0), k, n,
             None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out

@@ -14,8 +14,9 @@ module holding all the copies; dflash.cpu_linear.linear. Each is checked against
 of tests/kernels/_tol.py (ok column; err_x = its max error / F.linear's).
 
 e2e: SmolLM2 fp32: HF generate's greedy per-token time ((64 new tokens - 1 new token) / 63, 30-token
-prompt), and a forward of 1 and 8 new rows on a DynamicCache holding the prompt, with F.linear and with
-every nn.Linear routed through dflash.cpu_linear.linear; B8/B1 for both.
+prompt), and a forward of 1 and 8 new rows on a DynamicCache holding the prompt, with F.linear, with
+every nn.Linear routed through dflash.cpu_linear.linear, and with every projection skipped (an empty
+output: the time of everything else); B8/B1 for each.
 """
 from __future__ import annotations
 
@@ -207,12 +208,16 @@ def gemm_markdown(rows: list[dict], cands: list[str]) -> str:
 
 
 # ---------------------------------------------------------------------------------------- e2e
+def _no_linear(x, weight, bias):
+    return x.new_empty(x.shape[:-1] + weight.shape[:1])
+
+
 @contextlib.contextmanager
-def routed_linears(model):
-    """Every nn.Linear of ``model`` calls dflash.cpu_linear.linear while inside."""
+def routed_linears(model, linear=cpu_linear.linear):
+    """Every nn.Linear of ``model`` calls ``linear(x, weight, bias)`` while inside."""
     mods = [mod for mod in model.modules() if isinstance(mod, torch.nn.Linear)]
     for mod in mods:
-        mod.forward = lambda inp, mod=mod: cpu_linear.linear(inp, mod.weight, mod.bias)
+        mod.forward = lambda inp, mod=mod: linear(inp, mod.weight, mod.bias)
     try:
         yield
     finally:
@@ -236,23 +241,25 @@ def bench_e2e(args) -> list[dict]:
         cache = DynamicCache(config=model.config)
         model(input_ids=ids, past_key_values=cache, use_cache=True)
 
-        def step(q: int, routed: bool):
+        def step(q: int, linear=None):
             try:
-                with routed_linears(model) if routed else contextlib.nullcontext():
+                with routed_linears(model, linear) if linear else contextlib.nullcontext():
                     return model(input_ids=new[:, :q], past_key_values=cache, use_cache=True).logits
             finally:
                 cache.crop(-q)  # back to the prompt
 
-        logits_ref, logits_new = step(8, False), step(8, True)
+        logits_ref, logits_new = step(8), step(8, cpu_linear.linear)
         diff = float((logits_ref - logits_new).abs().max())
         same_argmax = bool((logits_ref.argmax(-1) == logits_new.argmax(-1)).all())
         variants = {
             "generate_64": lambda: model.generate(ids, max_new_tokens=64, min_new_tokens=64, **gen),
             "generate_1": lambda: model.generate(ids, max_new_tokens=1, **gen),
-            "forward_B1_F.linear": lambda: step(1, False),
-            "forward_B8_F.linear": lambda: step(8, False),
-            "forward_B1_cpu_linear": lambda: step(1, True),
-            "forward_B8_cpu_linear": lambda: step(8, True),
+            "forward_B1_F.linear": lambda: step(1),
+            "forward_B8_F.linear": lambda: step(8),
+            "forward_B1_cpu_linear": lambda: step(1, cpu_linear.linear),
+            "forward_B8_cpu_linear": lambda: step(8, cpu_linear.linear),
+            "forward_B1_no_linear": lambda: step(1, _no_linear),  # everything but the projections
+            "forward_B8_no_linear": lambda: step(8, _no_linear),
         }
         for fn in variants.values():
             fn()
@@ -269,6 +276,13 @@ def bench_e2e(args) -> list[dict]:
     rows.append({"what": "generate_per_token (64-1)/63", "median_ms": (med["generate_64"] - med["generate_1"]) / 63})
     rows.append({"what": "B8/B1 F.linear", "ratio": med["forward_B8_F.linear"] / med["forward_B1_F.linear"]})
     rows.append({"what": "B8/B1 cpu_linear", "ratio": med["forward_B8_cpu_linear"] / med["forward_B1_cpu_linear"]})
+    rows.append({"what": "B8 cpu_linear / B1 F.linear",
+                 "ratio": med["forward_B8_cpu_linear"] / med["forward_B1_F.linear"],
+                 "note": "B1 is F.linear on both paths (1 row)"})
+    rows.append({"what": "projections only: B8 cpu_linear / B1 F.linear",
+                 "ratio": (med["forward_B8_cpu_linear"] - med["forward_B8_no_linear"])
+                 / (med["forward_B1_F.linear"] - med["forward_B1_no_linear"]),
+                 "note": "forward minus forward_no_linear"})
     rows.append({"what": "B8 logits max |cpu_linear - F.linear|", "ratio": diff, "note": f"argmax equal: {same_argmax}"})
     for r in rows:
         r["prompt_tokens"] = plen

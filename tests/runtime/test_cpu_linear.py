@@ -1,0 +1,148 @@
+"""dflash.cpu_linear.linear: F.linear's result (the 2x error rule vs fp64) on the fast path, F.linear elsewhere."""
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from _tol import assert_within_rule  # noqa: E402
+
+from dflash import cpu_linear  # noqa: E402
+
+FAST = cpu_linear.available()
+needs_fast = pytest.mark.skipif(not FAST, reason=f"{cpu_linear.unavailable_reason()}")
+
+# SmolLM2-135M's projections (K -> N): merged QKV, o_proj, merged gate/up, down, LM head, a draft-vocab head.
+SHAPES = {"qkv": (576, 960), "o_proj": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
+          "lm_head": (576, 49152), "draft_head": (576, 10000)}
+
+
+@functools.lru_cache(maxsize=1)
+def _weight(k: int, n: int) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(k * n)) * k**-0.5
+
+
+def _check(x, w, b=None, what=""):
+    out = cpu_linear.linear(x, w, b)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert_within_rule(out, ref, F.linear(x, w, b), what)
+    return out
+
+
+@pytest.fixture
+def fast_calls(monkeypatch):
+    """How many calls reached the compiled kernel."""
+    calls = []
+    kernel = cpu_linear._kernel
+
+    def spy(*args):
+        calls.append(args[1])
+        return kernel(*args)
+
+    monkeypatch.setattr(cpu_linear, "_kernel", spy)
+    return calls
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_smollm2_shapes(shape, rows):
+    k, n = SHAPES[shape]
+    w = _weight(k, n)
+    bias = torch.randn(n) if rows % 2 else None
+    _check(torch.randn(rows, k), w, bias, f"{shape} rows={rows}")
+
+
+@pytest.mark.parametrize("k,n", [(1, 1), (5, 3), (15, 17), (17, 33), (100, 7), (577, 61)])
+@pytest.mark.parametrize("rows", [2, 3, 9, 16])
+def test_ugly_shapes(k, n, rows):
+    for bias in (None, torch.randn(n)):
+        _check(torch.randn(rows, k), torch.randn(n, k), bias, f"K={k} N={n} rows={rows}")
+
+
+@needs_fast
+def test_strided_inputs_and_leading_dims(fast_calls):
+    k, n = 70, 45
+    big = torch.randn(n, k + 9)
+    w = big[:, 3:3 + k]  # row stride k + 9: a slice of a merged buffer
+    x = torch.randn(k, 8).t()  # [8, k], last dim not contiguous
+    _check(x, w, torch.randn(n), "strided")
+    out = _check(torch.randn(2, 3, k), w, None, "leading dims")
+    assert out.shape == (2, 3, n)
+    assert fast_calls == [8, 6]
+
+
+@needs_fast
+def test_two_threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for k, n in [(576, 960), (33, 35), (1536, 3)]:
+            _check(torch.randn(8, k), torch.randn(n, k), torch.randn(n), f"2 threads K={k} N={n}")
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("shape", [(0, 16), (0, 3, 16), (4, 0)])
+def test_empty(shape):
+    x = torch.randn(shape)
+    w, b = torch.randn(5, shape[-1]), torch.randn(5)
+    torch.testing.assert_close(cpu_linear.linear(x, w, b), F.linear(x, w, b))
+
+
+@needs_fast
+def test_fast_path_taken_where_it_should(fast_calls):
+    k, n = 64, 48
+    w, b = torch.randn(n, k), torch.randn(n)
+    for rows in (cpu_linear.MIN_ROWS, 8, cpu_linear.MAX_ROWS):
+        cpu_linear.linear(torch.randn(rows, k), w, b)
+    with torch.no_grad():  # parameters under no_grad: the inference case
+        cpu_linear.linear(torch.randn(8, k), torch.nn.Parameter(w), b)
+    assert fast_calls == [cpu_linear.MIN_ROWS, 8, cpu_linear.MAX_ROWS, 8]
+
+
+@needs_fast
+def test_fallbacks(fast_calls):
+    k, n = 64, 48
+    w, x = torch.randn(n, k), torch.randn(8, k)
+    _check(torch.randn(1, k), w, what="one row")
+    _check(torch.randn(cpu_linear.MAX_ROWS + 1, k), w, what="many rows")
+    _check(x, torch.randn(k, n).t(), what="transposed weight")
+    for dtype in (torch.float64, torch.bfloat16):
+        torch.testing.assert_close(cpu_linear.linear(x.to(dtype), w.to(dtype)), F.linear(x.to(dtype), w.to(dtype)))
+    assert cpu_linear.linear(x.to("meta"), w.to("meta")).shape == (8, n)
+    wg = w.clone().requires_grad_()
+    out = cpu_linear.linear(x, wg)
+    assert out.grad_fn is not None
+    out.sum().backward()
+    torch.testing.assert_close(wg.grad, x.sum(0).expand(n, k))
+    assert fast_calls == []
+
+
+def test_weight_updated_in_place():
+    k, n = 96, 40
+    w, x = torch.randn(n, k), torch.randn(8, k)
+    _check(x, w)
+    w.mul_(-3).add_(1)
+    _check(x, w, what="after an in-place update")
+    with torch.no_grad():
+        lin = torch.nn.Linear(k, n)
+        lin.weight.copy_(torch.randn(n, k))
+        _check(x, lin.weight, lin.bias, "Linear after copy_")
+
+
+def test_unavailable_kernel_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_linear, "_kernel", None)
+    monkeypatch.setattr(cpu_linear, "_tried", False)
+    monkeypatch.setattr(cpu_linear, "_reason", None)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="unavailable"):
+        assert not cpu_linear.available()
+    assert "F.linear" in cpu_linear.unavailable_reason()
+    x, w = torch.randn(8, 32), torch.randn(16, 32)
+    torch.testing.assert_close(cpu_linear.linear(x, w), F.linear(x, w))

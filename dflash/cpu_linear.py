@@ -5,19 +5,27 @@ takes the GEMM path, which costs up to ~2x per weight byte (the LM head at 8 row
 forward at B = 8 then costs ~1.85x a one-token step instead of the ~1.1x that weight streaming allows.
 Measurements: ``bench/cpu_gemm.py``, results in ``bench/results/*-cpu-gemm.md``.
 
-How: a small AVX-512 kernel (``_SOURCE``) reads the weight in place, in its own ``[N, K]`` layout.
-One tile is up to 8 input rows x 2 weight rows; the x rows stay in L1, each weight row is read from
-memory once per call (prefetched two tiles ahead) and multiplied against every x row, with 16-lane
-partial sums along K reduced at the end (as accurate as MKL's fp32). OpenMP splits the output columns
-over ``torch.get_num_threads()`` threads, in torch's own libgomp (one thread pool per process).
+How: a small SIMD kernel (``_SOURCE``) reads the weight in place, in its own ``[N, K]`` layout. On AVX-512
+one tile is up to 8 input rows x 2 weight rows (16 lanes); on AVX2 + FMA (e.g. AMD Zen 2/3, which have no
+AVX-512) up to 8 input rows x 1 weight row (8 lanes, 16 registers). The x rows stay in L1, each weight row
+is read from memory once per call (prefetched 4 rows ahead) and multiplied against every x row, with
+per-lane partial sums along K reduced at the end (as accurate as MKL's fp32). OpenMP splits the output
+columns over ``torch.get_num_threads()`` threads, in torch's own libgomp (one thread pool per process).
+
+Where it lives: it computes exactly ``F.linear`` (the definition is torch's own), at the runtime's call
+sites, so it is a drop-in function of the runtime rather than a ``dflash_kernels`` op: a ``torch.library``
+op would add its dispatch (about 10 us per call measured here, the non-mutating ``silu_mul``) to each of the
+~120 projections of a SmolLM2 step, and under ``torch.compile`` this function is ``F.linear`` anyway.
 
 Memory: nothing is packed or cached, so no weight copy (0 extra bytes for SmolLM2) and a weight changed
 in place is seen by the next call: there is nothing to repack or invalidate.
 
-Build: compiled on first use with ``$CXX`` (else ``c++``) ``-O3 -march=native -fopenmp`` into
-``$DFLASH_CACHE/cpu_linear/<hash>.so`` (about 1 s; the hash covers the source, flags, compiler and CPU
-flags), then loaded with ctypes. Without Linux, AVX-512F or a working compiler, :func:`linear` is
-``F.linear`` (one warning says why; :func:`unavailable_reason` too).
+Build: compiled on first use with ``$CXX`` (else ``c++``) ``-O3 -march=native -fopenmp`` (the AVX2 build adds
+``-mno-avx512f``) into ``$DFLASH_CACHE/cpu_linear/<hash>.so`` (about 1 s; the hash covers the source, flags,
+compiler and CPU flags), then loaded with ctypes. The widest ISA the CPU has is used;
+``DFLASH_CPU_LINEAR_ISA=avx2`` asks for the AVX2 build on an AVX-512 CPU (tests, benchmarks). Without Linux,
+AVX-512F or AVX2 + FMA, or a working compiler, :func:`linear` is ``F.linear`` (one warning says why;
+:func:`unavailable_reason` too); :func:`isa` says which build runs.
 
 Falls back to ``F.linear`` (same result up to fp32 rounding order) for: fewer than :data:`MIN_ROWS` or
 more than :data:`MAX_ROWS` rows (``F.linear`` is as fast at 1 row and faster for many), non-CPU or
@@ -41,62 +49,94 @@ import torch.nn.functional as F
 MIN_ROWS = 2
 MAX_ROWS = 16
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# The kernel's instruction sets, widest first, and the /proc/cpuinfo flags each needs.
+ISAS = {"avx512": {"avx512f"}, "avx2": {"avx2", "fma"}}
+ISA_ENV = "DFLASH_CPU_LINEAR_ISA"
 
 _SOURCE = r"""
 #include <immintrin.h>
 
-// y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]): MR <= 8 rows of x against weight rows w0 and w1.
+// One vector type per ISA. AVX-512: 16 lanes, tiles of up to 8 x rows x 2 weight rows (16 of 32 zmm registers
+// hold accumulators). AVX2 + FMA: 8 lanes, 8 x rows x 1 weight row (8 of 16 ymm registers: two weight rows
+// would need 16 accumulators plus the loads, and spill).
+#if defined(__AVX512F__)
+typedef __m512 vec;
+enum { VL = 16, NW = 2 };
+static inline vec vzero() { return _mm512_setzero_ps(); }
+static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline vec vload_first(const float* p, long n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 vec;
+enum { VL = 8, NW = 1 };
+static inline vec vzero() { return _mm256_setzero_ps(); }
+static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline vec vload_first(const float* p, long n) {  // lanes >= n read as 0 and are not touched in memory
+  __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lane));
+}
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+#else
+#error "cpu_linear needs AVX-512F or AVX2 + FMA"
+#endif
+
+// y[m, j] = sum_k x[m, k] w[j, k] (+ b[j]) for MR <= 8 rows of x and the nw <= NW weight rows at w.
 template <int MR>
-static void tile(const float* x, long ldx, const float* w0, const float* w1, long ldw, long K,
-                 const float* b, float* y, long ldy, int two) {
-  __m512 a0[MR], a1[MR];
+static void tile(const float* x, long ldx, const float* w, long ldw, long K, int nw, const float* b, float* y,
+                 long ldy) {
+  const float* wr[NW];
+  for (int j = 0; j < NW; ++j) wr[j] = w + (j < nw ? j : nw - 1) * ldw;  // a missing last row re-reads row nw-1
+  vec acc[NW][MR];
 #pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NW; ++j) acc[j][m] = vzero();
   long k = 0;
-  for (; k + 16 <= K; k += 16) {
-    if (MR > 1) {  // one row streams fine on its own; more rows need the next tiles requested early
-      __builtin_prefetch(w0 + 4 * ldw + k, 0, 2);
-      __builtin_prefetch(w1 + 4 * ldw + k, 0, 2);
+  for (; k + VL <= K; k += VL) {
+    if (MR > 1) {  // one row streams fine on its own; more rows need the rows 4 ahead requested early
+      for (int j = 0; j < NW; ++j) __builtin_prefetch(wr[j] + 4 * ldw + k, 0, 2);
     }
-    __m512 v0 = _mm512_loadu_ps(w0 + k), v1 = _mm512_loadu_ps(w1 + k);
+    vec wv[NW];
+    for (int j = 0; j < NW; ++j) wv[j] = vload(wr[j] + k);
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
-      __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
-      a0[m] = _mm512_fmadd_ps(v0, xv, a0[m]);
-      a1[m] = _mm512_fmadd_ps(v1, xv, a1[m]);
+      vec xv = vload(x + m * ldx + k);
+      for (int j = 0; j < NW; ++j) acc[j][m] = vfma(wv[j], xv, acc[j][m]);
     }
   }
   if (k < K) {
-    __mmask16 tail = (__mmask16)((1u << (K - k)) - 1);
-    __m512 v0 = _mm512_maskz_loadu_ps(tail, w0 + k), v1 = _mm512_maskz_loadu_ps(tail, w1 + k);
+    vec wv[NW];
+    for (int j = 0; j < NW; ++j) wv[j] = vload_first(wr[j] + k, K - k);
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
-      __m512 xv = _mm512_maskz_loadu_ps(tail, x + m * ldx + k);
-      a0[m] = _mm512_fmadd_ps(v0, xv, a0[m]);
-      a1[m] = _mm512_fmadd_ps(v1, xv, a1[m]);
+      vec xv = vload_first(x + m * ldx + k, K - k);
+      for (int j = 0; j < NW; ++j) acc[j][m] = vfma(wv[j], xv, acc[j][m]);
     }
   }
 #pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) {
-    y[m * ldy] = _mm512_reduce_add_ps(a0[m]) + (b ? b[0] : 0.f);
-    if (two) y[m * ldy + 1] = _mm512_reduce_add_ps(a1[m]) + (b ? b[1] : 0.f);
-  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < nw; ++j) y[m * ldy + j] = vsum(acc[j][m]) + (b ? b[j] : 0.f);
 }
 
-typedef void (*tile_fn)(const float*, long, const float*, const float*, long, long, const float*, float*, long, int);
+typedef void (*tile_fn)(const float*, long, const float*, long, long, int, const float*, float*, long);
 static const tile_fn TILES[9] = {0, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>, tile<8>};
 
 // x [M, K] and y [M, N] contiguous, w [N, K] with row stride ldw.
 extern "C" void dflash_cpu_linear_f32(const float* x, long M, const float* w, long ldw, long K, long N,
                                       const float* b, float* y, int threads) {
-  long pairs = (N + 1) / 2;
+  long groups = (N + NW - 1) / NW;
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (long p = 0; p < pairs; ++p) {
-    long n = 2 * p;
-    int two = n + 1 < N;
+  for (long p = 0; p < groups; ++p) {
+    long n = NW * p;
+    int nw = N - n < NW ? (int)(N - n) : (int)NW;
     for (long m = 0; m < M; m += 8) {
       int mr = M - m < 8 ? (int)(M - m) : 8;
-      TILES[mr](x + m * K, K, w + n * ldw, w + (n + two) * ldw, ldw, K, b ? b + n : 0, y + m * N + n, N, two);
+      TILES[mr](x + m * K, K, w + n * ldw, ldw, K, nw, b ? b + n : 0, y + m * N + n, N);
     }
   }
 }
@@ -106,26 +146,44 @@ _lock = threading.Lock()
 _kernel = None
 _reason: str | None = None
 _tried = False
+_isa: str | None = None
+
+
+def _pick_isa(cpu_flags: set[str]) -> str:
+    """The widest ISA the CPU has (``$DFLASH_CPU_LINEAR_ISA`` may ask for a narrower one it also has)."""
+    have = [isa for isa, needs in ISAS.items() if needs <= cpu_flags]
+    if not have:
+        raise RuntimeError("the CPU has neither AVX-512F nor AVX2 + FMA")
+    wanted = os.environ.get(ISA_ENV)
+    if wanted:
+        if wanted not in ISAS:
+            raise RuntimeError(f"{ISA_ENV}={wanted!r} is not one of {tuple(ISAS)}")
+        if wanted not in have:
+            raise RuntimeError(f"{ISA_ENV}={wanted!r}: this CPU lacks {sorted(ISAS[wanted] - cpu_flags)}")
+        return wanted
+    return have[0]
 
 
 def _build():
     from dflash.smollm2 import cache_path
 
+    global _isa
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise RuntimeError(f"needs Linux x86-64, this is {platform.system()} {platform.machine()}")
     with open("/proc/cpuinfo", encoding="utf-8") as f:
         cpu_flags = next((line for line in f if line.startswith("flags")), "")
-    if "avx512f" not in cpu_flags.split():
-        raise RuntimeError("the CPU has no AVX-512F")
+    isa = _pick_isa(set(cpu_flags.split()))
+    # -march=native tunes for this CPU; -mno-avx512f keeps the AVX2 build off AVX-512 on a CPU that has both.
+    flags = (*FLAGS, "-mno-avx512f") if isa == "avx2" else FLAGS
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx:
         raise RuntimeError("no C++ compiler ($CXX, c++ or g++)")
-    key = hashlib.sha256("\0".join((_SOURCE, *FLAGS, cxx, cpu_flags)).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join((_SOURCE, *flags, cxx, cpu_flags)).encode()).hexdigest()[:16]
     path = cache_path("cpu_linear", f"{key}.so")
     if not os.path.isfile(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
-        done = subprocess.run([cxx, *FLAGS, "-x", "c++", "-", "-o", tmp], input=_SOURCE, text=True,
+        done = subprocess.run([cxx, *flags, "-x", "c++", "-", "-o", tmp], input=_SOURCE, text=True,
                               capture_output=True, timeout=300)
         if done.returncode:
             raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
@@ -134,6 +192,7 @@ def _build():
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    _isa = isa
     return fn
 
 
@@ -160,6 +219,12 @@ def unavailable_reason() -> str | None:
 
 def available() -> bool:
     return unavailable_reason() is None
+
+
+def isa() -> str | None:
+    """The instruction set of the loaded kernel (``"avx512"`` or ``"avx2"``), None without one."""
+    _load()
+    return _isa
 
 
 def _fast_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> bool:

@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from dflash.cpu_linear import linear
 from dflash.merged_linear import merged_weight
 from dflash.target import check_target
 from dflash_kernels import add_rms_norm, silu_mul, verify_attention
@@ -105,7 +106,7 @@ class LeanTarget:
                              residual=None if delta is None else h, backend=self.backend)
             self._tap(features, taps, li - 1, h)
             w, b = self.qkv[li]
-            qkv = F.linear(x, w, b)
+            qkv = linear(x, w, b)
             qh = qkv[..., :nh * d].view(n, q, nh, d)
             kh = qkv[..., nh * d:(nh + kvh) * d].view(n, q, kvh, d)
             vh = qkv[..., (nh + kvh) * d:].view(n, q, kvh, d)
@@ -116,15 +117,16 @@ class LeanTarget:
                                  inv_freq=self.inv_freq, attention_scaling=self.attention_scaling,
                                  eps=qn.variance_epsilon if qn is not None else 1e-6, scale=attn.scaling,
                                  cache_batch_idx=rows, max_context_len=kv_bound, backend=attn_backend)
-            delta = attn.o_proj(o.view(n, q, nh * d))
+            delta = linear(o.view(n, q, nh * d), attn.o_proj.weight, attn.o_proj.bias)
             norm = layer.post_attention_layernorm
             x = add_rms_norm(delta, norm.weight, norm.variance_epsilon, residual=h, backend=self.backend)
             w, b = self.gate_up[li]
-            delta = layer.mlp.down_proj(silu_mul(F.linear(x, w, b), backend=self.backend))
+            down = layer.mlp.down_proj
+            delta = linear(silu_mul(linear(x, w, b), backend=self.backend), down.weight, down.bias)
         norm = model.model.norm
         x = add_rms_norm(delta, norm.weight, norm.variance_epsilon, residual=h, backend=self.backend)
         self._tap(features, taps, len(layers) - 1, h)
-        return model.lm_head(x), features
+        return linear(x, model.lm_head.weight, model.lm_head.bias), features
 
     @staticmethod
     def _tap(features, taps: dict[int, list[int]], li: int, h: torch.Tensor) -> None:

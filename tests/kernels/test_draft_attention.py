@@ -5,9 +5,10 @@ from dflash_kernels._triton_utils import rope_cos_sin_reference
 from dflash_kernels.draft_attention import draft_attention, draft_attention_reference
 from _caches import random_block_table, to_paged
 from _splits import assert_slots, da, nan_partials
+from _device import DEVICE
 from _tol import assert_within_rule
 
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", "triton", pytest.param("cpu", marks=pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only"))]
 
 
 def _inv_freq(d, theta=10000.0):
@@ -369,3 +370,23 @@ def test_block_lens_bad_inputs():
         draft_attention(q, k, v, kc, vc, cl, qw, kw, block_lens=torch.tensor([1, 2], dtype=torch.int32), **rope)
     with pytest.raises(ValueError, match="block_lens must be"):
         draft_attention(q, k, v, kc, vc, cl, qw, kw, block_lens=torch.tensor([1, 2, 3]), **rope)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_cpu_backend_is_the_reference_bit_for_bit(dtype, case):
+    """backend="cpu" runs the reference's formula with less Python per call: the same output bits on the rows
+    the contract defines (i < block_lens), for every mask the reference builds, with and without q/k norm."""
+    n, b, nh, kvh, d, lens = case
+    q, k, v, kc, vc, cl, qw, kw = _case(n, b, nh, kvh, d, lens, dtype)
+    idx = torch.randperm(n)
+    block_lens = torch.randint(1, b + 1, (n,))
+    valid = torch.arange(b)[None, :] < block_lens[:, None]
+    for window, causal, norms in ((None, None, (qw, kw)), (None, True, (None, None)), (20, None, (qw, kw)),
+                                  (3, False, (qw, kw))):
+        kwargs = dict(inv_freq=_inv_freq(d), attention_scaling=1.1, sliding_window=window, causal=causal,
+                      cache_batch_idx=idx, block_lens=block_lens)
+        want = draft_attention(q, k, v, kc, vc, cl, *norms, backend="torch", **kwargs)
+        got = draft_attention(q, k, v, kc, vc, cl, *norms, backend="cpu", **kwargs)
+        assert torch.equal(got[valid], want[valid]), (window, causal)

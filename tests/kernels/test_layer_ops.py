@@ -1,11 +1,14 @@
+import os
+
 import pytest
 import torch
 
 from dflash_kernels import add_rms_norm, silu_mul
 from dflash_kernels.layer_ops import add_rms_norm_reference, silu_mul_reference
+from _device import DEVICE
 from _tol import assert_within_rule
 
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", "triton", pytest.param("cpu", marks=pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only"))]
 DTYPES = [torch.float32, torch.bfloat16]
 SHAPES = [(5, 7), (2, 3, 100), (0, 16), (0, 3, 16), (3, 1), (2, 576)]
 
@@ -156,3 +159,18 @@ def test_opcheck(backend):
     torch.library.opcheck(torch.ops.dflash.add_rms_norm.default, (x, w, 1e-6, res, backend))
     torch.library.opcheck(torch.ops.dflash.add_rms_norm.default, (x, w.float(), 1e-5, None, backend))
     torch.library.opcheck(torch.ops.dflash.silu_mul.default, (torch.randn(2, 3, 40), backend))
+
+
+def test_cpu_backend_resolution():
+    """"cpu": an op's CPU implementation, else its reference (the op's CPU path); CPU tensors only; "auto" on
+    CPU tensors takes it unless the Triton interpreter is on."""
+    from dflash_kernels._dispatch import resolve_backend
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_backend("add_rms_norm", "cpu", cpu, ("triton", "cpu", "torch")) == "cpu"
+    assert resolve_backend("silu_mul", "cpu", cpu, ("triton", "torch")) == "torch"
+    with pytest.raises(RuntimeError, match="need CPU tensors"):
+        resolve_backend("silu_mul", "cpu", cuda, ("triton", "torch"))
+    with pytest.raises(RuntimeError, match="need CPU tensors"):
+        resolve_backend("add_rms_norm", "cpu", cuda, ("triton", "cpu", "torch"))
+    auto = resolve_backend("add_rms_norm", "auto", cpu, ("triton", "cpu", "torch"))
+    assert auto == ("triton" if os.environ.get("TRITON_INTERPRET") == "1" else "cpu")

@@ -8,9 +8,10 @@ from dflash_kernels import verify_attention
 from dflash_kernels._triton_utils import rope_cos_sin_reference
 from _caches import random_block_table, to_paged
 from _splits import assert_slots, da, nan_partials
+from _device import DEVICE
 from _tol import assert_within_rule
 
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", "triton", pytest.param("cpu", marks=pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only"))]
 
 
 @pytest.fixture(autouse=True)
@@ -228,3 +229,22 @@ def test_bad_inputs():
                          cache_batch_idx=torch.zeros(2, dtype=torch.int64), **rope)
     with pytest.raises(ValueError, match="num_splits"):
         verify_attention(q, k, v, kc, vc, cl, qw, kw, num_splits=0, **rope)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", [c for c in CASES if c[-1] != "paged"], ids=lambda c: f"{c[-1]}-b{c[1]}")
+def test_cpu_backend_is_the_reference_bit_for_bit(dtype, case):
+    """backend="cpu" runs the reference's formula with less Python per call: output and caches identical."""
+    n, b, nh, kvh, d, lens, cap, kind = case
+    q, k, v, kc, vc, cl, qw, kw = _case(n, b, nh, kvh, d, lens, cap, dtype, True)
+    rope = dict(inv_freq=_inv_freq(d), attention_scaling=1.1, scale=0.7 * d ** -0.5)
+    for norms in ((qw, kw), (None, None)):
+        results = []
+        for backend in ("torch", "cpu"):
+            torch.manual_seed(0)  # the same layout for both backends
+            kc_in, vc_in, where, buffers, _ = _layout(kind, kc, vc)
+            out = verify_attention(q, k, v, kc_in, vc_in, cl, *norms, backend=backend, **where, **rope)
+            results.append((out, *buffers))
+        for got, want in zip(results[1], results[0]):
+            assert torch.equal(_bits(got), _bits(want))

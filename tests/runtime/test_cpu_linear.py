@@ -146,3 +146,40 @@ def test_unavailable_kernel_falls_back(monkeypatch, tmp_path):
     assert "F.linear" in cpu_linear.unavailable_reason()
     x, w = torch.randn(8, 32), torch.randn(16, 32)
     torch.testing.assert_close(cpu_linear.linear(x, w), F.linear(x, w))
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif(not FAST or not {"avx2", "fma"} <= _cpu_flags(), reason="needs the kernel and AVX2 + FMA")
+def test_avx2_build(monkeypatch):
+    """The AVX2 + FMA build (CPUs without AVX-512, e.g. AMD Zen 3) on this CPU: same rule, every runtime shape."""
+    monkeypatch.setattr(cpu_linear, "_kernel", None)
+    monkeypatch.setattr(cpu_linear, "_tried", False)
+    monkeypatch.setattr(cpu_linear, "_isa", None)
+    monkeypatch.setenv(cpu_linear.ISA_ENV, "avx2")
+    assert cpu_linear.isa() == "avx2"
+    for name, (k, n) in SHAPES.items():
+        for rows in (2, 7, 8, 16):
+            _check(torch.randn(rows, k), _weight(k, n), torch.randn(n) if rows % 2 else None, f"avx2 {name} {rows}")
+    for k, n in [(1, 1), (5, 3), (17, 33), (577, 61)]:
+        _check(torch.randn(9, k), torch.randn(n, k), torch.randn(n), f"avx2 K={k} N={n}")
+
+
+def test_bad_isa_request(monkeypatch):
+    monkeypatch.setenv(cpu_linear.ISA_ENV, "sse2")
+    with pytest.raises(RuntimeError, match="not one of"):
+        cpu_linear._pick_isa({"avx2", "fma", "avx512f"})
+    monkeypatch.setenv(cpu_linear.ISA_ENV, "avx512")
+    with pytest.raises(RuntimeError, match="lacks"):
+        cpu_linear._pick_isa({"avx2", "fma"})
+    monkeypatch.delenv(cpu_linear.ISA_ENV)
+    assert cpu_linear._pick_isa({"avx2", "fma", "avx512f"}) == "avx512"
+    assert cpu_linear._pick_isa({"avx2", "fma"}) == "avx2"
+    with pytest.raises(RuntimeError, match="neither"):
+        cpu_linear._pick_isa({"sse4_2"})

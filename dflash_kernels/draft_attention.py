@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dflash_kernels._dispatch import resolve_backend
+from dflash_kernels._dispatch import lean_version_bump, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_cache_pair, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, norm_rope_halves,
     page_table, rms_norm_reference, rope_cos_sin, rope_cos_sin_reference, rotate_half,
@@ -195,6 +195,35 @@ def verify_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_wei
                                      block_table=block_table, cache_batch_idx=cache_batch_idx, scale=scale)
 
 
+# (key, inv_freq copy, cos, signed sin) of the last _rope_tables_cpu call, replaced whole (thread-safe reads).
+_rope_memo: list = [None]
+
+
+def _rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, dtype):
+    """cos and ``sin_signed`` ([N*B, D], rows = block rows of every request) of the block positions, with the
+    first half of sin negated so that ``rotate_half(x) * sin == x.roll(D/2, -1) * sin_signed`` exactly (a sign
+    flip rounds nothing). The layers of one forward share their positions: the last tables are kept and reused
+    while the positions, inv_freq's values, the scaling and the dtype are the same."""
+    key = (tuple(lens), b, float(attention_scaling), dtype, inv_freq.shape, inv_freq.dtype)
+    last = _rope_memo[0]
+    if last is not None and last[0] == key and torch.equal(last[1], inv_freq):
+        return last[2], last[3]
+    positions = cache_lens.to(torch.int64)[:, None] + torch.arange(b, device=cache_lens.device)
+    cos, sin = rope_cos_sin_reference(positions, inv_freq, attention_scaling, dtype)
+    half = sin.shape[-1] // 2
+    sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)
+    d = cos.shape[-1]
+    _rope_memo[0] = (key, inv_freq.clone(), cos.view(-1, d), sin.view(-1, d))
+    return cos.view(-1, d), sin.view(-1, d)
+
+
+def _norm_rope_cpu(x, weight, cos, sin_signed, eps):
+    """``_norm_rope_reference`` with rotate_half as one roll (the same values); x [R, heads, D], tables [R, D]."""
+    if weight is not None:
+        x = rms_norm_reference(x, weight, eps)
+    return x * cos[:, None, :] + x.roll(x.shape[-1] // 2, -1) * sin_signed[:, None, :]
+
+
 def _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, attention_scaling,
                    eps, scale, sliding_window, causal, cache_batch_idx, block_lens, write_kv):
     """The ``"cpu"`` backend of both ops on a contiguous cache: the references' formula (same ops, same SDPA
@@ -211,11 +240,9 @@ def _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_
     cache_rows = cache_batch_idx.tolist() if cache_batch_idx is not None else range(n)
     valid = block_lens.tolist() if block_lens is not None else [b] * n
     offsets = torch.arange(b, device=q.device)
-    cos, sin = rope_cos_sin_reference(cache_lens.to(torch.int64)[:, None] + offsets, inv_freq, attention_scaling,
-                                      q.dtype)
-    cos, sin = cos.view(n * b, d), sin.view(n * b, d)
-    qn = _norm_rope_reference(q.reshape(n * b, nh, d), q_norm_weight, cos, sin, eps).view(n, b, nh, d)
-    kn = _norm_rope_reference(k.reshape(n * b, kvh, d), k_norm_weight, cos, sin, eps).view(n, b, kvh, d)
+    cos, sin_signed = _rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, q.dtype)
+    qn = _norm_rope_cpu(q.reshape(n * b, nh, d), q_norm_weight, cos, sin_signed, eps).view(n, b, nh, d)
+    kn = _norm_rope_cpu(k.reshape(n * b, kvh, d), k_norm_weight, cos, sin_signed, eps).view(n, b, kvh, d)
     capacity = k_cache.shape[1]
     # Every query sees a key unless a window can hide them all (the reference's masked_fill); with one block
     # row, or neither causality nor a window, no key is hidden at all and SDPA takes no mask.
@@ -697,3 +724,6 @@ def _verify_attention_fake(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight,
                            attention_scaling, eps, scale, block_table, cache_batch_idx, num_splits, max_context_len,
                            backend):
     return q.new_empty(q.shape)
+
+
+lean_version_bump(_verify_attention_op)

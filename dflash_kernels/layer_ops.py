@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dflash_kernels._dispatch import resolve_backend
+from dflash_kernels._dispatch import lean_version_bump, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, rms_norm_reference,
 )
@@ -159,6 +159,9 @@ def _add_rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
 @_add_rms_norm_op.register_fake
 def _add_rms_norm_fake(x, weight, eps, residual, backend):
     return x.new_empty(x.shape)
+
+
+lean_version_bump(_add_rms_norm_op)
 
 
 # -------------------------------------------------------------------------------------------------- silu_mul

@@ -15,7 +15,8 @@ columns over ``torch.get_num_threads()`` threads, in torch's own libgomp (one th
 Where it lives: it computes exactly ``F.linear`` (the definition is torch's own), at the runtime's call
 sites, so it is a drop-in function of the runtime rather than a ``dflash_kernels`` op: a ``torch.library``
 op would add its dispatch (about 10 us per call measured here, the non-mutating ``silu_mul``) to each of the
-~120 projections of a SmolLM2 step, and under ``torch.compile`` this function is ``F.linear`` anyway.
+~120 projections of a SmolLM2 step, and under ``torch.compile`` or a dispatch mode (the graph emulator) this
+function is ``F.linear`` anyway. The price: captured steps (the emulator) replay ``F.linear``, not this kernel.
 
 Memory: nothing is packed or cached, so no weight copy (0 extra bytes for SmolLM2) and a weight changed
 in place is seen by the next call: there is nothing to repack or invalidate.
@@ -30,7 +31,8 @@ AVX-512F or AVX2 + FMA, or a working compiler, :func:`linear` is ``F.linear`` (o
 Falls back to ``F.linear`` (same result up to fp32 rounding order) for: fewer than :data:`MIN_ROWS` or
 more than :data:`MAX_ROWS` rows (``F.linear`` is as fast at 1 row and faster for many), non-CPU or
 non-fp32 tensors, a weight or bias whose last dimension is not contiguous, autograd (grad enabled and
-a ``requires_grad`` input), and tracing under ``torch.compile``.
+a ``requires_grad`` input), tracing under ``torch.compile``, and an active ``TorchDispatchMode`` (the
+graph emulator of ``dflash.graphs`` records dispatched ops and replays them: a ctypes call is not one).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 MIN_ROWS = 2
 MAX_ROWS = 16
@@ -236,7 +239,7 @@ def _fast_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, r
                                   and bias.stride(0) == 1))
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))
-            and not torch.compiler.is_compiling())
+            and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

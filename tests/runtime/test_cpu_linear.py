@@ -183,3 +183,19 @@ def test_bad_isa_request(monkeypatch):
     assert cpu_linear._pick_isa({"avx2", "fma"}) == "avx2"
     with pytest.raises(RuntimeError, match="neither"):
         cpu_linear._pick_isa({"sse4_2"})
+
+
+@needs_fast
+def test_dispatch_mode_takes_f_linear(fast_calls):
+    """Under a TorchDispatchMode (the graph emulator records dispatched ops) the opaque kernel call is not made."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x, w = torch.randn(8, 64), torch.randn(48, 64)
+    with Seen():
+        out = cpu_linear.linear(x, w)
+    torch.testing.assert_close(out, F.linear(x, w))
+    assert fast_calls == []

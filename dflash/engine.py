@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.draft import DraftModel, rope_inv_freq
-from dflash.cpu_linear import linear
+from dflash import cpu_linear
 from dflash.graphs import capture
 from dflash.lean_target import LeanTarget, check_lean_target
 from dflash.merged_linear import merged_weight
@@ -83,6 +83,7 @@ class DFlashEngine:
         device = target_model.lm_head.weight.device
         self.device = device
         self.backend = kernel_backend or default_kernel_backend(device)
+        self.linear = cpu_linear.linear if self.backend == "cpu" else F.linear  # as LeanTarget's
         # commit_round has no Triton kernel: with "triton" it takes the compiled op or its reference.
         self.commit_backend = "auto" if self.backend == "triton" else self.backend
         self.graph_mode = graph_mode_for(use_cuda_graphs, device)
@@ -248,7 +249,7 @@ class DFlashEngine:
             attn, norm = layer.self_attn, layer.input_layernorm
             x = add_rms_norm(h if delta is None else delta, norm.weight, norm.eps,
                              residual=None if delta is None else h, backend=self.backend)
-            qkv = linear(x, self.qkv[li])
+            qkv = self.linear(x, self.qkv[li])
             q_cols, kv_cols = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
             q = qkv[..., :q_cols].view(n, B, attn.num_heads, attn.head_dim)
             k = qkv[..., q_cols:q_cols + kv_cols].view(n, B, attn.num_kv_heads, attn.head_dim)
@@ -257,10 +258,11 @@ class DFlashEngine:
                                 attn.k_norm.weight, inv_freq=self.inv_freq, attention_scaling=self.attention_scaling,
                                 eps=cfg.rms_norm_eps, sliding_window=attn.window, causal=attn.causal,
                                 max_context_len=self.kv_bound, block_lens=block_lens, backend=self.backend)
-            delta = linear(o.reshape(n, B, -1), attn.o_proj.weight)
+            delta = self.linear(o.reshape(n, B, -1), attn.o_proj.weight)
             norm = layer.post_attention_layernorm
             x = add_rms_norm(delta, norm.weight, norm.eps, residual=h, backend=self.backend)
-            delta = linear(silu_mul(linear(x, self.gate_up[li]), backend=self.backend), layer.mlp.down_proj.weight)
+            delta = self.linear(silu_mul(self.linear(x, self.gate_up[li]), backend=self.backend),
+                                layer.mlp.down_proj.weight)
         x = add_rms_norm(delta, draft.norm.weight, draft.norm.eps, residual=h, backend=self.backend)
         draft.propose(x, self.target_model.lm_head, out=self.proposals)
 

@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from dflash.cpu_linear import linear
+from dflash import cpu_linear
 from dflash.merged_linear import merged_weight
 from dflash.target import check_target
 from dflash_kernels import add_rms_norm, silu_mul, verify_attention
@@ -57,6 +57,8 @@ class LeanTarget:
         self.model = model
         self.layer_ids = list(layer_ids)
         self.backend = backend
+        # The "cpu" kernel backend also takes the CPU linear kernel; "torch" keeps F.linear (the references).
+        self.linear = cpu_linear.linear if backend == "cpu" else F.linear
         cfg = model.config
         first = model.model.layers[0].self_attn
         self.num_heads = cfg.num_attention_heads
@@ -87,7 +89,7 @@ class LeanTarget:
         Returns:
             logits [N, q, V] and the tapped features [N, q, T*H] (None when there are no taps).
         """
-        model = self.model
+        model, linear = self.model, self.linear
         n, q = input_ids.shape
         nh, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         attn_backend = self.backend if q <= MAX_KERNEL_ROWS or self.backend == "cpu" else "torch"

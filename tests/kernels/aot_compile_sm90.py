@@ -187,10 +187,9 @@ def configs():
             dict(SLIDING=sliding, MIN_CHUNK=da.MIN_CHUNK, BLOCK_ROWS=16, BLOCK_D=d),
             ints=dict(ROWS=b * nh, D=d, stride_on=b * nh * d, stride_or=d))
     add("inject_context_kv", ik._inject_kernel,
-        dict(ctx_ptr=bf, kw_ptr=bf, vw_ptr=bf, knw_ptr=bf, pos_ptr="*i64", cu_ptr="*i64", lens_ptr="*i64",
-             table_ptr="*i32", inv_freq_ptr=f32, kc_ptr=bf, vc_ptr=bf, attention_scaling="fp32", eps="fp32",
-             stride_kcl="i64", stride_vcl="i64", stride_kcp="i64", stride_vcp="i64"),
-        dict(HAS_TABLE=True, DOT_PREC="tf32", BLOCK_M=16, BLOCK_K=64, BLOCK_HALF=64, BLOCK_REQ=1))
+        dict(k_ptr=bf, v_ptr=bf, knw_ptr=bf, cu_ptr="*i64", lens_ptr="*i64", table_ptr="*i32", inv_freq_ptr=f32,
+             kc_ptr=bf, vc_ptr=bf, attention_scaling="fp32", eps="fp32", stride_kcp="i64", stride_vcp="i64"),
+        dict(HAS_TABLE=True, BLOCK_M=16, BLOCK_HALF=64, BLOCK_REQ=1))
     for res in (False, True):
         add(f"add_rms_norm residual={res}", lo._add_rms_norm_kernel,
             dict(out_ptr=bf, x_ptr=bf, res_ptr=bf, w_ptr=bf, eps="fp32", stride_x="i64"),

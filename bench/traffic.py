@@ -17,7 +17,7 @@ Model, per recorded op (a model, not a measurement):
             one column tile covers H), inject_context_kv 1, draft_attention / verify_attention 2
             (split + merge), add_rms_norm 1, silu_mul 1, verify_greedy 2, verify_sample 2 (+ the
             radix-select threshold's launches with top-k/top-p, ``threshold_launches``),
-            commit_round 1 (the ext op).
+            commit_round 1 (the ext op), draft_round_setup 1.
   bytes     every distinct tensor operand read once and every output written once (stride-0,
             broadcast dimensions count once); an in-place op's mutated operand is written once and
             also read, except pure overwrites (copy_, fill_, zero_). Gathers and scatters move only
@@ -27,7 +27,8 @@ Model, per recorded op (a model, not a measurement):
             (``context`` per request, not the capacity) plus the fp32 partials of their active splits
             (the kernels' own rule), written and read once; verify_attention also writes the block's
             K/V rows; add_rms_norm reads x, the weight and the residual and writes the output and the
-            residual; silu_mul reads [.., 2I] and writes [.., I]; inject_context_kv reads the rows'
+            residual; silu_mul reads [.., 2I] and writes [.., I]; draft_round_setup reads four and
+            writes three [N] int64 vectors (block[:, 0] is one); inject_context_kv reads the rows'
             projected K/V and writes only the injected rows; fused_context reads the taps and the fc
             weight once (+ fp32 split-K partials); the top-k/top-p threshold per
             ``threshold_bytes``. Split counts follow the kernels' own heuristics for an H200 (132 SMs).
@@ -236,6 +237,9 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
         return (2 + threshold_launches(use_top_k, use_top_p),
                 nbytes(args) + nbytes(out) + threshold_bytes(rows, vocab, logits.element_size(), use_top_k, use_top_p),
                 logits.numel())
+    if name == "draft_round_setup":  # reads 4 [N] int64, writes block[:, 0], context_start and block_lens
+        n = args[0].shape[0]
+        return 1, 7 * n * 8, 3 * n
     if name == "commit_round":
         mutated = nbytes(args[3:8])
         return 1, nbytes(args) + mutated + distinct_bytes(out), 0

@@ -42,7 +42,8 @@ from dflash.merged_linear import merged_weight
 from dflash.results import GenerateResult, device_clock
 from dflash.sampling import GREEDY_EPS, SamplingParams, sample
 from dflash_kernels import (
-    add_rms_norm, commit_round, draft_attention, fused_context, inject_context_kv, silu_mul, verify_greedy, verify_sample,
+    add_rms_norm, commit_round, draft_attention, draft_round_setup, fused_context, inject_context_kv, silu_mul,
+    verify_greedy, verify_sample,
 )
 
 
@@ -112,6 +113,8 @@ class DFlashEngine:
         self.done = torch.ones(batch, dtype=torch.bool, device=device)
         self.max_lengths = torch.zeros(batch, **long)
         self.num_new = torch.zeros(batch, **long)
+        self.context_start = torch.zeros(batch, **long)  # written by draft_round_setup at each draft step
+        self.block_lens = torch.zeros(batch, **long)
         self.proposals = torch.zeros(batch, B - 1, **long)
         self.draft_block = torch.full((batch, B), cfg.mask_token_id if self.use_draft else 0, **long)  # [anchor, MASK...]
         self.features = torch.zeros(batch, B, cfg.num_taps * cfg.hidden_size, dtype=dtype, device=device)
@@ -224,11 +227,11 @@ class DFlashEngine:
         x_block = self.layer_in[:rows].view(n, B, -1)
         ctx = fused_context(self.features.view(rows, -1), draft.fc.weight, draft.hidden_norm.weight,
                             cfg.rms_norm_eps, out=self.layer_in[rows:], backend=self.backend)
-        start = self.positions - self.num_new  # first row of the rows committed last round
-        # The reference drafts [anchor, MASK x (v-1)] with v = min(B, max_length - position): the
-        # block rows at or beyond v are masked out as keys, so rows < v see exactly that block.
-        block_lens = (self.max_lengths - self.positions).clamp(1, B)
-        self.draft_block[:, 0].copy_(self.anchor)
+        # [anchor, MASK...] block, the first context row committed last round, and the block rows to draft: the
+        # reference drafts [anchor, MASK x (v-1)] with v = min(B, max_length - position); block rows at or beyond
+        # v are masked out as keys, so rows < v see exactly that block.
+        draft_round_setup(self.anchor, self.positions, self.num_new, self.max_lengths, block=self.draft_block,
+                          context_start=self.context_start, block_lens=self.block_lens, backend=self.backend)
         h = F.embedding(self.draft_block, self.target_model.get_input_embeddings().weight).to(ctx.dtype)
         if cfg.input_embedding_scale != 1.0:
             h = h * cfg.input_embedding_scale
@@ -242,14 +245,14 @@ class DFlashEngine:
             q_cols, kv_cols = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
             # All B rows of every request are written; only num_new of them become valid context
             # (positions advanced by exactly that), so the shapes stay static.
-            self._inject(li, qkv[rows:, q_cols:], self.cu_block, start)
+            self._inject(li, qkv[rows:, q_cols:], self.cu_block, self.context_start)
             q = qkv[:rows, :q_cols].view(n, B, attn.num_heads, attn.head_dim)
             k = qkv[:rows, q_cols:q_cols + kv_cols].view(n, B, attn.num_kv_heads, attn.head_dim)
             v = qkv[:rows, q_cols + kv_cols:].view(n, B, attn.num_kv_heads, attn.head_dim)
             o = draft_attention(q, k, v, self.k_cache[li], self.v_cache[li], self.positions, attn.q_norm.weight,
                                 attn.k_norm.weight, inv_freq=self.inv_freq, attention_scaling=self.attention_scaling,
                                 eps=cfg.rms_norm_eps, sliding_window=attn.window, causal=attn.causal,
-                                max_context_len=self.kv_bound, block_lens=block_lens, backend=self.backend)
+                                max_context_len=self.kv_bound, block_lens=self.block_lens, backend=self.backend)
             delta = attn.o_proj(o.reshape(n, B, -1))
             norm = layer.post_attention_layernorm
             x = add_rms_norm(delta, norm.weight, norm.eps, residual=h, backend=self.backend)

@@ -12,7 +12,7 @@ import dflash_kernels
 from dflash_kernels import _ext
 
 OPS = ("fused_context", "inject_context_kv", "draft_attention", "verify_greedy", "verify_sample", "commit_round",
-       "verify_attention", "add_rms_norm", "silu_mul")  # the order _round calls them in
+       "verify_attention", "add_rms_norm", "silu_mul", "draft_round_setup")  # the order _round calls them in
 EXT_OK = _ext.status("cpu")[0]
 
 
@@ -86,7 +86,10 @@ def _round(s, backend):
                                              s["cache_lens"], inv_freq=s["inv_freq"], scale=0.3, backend=backend)
     normed = dflash_kernels.add_rms_norm(ctx, s["norm_weight"], residual=s["residual"], backend=backend)
     act = dflash_kernels.silu_mul(s["gate_up"], backend=backend)
-    return ctx, att, target, acc, bonus, sacc, stok, num_new, normed, act
+    setup = (torch.full((2, 3), -1), torch.full((2,), -1), torch.full((2,), -1))
+    dflash_kernels.draft_round_setup(s["anchor"], s["pos"], num_new, s["max_lengths"], block=setup[0],
+                                     context_start=setup[1], block_lens=setup[2], backend=backend)
+    return ctx, att, target, acc, bonus, sacc, stok, num_new, normed, act, *setup
 
 
 MUTATED = ("k_cache", "v_cache", "target_k_cache", "target_v_cache", "out_tokens", "lengths", "pos", "anchor", "done",
@@ -132,7 +135,8 @@ def test_schemas_and_mutations():
     assert mutated == {"fused_context": ["out"], "inject_context_kv": ["k_cache", "v_cache"], "draft_attention": [],
                        "verify_attention": ["k_cache", "v_cache"], "verify_greedy": [], "verify_sample": [],
                        "commit_round": ["anchor", "done", "lengths", "out_tokens", "positions"],
-                       "add_rms_norm": ["out", "residual"], "silu_mul": []}
+                       "add_rms_norm": ["out", "residual"], "silu_mul": [],
+                       "draft_round_setup": ["block", "block_lens", "context_start"]}
     args = {a.name: str(a.type) for a in schemas["draft_attention"].arguments}
     assert args["block_lens"] == "Optional[Tensor]" and args["backend"] == "str"
     assert args["q_norm_weight"] == args["k_norm_weight"] == "Optional[Tensor]"

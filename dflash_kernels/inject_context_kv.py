@@ -31,14 +31,16 @@ def _validate(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, in
     check_cache_pair(OP, k_cache, v_cache, ndim=4, kv_heads=kvh, head_dim=d, device=dev)
     check_tensor(OP, "k_norm_weight", k_norm_weight, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
     if k_norm_weight.shape[0] != d:
-        raise ValueError(f"{OP}: k_norm_weight must be [D={d}] (the layer's k_norm.weight), got {tuple(k_norm_weight.shape)}")
+        raise ValueError(f"{OP}: k_norm_weight must be [D={d}] (the layer's k_norm.weight), "
+                         f"got {tuple(k_norm_weight.shape)}")
     check_tensor(OP, "cu_ctx_lens", cu_ctx_lens, ndim=1, dtypes=(torch.int64, torch.int32), device=dev)
     n_req = cu_ctx_lens.shape[0] - 1
     if n_req < 0:
         raise ValueError(f"{OP}: cu_ctx_lens must be [N_req+1] row offsets starting at 0, got an empty tensor")
     check_tensor(OP, "cache_lens", cache_lens, ndim=1, dtypes=(torch.int64, torch.int32), device=dev)
     if cache_lens.shape[0] != n_req:
-        raise ValueError(f"{OP}: cache_lens must be [N_req={n_req}] (= len(cu_ctx_lens) - 1), got {tuple(cache_lens.shape)}")
+        raise ValueError(f"{OP}: cache_lens must be [N_req={n_req}] (= len(cu_ctx_lens) - 1), "
+                         f"got {tuple(cache_lens.shape)}")
     check_tensor(OP, "inv_freq", inv_freq, ndim=1, dtypes=(torch.float32, torch.float64), device=dev)
     if inv_freq.shape[0] != d // 2:
         raise ValueError(f"{OP}: inv_freq must be [D/2={d // 2}], got {tuple(inv_freq.shape)}")

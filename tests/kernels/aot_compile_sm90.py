@@ -199,7 +199,8 @@ def configs():
         dict(out_ptr=f32, x_ptr=f32, res_ptr=f32, w_ptr=f32, eps="fp32", stride_x="i64"),
         dict(HAS_RESIDUAL=True, BLOCK_H=1024), num_warps=2)
     add("draft_round_setup", cm._draft_round_setup_kernel,
-        {name: "*i64" for name in ("anchor_ptr", "pos_ptr", "new_ptr", "maxl_ptr", "block_ptr", "start_ptr", "lens_ptr")},
+        {name: "*i64"
+         for name in ("anchor_ptr", "pos_ptr", "new_ptr", "maxl_ptr", "block_ptr", "start_ptr", "lens_ptr")},
         dict(BLOCK_N=16))
     add("silu_mul", lo._silu_mul_kernel, dict(out_ptr=bf, gu_ptr=bf, stride_gu="i64"), dict(BLOCK_I=1024))
     return out

@@ -105,7 +105,14 @@ def candidates(ws: list[torch.Tensor], x: torch.Tensor, with_compile: bool) -> d
         "mkl_packed": mkl,
         "compile_freezing": compiled,
         "dflash_cpu_linear": lambda: per_copy(lambda i: cpu_linear.linear(x, ws[i])),
+        "dflash_cpu_linear_avx2": lambda: avx2_pass(),
     }
+
+    def avx2_pass():  # the AVX2 + FMA build (CPUs without AVX-512) on this CPU, next to the loaded kernel
+        if m < cpu_linear.MIN_ROWS or m > cpu_linear.MAX_ROWS:
+            return per_copy(lambda i: F.linear(x, ws[i]))
+        kernel, _ = cpu_linear._build("avx2")
+        return per_copy(lambda i: cpu_linear._run(kernel, x, ws[i], None, m))
     if not with_compile:
         del out["compile_freezing"]
     return out

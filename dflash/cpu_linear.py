@@ -152,12 +152,12 @@ _tried = False
 _isa: str | None = None
 
 
-def _pick_isa(cpu_flags: set[str]) -> str:
-    """The widest ISA the CPU has (``$DFLASH_CPU_LINEAR_ISA`` may ask for a narrower one it also has)."""
+def _pick_isa(cpu_flags: set[str], wanted: str | None = None) -> str:
+    """The widest ISA the CPU has, or ``wanted`` (default ``$DFLASH_CPU_LINEAR_ISA``) if it has that one."""
     have = [isa for isa, needs in ISAS.items() if needs <= cpu_flags]
     if not have:
         raise RuntimeError("the CPU has neither AVX-512F nor AVX2 + FMA")
-    wanted = os.environ.get(ISA_ENV)
+    wanted = wanted or os.environ.get(ISA_ENV)
     if wanted:
         if wanted not in ISAS:
             raise RuntimeError(f"{ISA_ENV}={wanted!r} is not one of {tuple(ISAS)}")
@@ -167,15 +167,16 @@ def _pick_isa(cpu_flags: set[str]) -> str:
     return have[0]
 
 
-def _build():
+def _build(wanted: str | None = None):
+    """Compile (once per source, flags and CPU) and load the kernel of ``wanted`` or the picked ISA; returns
+    (kernel, ISA). Benchmarks call it with ``"avx2"`` for a second kernel next to the loaded one."""
     from dflash.smollm2 import cache_path
 
-    global _isa
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise RuntimeError(f"needs Linux x86-64, this is {platform.system()} {platform.machine()}")
     with open("/proc/cpuinfo", encoding="utf-8") as f:
         cpu_flags = next((line for line in f if line.startswith("flags")), "")
-    isa = _pick_isa(set(cpu_flags.split()))
+    isa = _pick_isa(set(cpu_flags.split()), wanted)
     # -march=native tunes for this CPU; -mno-avx512f keeps the AVX2 build off AVX-512 on a CPU that has both.
     flags = (*FLAGS, "-mno-avx512f") if isa == "avx2" else FLAGS
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
@@ -195,19 +196,18 @@ def _build():
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    _isa = isa
-    return fn
+    return fn, isa
 
 
 def _load():
-    global _kernel, _reason, _tried
+    global _kernel, _reason, _tried, _isa
     if _tried:
         return _kernel
     with _lock:
         if not _tried:
             _tried = True
             try:
-                _kernel = _build()
+                _kernel, _isa = _build()
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 _reason = f"dflash.cpu_linear: the fast CPU kernel is unavailable ({e}); using F.linear"
                 warnings.warn(_reason, RuntimeWarning, stacklevel=3)
@@ -248,9 +248,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.numel() // k if k else 0
     if not _fast_ok(x, weight, bias, rows) or (_kernel is None and _load() is None):
         return F.linear(x, weight, bias)
+    return _run(_kernel, x, weight, bias, rows)
+
+
+def _run(kernel, x, weight, bias, rows):
     x = x.contiguous()
-    n = weight.shape[0]
+    k, n = x.shape[-1], weight.shape[0]
     out = x.new_empty(x.shape[:-1] + (n,))
-    _kernel(x.data_ptr(), rows, weight.data_ptr(), weight.stride(0), k, n,
-            None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    kernel(x.data_ptr(), rows, weight.data_ptr(), weight.stride(0), k, n,
+           None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out

@@ -35,8 +35,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from dflash.draft import DraftModel, rope_inv_freq
 from dflash import cpu_linear
+from dflash.draft import DraftModel, rope_inv_freq
 from dflash.graphs import capture
 from dflash.lean_target import LeanTarget, check_lean_target
 from dflash.merged_linear import merged_weight

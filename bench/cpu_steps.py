@@ -82,6 +82,38 @@ def main(argv=None) -> int:
     verify_ms = {name: [] for name, _, _ in runs}
     taus = {name: [] for name, _, _ in runs}
     identical = True
+    def report(reps_done: int) -> str:
+        med = statistics.median
+        hf_tps = med(tokens["HF generate"]) / med(totals["HF generate"])
+        lines = [f"Machine: {_cpu_model()}, {os.cpu_count()} cores visible, shared with other jobs (load average "
+                 f"{load0:.1f} at start, {os.getloadavg()[0]:.1f} at end); torch {torch.__version__}, "
+                 f"{args.threads} threads, fp32; python {platform.python_version()}; commit {_commit()}; "
+                 f"cpu_linear: {cpu_linear.isa() or cpu_linear.unavailable_reason()}.",
+                 f"Command: `python bench/cpu_steps.py --reps {args.reps} --threads {args.threads} --max-new "
+                 f"{args.max_new} --backends {args.backends}` ({reps_done} reps done). Default demo prompt, greedy, up "
+                 f"to {args.max_new} new tokens; per rep, each runtime after its own warm-up call, in the order of "
+                 "the table; medians over reps (end to end) and over all rounds but each run's first (steps).", "",
+                 "| runtime | median s (min-max) | tok/s | vs HF | one-token / verify step ms | draft step ms | τ |",
+                 "|---|---:|---:|---:|---:|---:|---:|"]
+        for name, kb, b in runs:
+            t = totals[name]
+            tps = med(tokens[name]) / med(t)
+            step = f"{med(verify_ms[name]):.1f}" if verify_ms[name] else ""
+            dstep = f"{med(draft_ms[name]):.1f}" if b and b > 1 else ""
+            tau = f"{med(taus[name]):.2f}" if taus[name] else ""
+            lines.append(f"| {name} | {med(t):.2f} ({min(t):.2f}-{max(t):.2f}) | {tps:.1f} | {tps / hf_tps:.2f}x | "
+                         f"{step} | {dstep} | {tau} |")
+        for kb in backends:
+            one, blk = verify_ms[f"autoregressive ({kb})"], verify_ms[f"DFlash B={block} ({kb})"]
+            lines.append("")
+            lines.append(f"{kb}: verify step at B={block} / one-token step = {med(blk) / med(one):.2f}")
+        lines += ["", f"Outputs identical to HF generate's greedy output (every run): {'yes' if identical else 'NO'}"]
+        text = "\n".join(lines)
+        if args.out:  # rewritten after every rep: an interrupted run keeps its reps so far
+            with open(args.out, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+        return text
+
     for rep in range(args.reps):
         for name, kb, b in runs:
             if kb is None:
@@ -99,38 +131,9 @@ def main(argv=None) -> int:
             draft_ms[name] += [1e3 * r[0] for r in rounds]
             verify_ms[name] += [1e3 * r[1] for r in rounds]
             taus[name].append(res.tau)
+        report(rep + 1)
         print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
-
-    med = statistics.median
-    hf_tps = med(tokens["HF generate"]) / med(totals["HF generate"])
-    lines = [f"Machine: {_cpu_model()}, {os.cpu_count()} cores visible, shared with other jobs (load average "
-             f"{load0:.1f} at start, {os.getloadavg()[0]:.1f} at end); torch {torch.__version__}, "
-             f"{args.threads} threads, fp32; python {platform.python_version()}; commit {_commit()}; "
-             f"cpu_linear: {cpu_linear.isa() or cpu_linear.unavailable_reason()}.",
-             f"Command: `python bench/cpu_steps.py --reps {args.reps} --threads {args.threads} --max-new {args.max_new}"
-             f" --backends {args.backends}`. Default demo prompt, greedy, up to {args.max_new} new tokens; per rep, "
-             "each runtime after its own warm-up call, in the order of the table; medians over reps (end to end) and "
-             "over all rounds but each run's first (steps).", "",
-             "| runtime | median s (min-max) | tok/s | vs HF | one-token / verify step ms | draft step ms | τ |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for name, kb, b in runs:
-        t = totals[name]
-        tps = med(tokens[name]) / med(t)
-        step = f"{med(verify_ms[name]):.1f}" if verify_ms[name] else ""
-        dstep = f"{med(draft_ms[name]):.1f}" if b and b > 1 else ""
-        tau = f"{med(taus[name]):.2f}" if taus[name] else ""
-        lines.append(f"| {name} | {med(t):.2f} ({min(t):.2f}-{max(t):.2f}) | {tps:.1f} | {tps / hf_tps:.2f}x | "
-                     f"{step} | {dstep} | {tau} |")
-    for kb in backends:
-        one, blk = verify_ms[f"autoregressive ({kb})"], verify_ms[f"DFlash B={block} ({kb})"]
-        lines.append("")
-        lines.append(f"{kb}: verify step at B={block} / one-token step = {med(blk) / med(one):.2f}")
-    lines += ["", f"Outputs identical to HF generate's greedy output (every run): {'yes' if identical else 'NO'}"]
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(report + "\n")
+    print(report(args.reps))
     return 0 if identical else 3
 
 

@@ -178,21 +178,57 @@ def draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weig
 
 def verify_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight=None, k_norm_weight=None, *,
                                inv_freq, attention_scaling: float = 1.0, eps: float = 1e-6,
-                               scale: Optional[float] = None, block_table=None, cache_batch_idx=None) -> torch.Tensor:
+                               scale: Optional[float] = None, block_table=None, cache_batch_idx=None,
+                               tree_depths=None, tree_mask=None) -> torch.Tensor:
     """Definition (host indexing): write request n's block K rows (normed + rotated, as the attention uses
     them) and raw V rows to cache rows ``cache_lens[n] + i`` (those below the capacity), then
-    ``draft_attention_reference`` with ``causal=True`` (the context [0, cache_lens[n]) plus block keys j <= i)."""
+    ``draft_attention_reference`` with ``causal=True`` (the context [0, cache_lens[n]) plus block keys j <= i).
+
+    Tree (``tree_depths`` [N, B] and ``tree_mask`` [N, B, ceil(B/64)] int64, both or neither): block row i is
+    at position ``cache_lens[n] + tree_depths[n, i]`` (q and k rotated there) but still written at cache row
+    ``cache_lens[n] + i``; query i sees the context and the block keys j whose bit ``j % 64`` of word
+    ``j // 64`` of ``tree_mask[n, i]`` is set (its ancestors and itself: ``tree_ancestor_mask``)."""
     b = q.shape[1]
     capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     for r, c in enumerate(cache_lens.tolist()):
         t = torch.arange(c, min(c + b, capacity), device=q.device)
-        cos, sin = rope_cos_sin_reference(t, inv_freq, attention_scaling, q.dtype)
+        pos = t if tree_depths is None else c + tree_depths[r, :len(t)]
+        cos, sin = rope_cos_sin_reference(pos, inv_freq, attention_scaling, q.dtype)
         rows = _cache_index(k_cache, r, t, block_table, cache_batch_idx)
         k_cache[rows] = _norm_rope_reference(k[r, :len(t)], k_norm_weight, cos, sin, eps).to(k_cache.dtype)
         v_cache[rows] = v[r, :len(t)].to(v_cache.dtype)
+    if tree_depths is not None:
+        return _tree_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
+                                         inv_freq, attention_scaling, eps, scale, block_table, cache_batch_idx,
+                                         tree_depths, tree_mask)
     return draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
                                      inv_freq=inv_freq, attention_scaling=attention_scaling, eps=eps, causal=True,
                                      block_table=block_table, cache_batch_idx=cache_batch_idx, scale=scale)
+
+
+def _tree_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
+                              attention_scaling, eps, scale, block_table, cache_batch_idx, tree_depths, tree_mask):
+    """Tree attention of ``verify_attention_reference`` (HF numerics in q's dtype, SDPA): block row i at
+    position ``cache_lens[n] + tree_depths[n, i]`` over the context rows and its ancestor block rows."""
+    n, b, nh, d = q.shape
+    kvh = k.shape[2]
+    out = torch.empty_like(q)
+    bit = torch.arange(b, device=q.device)
+    for r, c in enumerate(cache_lens.tolist()):
+        cos, sin = rope_cos_sin_reference(c + tree_depths[r], inv_freq, attention_scaling, q.dtype)
+        qn = _norm_rope_reference(q[r], q_norm_weight, cos, sin, eps)
+        kn = _norm_rope_reference(k[r], k_norm_weight, cos, sin, eps)
+        ctx = _cache_index(k_cache, r, torch.arange(c, device=q.device), block_table, cache_batch_idx)
+        keys = torch.cat([k_cache[ctx].to(q.dtype), kn], 0)
+        vals = torch.cat([v_cache[ctx].to(q.dtype), v[r]], 0)
+        words = tree_mask[r][:, bit // 64]                                       # [B, B]: word of key j, row i
+        block = ((words >> (bit % 64)[None, :]) & 1).bool()
+        mask = torch.cat([torch.ones(b, c, dtype=torch.bool, device=q.device), block], 1)
+        o = F.scaled_dot_product_attention(qn.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                           vals.transpose(0, 1)[None], attn_mask=mask[None, None],
+                                           scale=d ** -0.5 if scale is None else scale, enable_gqa=kvh != nh)[0]
+        out[r] = o.transpose(0, 1)
+    return out
 
 
 @triton.jit
@@ -565,6 +601,7 @@ def verify_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                      attention_scaling: float = 1.0, eps: float = 1e-6, scale: Optional[float] = None,
                      block_table: Optional[torch.Tensor] = None, cache_batch_idx: Optional[torch.Tensor] = None,
                      num_splits: Optional[int] = None, max_context_len: Optional[int] = None,
+                     tree_depths: Optional[torch.Tensor] = None, tree_mask: Optional[torch.Tensor] = None,
                      backend: str = "auto") -> torch.Tensor:
     """Attention of one target layer in the verify step, and the block's K/V appended to the cache.
 
@@ -590,6 +627,11 @@ def verify_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         block_table, cache_batch_idx: as in :func:`draft_attention`.
         num_splits, max_context_len: as in :func:`draft_attention` (``max_context_len`` bounds
             ``cache_lens``, the context read, not ``cache_lens + B``).
+        tree_depths, tree_mask: a draft tree instead of the chain (both or neither): ``[N, B]`` int64 node
+            depths (``dflash_kernels.build_tree``) and ``[N, B, ceil(B/64)]`` int64 ancestor bitmask
+            (``dflash_kernels.tree_ancestor_mask``; built once per round, passed to every layer). Block row i
+            then sits at position ``cache_lens[n] + tree_depths[n, i]`` (still written at cache row
+            ``cache_lens[n] + i``) and sees the context plus the block rows of its ancestors and itself.
         backend: ``"auto" | "triton" | "torch"``.
 
     Returns:
@@ -602,11 +644,27 @@ def verify_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                         f"(the block's K/V rows are stored as computed)")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
         raise ValueError(f"{VERIFY_OP}: scale must be None (D**-0.5) or a float > 0 (e.g. attn.scaling), got {scale!r}")
+    _validate_tree(q, tree_depths, tree_mask)
     chosen = resolve_backend(VERIFY_OP, backend, q.device, available=_BACKENDS)
     return torch.ops.dflash.verify_attention(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
                                              inv_freq, float(attention_scaling), float(eps),
                                              None if scale is None else float(scale), block_table, cache_batch_idx,
-                                             num_splits, max_context_len, chosen)
+                                             num_splits, max_context_len, tree_depths, tree_mask, chosen)
+
+
+def _validate_tree(q, tree_depths, tree_mask):
+    if (tree_depths is None) != (tree_mask is None):
+        raise ValueError(f"{VERIFY_OP}: pass both tree_depths and tree_mask (a draft tree: build_tree's depths and "
+                         f"tree_ancestor_mask(tree_parents)) or neither (the causal chain)")
+    if tree_depths is None:
+        return
+    n, b = q.shape[:2]
+    words = (b + 63) // 64
+    for name, t, shape in (("tree_depths", tree_depths, (n, b)), ("tree_mask", tree_mask, (n, b, words))):
+        check_tensor(VERIFY_OP, name, t, ndim=len(shape), dtypes=(torch.int64,), device=q.device)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{VERIFY_OP}: {name} must be {list(shape)} for q of shape {tuple(q.shape)} (B = {b} "
+                             f"tree nodes), got {tuple(t.shape)}")
 
 
 @torch.library.custom_op("dflash::verify_attention", mutates_args=("k_cache", "v_cache"))
@@ -615,13 +673,15 @@ def _verify_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ca
                          k_norm_weight: Optional[torch.Tensor], inv_freq: torch.Tensor, attention_scaling: float,
                          eps: float, scale: Optional[float], block_table: Optional[torch.Tensor],
                          cache_batch_idx: Optional[torch.Tensor], num_splits: Optional[int],
-                         max_context_len: Optional[int], backend: str) -> torch.Tensor:
+                         max_context_len: Optional[int], tree_depths: Optional[torch.Tensor],
+                         tree_mask: Optional[torch.Tensor], backend: str) -> torch.Tensor:
     """``torch.ops.dflash.verify_attention``: :func:`verify_attention` after validation (writes k_cache, v_cache)."""
     chosen = resolve_backend(VERIFY_OP, backend, q.device, available=_BACKENDS)
-    if chosen == "torch":
+    if chosen == "torch" or tree_depths is not None:
         return verify_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
                                           inv_freq=inv_freq, attention_scaling=attention_scaling, eps=eps,
-                                          scale=scale, block_table=block_table, cache_batch_idx=cache_batch_idx)
+                                          scale=scale, block_table=block_table, cache_batch_idx=cache_batch_idx,
+                                          tree_depths=tree_depths, tree_mask=tree_mask)
     return _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
                              attention_scaling, eps, scale, None, True, block_table, cache_batch_idx, None,
                              num_splits, max_context_len, write_kv=True)
@@ -630,5 +690,5 @@ def _verify_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ca
 @_verify_attention_op.register_fake
 def _verify_attention_fake(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
                            attention_scaling, eps, scale, block_table, cache_batch_idx, num_splits, max_context_len,
-                           backend):
+                           tree_depths, tree_mask, backend):
     return q.new_empty(q.shape)

@@ -1,0 +1,181 @@
+"""Draft trees: build_tree, tree_ancestor_mask, tree_accept_greedy / tree_accept_sample, tree_compact and the tree
+arguments of verify_attention. References against independent brute-force definitions; kernels equal to the
+references (integers exactly); sampling by chi-square with a wrong rule shown to fail."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+import dflash_kernels as dk
+from dflash_kernels.draft_attention import verify_attention_reference
+from dflash_kernels.tree import (
+    build_tree_reference, draft_log_normalizer, tree_accept_greedy_reference, tree_ancestor_mask_reference,
+    tree_compact_reference,
+)
+
+BACKENDS = ["torch", "triton"]
+
+
+def _brute_tree(logits, anchor, budget, vocab_ids=None):
+    """Every prefix scored (fp32 sums root to leaf), sorted by the documented total order."""
+    r, p, v = logits.shape
+    lp = (logits.float() - draft_log_normalizer(logits)[..., None]).cpu().numpy()
+    z = logits.float().cpu().numpy()
+    out = []
+    for req in range(r):
+        cands = []
+        for d in range(1, p + 1):
+            for pre in itertools.product(range(v), repeat=d):
+                s = np.float32(0.0)
+                for i, x in enumerate(pre):
+                    s = np.float32(s + lp[req, i, x])
+                cands.append((pre, s))
+        chosen = [()]
+        while len(chosen) < budget + 1:
+            # Among prefixes whose parent is chosen: the best by the total order (this is the definition's order).
+            index = {pre: i for i, pre in enumerate(chosen)}
+            ready = [(pre, s) for pre, s in cands if pre[:-1] in index and pre not in index]
+            best = min(ready, key=lambda c: (-float(c[1]), len(c[0]), index[c[0][:-1]],
+                                             -float(z[req, len(c[0]) - 1, c[0][-1]]), c[0][-1]))
+            chosen.append(best[0])
+        index = {pre: i for i, pre in enumerate(chosen)}
+        tok = [int(anchor[req])] + [int(vocab_ids[c[-1]]) if vocab_ids is not None else c[-1] for c in chosen[1:]]
+        par = [-1] + [index[c[:-1]] for c in chosen[1:]]
+        dep = [len(c) for c in chosen]
+        out.append((tok, par, dep))
+    return tuple(torch.tensor([o[i] for o in out]) for i in range(3))
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_build_tree_reference_is_the_best_prefixes(ties):
+    r, p, v, budget = 3, 3, 4, 17
+    logits = torch.randn(r, p, v, dtype=torch.float64).float() * 2
+    if ties:
+        logits = torch.randint(-2, 2, (r, p, v)).float()   # many exactly equal scores: the tie rule decides
+        logits[1] = 0.0                                    # uniform rows: equal scores across depths too
+    anchor = torch.tensor([5, 6, 7])
+    vocab_ids = torch.tensor([10, 3, 42, 7])
+    got = build_tree_reference(logits.cpu(), anchor.cpu(), budget, vocab_ids=vocab_ids.cpu())
+    want = _brute_tree(logits.cpu(), anchor.cpu(), budget, vocab_ids.cpu())
+    for g, w in zip(got, want):
+        assert torch.equal(g.cpu(), w)
+
+
+def _random_tree(r, t, max_depth):
+    """Random valid node arrays: parents precede children, depth <= max_depth."""
+    parents = torch.full((r, t), -1, dtype=torch.int64)
+    depths = torch.zeros((r, t), dtype=torch.int64)
+    for req in range(r):
+        for i in range(1, t):
+            while True:
+                par = int(torch.randint(0, i, ()))
+                if depths[req, par] < max_depth:
+                    break
+            parents[req, i], depths[req, i] = par, depths[req, par] + 1
+    return parents, depths
+
+
+def test_ancestor_mask_reference():
+    parents, _ = _random_tree(2, 70, 6)                    # 70 nodes: two words per row
+    mask = tree_ancestor_mask_reference(parents)
+    assert mask.shape == (2, 70, 2) and mask.dtype == torch.int64
+    for req in range(2):
+        for i in range(70):
+            anc, j = set(), i
+            while j >= 0:
+                anc.add(j)
+                j = int(parents[req, j])
+            bits = {w * 64 + b for w in range(2) for b in range(64) if (int(mask[req, i, w]) >> b) & 1}
+            assert bits == anc
+
+
+def _attn_inputs(n, b, nh, kvh, d, lens, cap, dtype):
+    q = torch.randn(n, b, nh, d, dtype=dtype)
+    k = torch.randn(n, b, kvh, d, dtype=dtype)
+    v = torch.randn(n, b, kvh, d, dtype=dtype)
+    kc = torch.randn(n, cap, kvh, d, dtype=dtype)
+    vc = torch.randn(n, cap, kvh, d, dtype=dtype)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    qw, kw = torch.rand(d) + 0.5, torch.rand(d) + 0.5
+    return q, k, v, kc, vc, torch.tensor(lens), qw.to(dtype), kw.to(dtype), inv
+
+
+def test_tree_attention_reference_is_each_nodes_chain():
+    """Node i's output equals a chain verify over its root-to-node path (same positions, same keys)."""
+    n, t, nh, kvh, d, cap = 2, 9, 4, 2, 8, 24
+    q, k, v, kc, vc, lens, qw, kw, inv = _attn_inputs(n, t, nh, kvh, d, [5, 0], cap, torch.float64)
+    parents, depths = _random_tree(n, t, 4)
+    kc_t, vc_t = kc.clone(), vc.clone()
+    out = verify_attention_reference(q, k, v, kc_t, vc_t, lens, qw, kw, inv_freq=inv, tree_depths=depths,
+                                     tree_mask=tree_ancestor_mask_reference(parents))
+    for r in range(n):
+        c = int(lens[r])
+        for i in range(t):
+            path, j = [], i
+            while j >= 0:
+                path.insert(0, j)
+                j = int(parents[r, j])
+            sel = torch.tensor(path)
+            kc_c, vc_c = kc[r:r + 1].clone(), vc[r:r + 1].clone()
+            o = verify_attention_reference(q[r:r + 1, sel], k[r:r + 1, sel], v[r:r + 1, sel], kc_c, vc_c, lens[r:r + 1],
+                                           qw, kw, inv_freq=inv)
+            torch.testing.assert_close(out[r, i], o[0, -1], rtol=1e-12, atol=1e-12)
+            # The cache row of node i holds its K rotated at its depth (the chain wrote it at row c + depth).
+            torch.testing.assert_close(kc_t[r, c + i], kc_c[0, c + len(path) - 1], rtol=0, atol=0)
+            assert torch.equal(vc_t[r, c + i], v[r, i])
+
+
+def test_greedy_walk_reference():
+    # Tree: 0 -> 1 (tok 3) -> 3 (tok 4); 0 -> 2 (tok 5); 1 -> 4 (tok 6).
+    tokens = torch.tensor([[9, 3, 5, 4, 6]])
+    parents = torch.tensor([[-1, 0, 0, 1, 1]])
+    logits = torch.zeros(1, 5, 8)
+    logits[0, 0, 3] = logits[0, 1, 6] = logits[0, 4, 2] = 1.0
+    path, acc, bonus = tree_accept_greedy_reference(logits, tokens, parents, block_size=4)
+    assert path.tolist() == [[0, 1, 4, -1]] and acc.tolist() == [2] and bonus.tolist() == [2]
+    path, acc, bonus = tree_accept_greedy_reference(logits, tokens, parents, block_size=2)
+    assert path.tolist() == [[0, 1]] and acc.tolist() == [1] and bonus.tolist() == [6]
+
+
+def test_compact_reference():
+    cache = torch.randn(2, 3, 10, 1, 2)
+    path = torch.tensor([[0, 2, 5, -1], [0, -1, -1, -1]])
+    accepted, start = torch.tensor([2, 0]), torch.tensor([1, 4])
+    want = cache.clone()
+    want[:, 2, 1 + 1] = cache[:, 2, 1 + 2]
+    want[:, 2, 1 + 2] = cache[:, 2, 1 + 5]
+    k, v = cache.clone(), cache.clone()
+    tree_compact_reference(k, v, path, accepted, start, cache_batch_idx=torch.tensor([2, 0]))
+    assert torch.equal(k, want) and torch.equal(v, want)
+
+
+def test_validation_errors():
+    lg = torch.randn(2, 3, 4)
+    with pytest.raises(ValueError, match="budget"):
+        dk.build_tree(lg, torch.tensor([1, 2]), 0)
+    with pytest.raises(ValueError, match="distinct prefixes"):
+        dk.build_tree(torch.randn(2, 1, 4), torch.tensor([1, 2]), 5)
+    with pytest.raises(ValueError, match="anchor"):
+        dk.build_tree(lg, torch.tensor([1]), 3)
+    with pytest.raises(TypeError, match="anchor"):
+        dk.build_tree(lg, torch.tensor([1, 2], dtype=torch.int32), 3)
+    with pytest.raises(ValueError, match="vocab_ids"):
+        dk.build_tree(lg, torch.tensor([1, 2]), 3, vocab_ids=torch.arange(3))
+    tok, par = torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match="tree_parents"):
+        dk.tree_accept_greedy(torch.randn(2, 5, 7), tok, par[:, :4], block_size=3)
+    with pytest.raises(ValueError, match="block_size"):
+        dk.tree_accept_greedy(torch.randn(2, 5, 7), tok, par, block_size=0)
+    with pytest.raises(ValueError, match="temperature"):
+        dk.tree_accept_sample(torch.randn(2, 5, 7), tok, par, block_size=3, temperature=0.0, seed=0, offset=0)
+    cache = torch.randn(2, 2, 8, 1, 4)
+    with pytest.raises(ValueError, match="accepted"):
+        dk.tree_compact(cache, cache.clone(), torch.zeros(2, 3, dtype=torch.long), torch.zeros(3, dtype=torch.long),
+                        torch.zeros(2, dtype=torch.long))
+    q, k, v, kc, vc, lens, qw, kw, inv = _attn_inputs(2, 3, 2, 1, 4, [1, 2], 8, torch.float32)
+    with pytest.raises(ValueError, match="tree_depths and tree_mask"):
+        dk.verify_attention(q, k, v, kc, vc, lens, inv_freq=inv, tree_depths=torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="tree_mask must be"):
+        dk.verify_attention(q, k, v, kc, vc, lens, inv_freq=inv, tree_depths=torch.zeros(2, 3, dtype=torch.long),
+                            tree_mask=torch.zeros(2, 3, 2, dtype=torch.long))

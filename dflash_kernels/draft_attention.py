@@ -268,12 +268,13 @@ def _online_softmax(s, m_i, l_i):
 @triton.jit
 def _attn_split_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, lens_ptr, blens_ptr, table_ptr, qw_ptr, kw_ptr, inv_freq_ptr, po_ptr, pm_ptr,
-    pl_ptr, out_ptr,
+    pl_ptr, out_ptr, depth_ptr, tmask_ptr,
     B, G, NH, HALF, page_size, CAP, window, attention_scaling, eps, qk_scale, NSPLIT,
     stride_qn, stride_qb, stride_qh, stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
-    stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch, stride_tn,
+    stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch, stride_tn, stride_dn, stride_mn, stride_mi,
     HAS_TABLE: tl.constexpr, SLIDING: tl.constexpr, CAUSAL: tl.constexpr, HAS_BLOCK_LENS: tl.constexpr,
-    HAS_QK_NORM: tl.constexpr, WRITE_KV: tl.constexpr, MIN_CHUNK: tl.constexpr, LOWP_DOT: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr, WRITE_KV: tl.constexpr, TREE: tl.constexpr, MIN_CHUNK: tl.constexpr,
+    LOWP_DOT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
@@ -295,7 +296,11 @@ def _attn_split_kernel(
     q_base = q_ptr + n * stride_qn + qi.to(tl.int64)[:, None] * stride_qb + head.to(tl.int64)[:, None] * stride_qh
     q_lo = tl.load(q_base + dh[None, :], mask=qmask, other=0.0).to(tl.float32)
     q_hi = tl.load(q_base + HALF + dh[None, :], mask=qmask, other=0.0).to(tl.float32)
-    qpos = ctx_len + qi
+    if TREE:
+        # A tree node sits at its depth past the context (its cache row, written below, is its node index).
+        qpos = ctx_len + tl.load(depth_ptr + n * stride_dn + qi, mask=r_ok, other=0)
+    else:
+        qpos = ctx_len + qi
     cos, sin = rope_cos_sin(qpos, inv_freq_ptr, dh, dh_ok, attention_scaling)
     q_lo, q_hi = norm_rope_halves(q_lo, q_hi, qw_ptr, dh, dh_ok, HALF, cos, sin, eps, HAS_QK_NORM)
     # LOWP_DOT: the dots take 16-bit operands (q, K, V and P in the cache's dtype) with fp32 accumulation:
@@ -344,7 +349,11 @@ def _attn_split_kernel(
         k_base = k_ptr + n * stride_kn + j.to(tl.int64)[:, None] * stride_kb + h * stride_kh
         k_lo = tl.load(k_base + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
         k_hi = tl.load(k_base + HALF + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
-        kcos, ksin = rope_cos_sin(ctx_len + j, inv_freq_ptr, dh, dh_ok, attention_scaling)
+        if TREE:
+            kpos = ctx_len + tl.load(depth_ptr + n * stride_dn + j, mask=j_ok, other=0)
+        else:
+            kpos = ctx_len + j
+        kcos, ksin = rope_cos_sin(kpos, inv_freq_ptr, dh, dh_ok, attention_scaling)
         k_lo, k_hi = norm_rope_halves(k_lo, k_hi, kw_ptr, dh, dh_ok, HALF, kcos, ksin, eps, HAS_QK_NORM)
         v_base = v_ptr + n * stride_vn + j.to(tl.int64)[:, None] * stride_vb + h * stride_vh
         v_lo = tl.load(v_base + dh[None, :], mask=kmask, other=0.0)
@@ -365,6 +374,11 @@ def _attn_split_kernel(
         s = tl.dot(q_hi, tl.trans(k_hi.to(DOT_T)), s, input_precision=DOT_PREC)
         valid = r_ok[:, None] & j_ok[None, :]
         diff = qi[:, None] - j[None, :]
+        if TREE:
+            # Ancestor bitmask: query row i sees block key j iff bit j % 64 of word j // 64 of row i is set.
+            word = tl.load(tmask_ptr + n * stride_mn + qi.to(tl.int64)[:, None] * stride_mi + (j // 64)[None, :],
+                           mask=valid, other=0)
+            valid = valid & (((word >> (j % 64).to(tl.int64)[None, :]) & 1) != 0)
         if CAUSAL:
             valid = valid & (diff >= 0)
         if SLIDING:
@@ -451,7 +465,7 @@ def _partials(n: int, splits: int, b: int, nh: int, d: int, device: torch.device
 
 def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, attention_scaling,
                       eps, scale, sliding_window, causal, block_table, cache_batch_idx, block_lens, num_splits,
-                      max_context_len, write_kv):
+                      max_context_len, write_kv, tree_depths=None, tree_mask=None):
     n, b, nh, d = q.shape
     kvh = k.shape[2]
     g = nh // kvh
@@ -474,6 +488,7 @@ def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_no
     lowp_dot = q.dtype == k_cache.dtype != torch.float32 and not interpreting()
     has_norm = q_norm_weight is not None
     causal = (sliding_window is not None) if causal is None else causal
+    tree = tree_depths is not None
     tile, num_warps = _split_tile(b, g, d)
     if interpreting():
         tile["BLOCK_N"] = 64  # fewer interpreted loop steps
@@ -483,6 +498,7 @@ def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_no
         table_ptr=table if table is not None else cache_lens,
         qw_ptr=q_norm_weight if has_norm else inv_freq, kw_ptr=k_norm_weight if has_norm else inv_freq,
         inv_freq_ptr=inv_freq.to(torch.float32), po_ptr=po, pm_ptr=pm, pl_ptr=pl, out_ptr=out,
+        depth_ptr=tree_depths if tree else cache_lens, tmask_ptr=tree_mask if tree else cache_lens,
         B=b, G=g, NH=nh, HALF=half, page_size=page_size, CAP=capacity, window=sliding_window or 0,
         attention_scaling=float(attention_scaling), eps=float(eps),
         qk_scale=(d ** -0.5 if scale is None else float(scale)) * _LOG2E, NSPLIT=num_splits,
@@ -492,8 +508,11 @@ def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_no
         stride_kcp=k_cache.stride(0), stride_kcs=k_cache.stride(1), stride_kch=k_cache.stride(2),
         stride_vcp=v_cache.stride(0), stride_vcs=v_cache.stride(1), stride_vch=v_cache.stride(2),
         stride_tn=table.stride(0) if table is not None else 0,
-        HAS_TABLE=table is not None, SLIDING=sliding_window is not None, CAUSAL=causal,
-        HAS_BLOCK_LENS=block_lens is not None, HAS_QK_NORM=has_norm, WRITE_KV=write_kv, MIN_CHUNK=MIN_CHUNK,
+        stride_dn=tree_depths.stride(0) if tree else 0, stride_mn=tree_mask.stride(0) if tree else 0,
+        stride_mi=tree_mask.stride(1) if tree else 0,
+        HAS_TABLE=table is not None, SLIDING=sliding_window is not None, CAUSAL=causal and not tree,
+        HAS_BLOCK_LENS=block_lens is not None, HAS_QK_NORM=has_norm, WRITE_KV=write_kv, TREE=tree,
+        MIN_CHUNK=MIN_CHUNK,
         LOWP_DOT=lowp_dot, DOT_PREC=dot_prec, num_warps=num_warps, **tile,
     )
     rows = b * nh
@@ -662,6 +681,7 @@ def _validate_tree(q, tree_depths, tree_mask):
     words = (b + 63) // 64
     for name, t, shape in (("tree_depths", tree_depths, (n, b)), ("tree_mask", tree_mask, (n, b, words))):
         check_tensor(VERIFY_OP, name, t, ndim=len(shape), dtypes=(torch.int64,), device=q.device)
+        check_last_dim_contiguous(VERIFY_OP, name, t)
         if tuple(t.shape) != shape:
             raise ValueError(f"{VERIFY_OP}: {name} must be {list(shape)} for q of shape {tuple(q.shape)} (B = {b} "
                              f"tree nodes), got {tuple(t.shape)}")
@@ -677,14 +697,14 @@ def _verify_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ca
                          tree_mask: Optional[torch.Tensor], backend: str) -> torch.Tensor:
     """``torch.ops.dflash.verify_attention``: :func:`verify_attention` after validation (writes k_cache, v_cache)."""
     chosen = resolve_backend(VERIFY_OP, backend, q.device, available=_BACKENDS)
-    if chosen == "torch" or tree_depths is not None:
+    if chosen == "torch":
         return verify_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
                                           inv_freq=inv_freq, attention_scaling=attention_scaling, eps=eps,
                                           scale=scale, block_table=block_table, cache_batch_idx=cache_batch_idx,
                                           tree_depths=tree_depths, tree_mask=tree_mask)
     return _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
                              attention_scaling, eps, scale, None, True, block_table, cache_batch_idx, None,
-                             num_splits, max_context_len, write_kv=True)
+                             num_splits, max_context_len, write_kv=True, tree_depths=tree_depths, tree_mask=tree_mask)
 
 
 @_verify_attention_op.register_fake

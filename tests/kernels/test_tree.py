@@ -179,3 +179,50 @@ def test_validation_errors():
     with pytest.raises(ValueError, match="tree_mask must be"):
         dk.verify_attention(q, k, v, kc, vc, lens, inv_freq=inv, tree_depths=torch.zeros(2, 3, dtype=torch.long),
                             tree_mask=torch.zeros(2, 3, 2, dtype=torch.long))
+
+
+TREE_ATTN_CASES = [  # n, T nodes, nH, kvH, D, context lengths, capacity, paged
+    (2, 9, 4, 2, 16, [130, 0], 160, False),     # MIN_CHUNK 64: 3 active splits and 1
+    (3, 17, 6, 2, 16, [5, 70, 140], 160, True),  # paged, ragged
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", TREE_ATTN_CASES, ids=["contiguous", "paged"])
+def test_verify_attention_tree_kernel(monkeypatch, dtype, case):
+    """The Triton kernel with a tree against the fp64 reference (2x rule): outputs, K rows written at
+    cache_lens + node index (V bit for bit), nothing else written; several context splits active."""
+    from _caches import random_block_table, to_paged
+    from _splits import da
+    from _tol import assert_within_rule
+
+    monkeypatch.setattr(da, "MIN_CHUNK", 64)
+    n, t, nh, kvh, d, lens, cap, paged = case
+    q, k, v, kc, vc, cl, qw, kw, inv = _attn_inputs(n, t, nh, kvh, d, lens, cap, dtype)
+    parents, depths = _random_tree(n, t, 5)
+    mask = tree_ancestor_mask_reference(parents)
+    tree = dict(tree_depths=depths, tree_mask=mask, inv_freq=inv, attention_scaling=1.1, scale=0.8 * d ** -0.5)
+    refs = []
+    for conv in (torch.Tensor.double, torch.Tensor.clone):
+        kc_r, vc_r = conv(kc), conv(vc)
+        out = verify_attention_reference(conv(q), conv(k), conv(v), kc_r, vc_r, cl, conv(qw), conv(kw), **tree)
+        refs.append((out, kc_r, vc_r))
+    kc_in, vc_in, where = kc.clone(), vc.clone(), {}
+    if paged:
+        table, pages = random_block_table(n, cap, 16)
+        kc_in, vc_in, where = to_paged(kc, table, pages, 16), to_paged(vc, table, pages, 16), dict(block_table=table)
+    out = dk.verify_attention(q, k, v, kc_in, vc_in, cl, qw, kw, num_splits=4, backend="triton", **where, **tree)
+    assert_within_rule(out, refs[0][0], refs[1][0], "tree verify_attention output")
+    if paged:
+        rows = lambda r, s: (table[r, s // 16], s % 16)  # noqa: E731
+    else:
+        rows = lambda r, s: (r, s)  # noqa: E731
+    for r, c in enumerate(lens):
+        got_k = torch.stack([kc_in[rows(r, s)] for s in range(cap)])
+        got_v = torch.stack([vc_in[rows(r, s)] for s in range(cap)])
+        blk = slice(c, min(c + t, cap))
+        assert torch.equal(got_v[blk], v[r, :blk.stop - c])
+        assert_within_rule(got_k[blk], refs[0][1][r, blk], refs[1][1][r, blk], "tree K rows")
+        keep = torch.ones(cap, dtype=torch.bool)
+        keep[blk] = False
+        assert torch.equal(got_k[keep], kc[r][keep]) and torch.equal(got_v[keep], vc[r][keep])

@@ -18,12 +18,21 @@ from typing import Optional
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 
 from dflash_kernels._dispatch import resolve_backend
-from dflash_kernels._triton_utils import FLOAT_DTYPES, as_index_tensor, check_last_dim_contiguous, check_tensor
-from dflash_kernels.verify import _rng_for, _sampling_params, filter_logits_reference
+from dflash_kernels._triton_utils import (
+    FLOAT_DTYPES, as_index_tensor, check_last_dim_contiguous, check_tensor, interpreting, next_pow2,
+)
+from dflash_kernels.verify import (
+    _argmax_partial_kernel, _filter_threshold, _merge_argmax, _rng_for, _rows_per_program, _sample_partial_kernel,
+    _sampling_params, _vocab_split, filter_logits_reference,
+)
 
 _INDEX_DTYPES = (torch.int64,)
+_BACKENDS = ("triton", "torch")
+_BIG = 2**31 - 1
 MASK_WORD_BITS = 64
 
 
@@ -116,6 +125,131 @@ def build_tree_reference(draft_logits: torch.Tensor, anchor: torch.Tensor, budge
     return tokens.to(dev), parents.to(dev), depths.to(dev)
 
 
+@triton.jit
+def _topk_partial_kernel(z_ptr, pval_ptr, pidx_ptr, V, K, CHUNK, S, stride_row, BLOCK_V: tl.constexpr):
+    """Per (draft row, vocab split): the split's K best logits, best first (logit desc, index asc), in slots
+    ``[row, split, 0..K-1]``; slots past the split's size get index _BIG (no candidate)."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    idx = split * CHUNK + tl.arange(0, BLOCK_V)
+    ok = (idx < V) & (idx < split * CHUNK + CHUNK)
+    x = tl.load(z_ptr + row * stride_row + idx.to(tl.int64), mask=ok, other=float("-inf")).to(tl.float32)
+    cand = ok
+    out = (row * S + split) * K
+    for kk in range(0, K):
+        best = tl.max(tl.where(cand, x, float("-inf")), axis=0)
+        bi = tl.min(tl.where(cand & (x == best), idx, 2147483647), axis=0)
+        tl.store(pval_ptr + out + kk, best)
+        tl.store(pidx_ptr + out + kk, bi)
+        cand = cand & (idx != bi)
+
+
+@triton.jit
+def _topk_merge_kernel(pval_ptr, pidx_ptr, lse_ptr, lp_ptr, ids_ptr, K, SK, BLOCK_SK: tl.constexpr):
+    """Per draft row: the K best of the splits' candidates (logit desc, index asc) as log-probs
+    ``fp32(logit - lse)`` and draft indices."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_SK)
+    idx = tl.load(pidx_ptr + row * SK + c, mask=c < SK, other=2147483647)
+    x = tl.load(pval_ptr + row * SK + c, mask=c < SK, other=float("-inf"))
+    cand = idx < 2147483647
+    lse = tl.load(lse_ptr + row)
+    for kk in range(0, K):
+        best = tl.max(tl.where(cand, x, float("-inf")), axis=0)
+        bi = tl.min(tl.where(cand & (x == best), idx, 2147483647), axis=0)
+        tl.store(lp_ptr + row * K + kk, best - lse)
+        tl.store(ids_ptr + row * K + kk, bi)
+        cand = cand & (idx != bi)
+
+
+@triton.jit
+def _tree_enumerate_kernel(lp_ptr, ids_ptr, anchor_ptr, vocab_ptr, tok_ptr, par_ptr, dep_ptr, P, K, T,
+                           HAS_VOCAB: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Per request: best-first enumeration of the prefix lattice. The frontier lives in registers, slot 0 for
+    the root's first child and slot i for node i's first child; a popped node's slot takes its next sibling."""
+    r = tl.program_id(0).to(tl.int64)
+    f = tl.arange(0, BLOCK_T)
+    lp_r = lp_ptr + r * P * K
+    f_ok = f == 0
+    f_score = tl.where(f_ok, tl.load(lp_r), float("-inf"))
+    f_depth = tl.where(f_ok, 1, 0)
+    f_par = tl.zeros((BLOCK_T,), tl.int32)
+    f_rank = tl.zeros((BLOCK_T,), tl.int32)
+    node_score = tl.zeros((BLOCK_T,), tl.float32)
+    out = r * T
+    tl.store(tok_ptr + out, tl.load(anchor_ptr + r))
+    tl.store(par_ptr + out, -1)
+    tl.store(dep_ptr + out, 0)
+    for i in range(1, T):
+        # Pop the best entry: score desc, then depth, parent index and rank asc (rank order = logit desc,
+        # index asc). Each key narrows the candidates; (depth, parent, rank) identifies one entry.
+        cand = f_ok & (f_score == tl.max(tl.where(f_ok, f_score, float("-inf")), axis=0))
+        cand = cand & (f_depth == tl.min(tl.where(cand, f_depth, 2147483647), axis=0))
+        cand = cand & (f_par == tl.min(tl.where(cand, f_par, 2147483647), axis=0))
+        cand = cand & (f_rank == tl.min(tl.where(cand, f_rank, 2147483647), axis=0))
+        slot = tl.min(tl.where(cand, f, 2147483647), axis=0)
+        at = f == slot
+        score = tl.max(tl.where(at, f_score, float("-inf")), axis=0)
+        d = tl.max(tl.where(at, f_depth, 0), axis=0)
+        par = tl.max(tl.where(at, f_par, 0), axis=0)
+        rank = tl.max(tl.where(at, f_rank, 0), axis=0)
+        j = tl.load(ids_ptr + r * P * K + (d - 1) * K + rank)
+        if HAS_VOCAB:
+            token = tl.load(vocab_ptr + j)
+        else:
+            token = j.to(tl.int64)
+        tl.store(tok_ptr + out + i, token)
+        tl.store(par_ptr + out + i, par.to(tl.int64))
+        tl.store(dep_ptr + out + i, d.to(tl.int64))
+        node_score = tl.where(f == i, score, node_score)
+        # Next sibling (same parent, next rank at this depth) into the popped slot, or the slot empties.
+        has_sib = rank + 1 < K
+        par_score = tl.max(tl.where(f == par, node_score, float("-inf")), axis=0)
+        sib = par_score + tl.load(lp_r + (d - 1) * K + rank + 1, mask=has_sib, other=0.0)
+        f_score = tl.where(at, sib, f_score)
+        f_rank = tl.where(at, rank + 1, f_rank)
+        f_ok = f_ok & (~at | has_sib)
+        # First child (rank 0 one level deeper) into slot i.
+        has_child = d < P
+        child = score + tl.load(lp_r + d * K, mask=has_child, other=0.0)
+        new = (f == i) & has_child
+        f_score = tl.where(new, child, f_score)
+        f_depth = tl.where(new, d + 1, f_depth)
+        f_par = tl.where(new, i, f_par)
+        f_rank = tl.where(new, 0, f_rank)
+        f_ok = f_ok | new
+
+
+def _build_tree_triton(draft_logits, anchor, budget, vocab_ids):
+    r, p, v = draft_logits.shape
+    t = budget + 1
+    k = min(budget, v)
+    dev = draft_logits.device
+    outs = tuple(torch.empty((r, t), dtype=torch.int64, device=dev) for _ in range(3))
+    if r == 0:
+        return outs
+    rows = r * p
+    z = draft_logits.reshape(rows, v)
+    lse = draft_log_normalizer(draft_logits).reshape(rows)
+    # Splits of one tile each: small tiles under the interpreter so that tests cross split borders.
+    block_v = min(next_pow2(v), 64 if interpreting() else 2048)
+    s = triton.cdiv(v, block_v)
+    pval = torch.empty((rows, s, k), dtype=torch.float32, device=dev)
+    pidx = torch.empty((rows, s, k), dtype=torch.int32, device=dev)
+    _topk_partial_kernel[(rows, s)](z_ptr=z, pval_ptr=pval, pidx_ptr=pidx, V=v, K=k, CHUNK=block_v, S=s,
+                                    stride_row=z.stride(0), BLOCK_V=block_v)
+    lp = torch.empty((rows, k), dtype=torch.float32, device=dev)
+    ids = torch.empty((rows, k), dtype=torch.int32, device=dev)
+    _topk_merge_kernel[(rows,)](pval_ptr=pval, pidx_ptr=pidx, lse_ptr=lse, lp_ptr=lp, ids_ptr=ids, K=k, SK=s * k,
+                                BLOCK_SK=next_pow2(s * k))
+    tokens, parents, depths = outs
+    _tree_enumerate_kernel[(r,)](lp_ptr=lp, ids_ptr=ids, anchor_ptr=anchor,
+                                 vocab_ptr=vocab_ids if vocab_ids is not None else anchor, tok_ptr=tokens,
+                                 par_ptr=parents, dep_ptr=depths, P=p, K=k, T=t, HAS_VOCAB=vocab_ids is not None,
+                                 BLOCK_T=next_pow2(t))
+    return outs
+
+
 def build_tree(draft_logits: torch.Tensor, anchor: torch.Tensor, budget: int, *,
                vocab_ids: Optional[torch.Tensor] = None, backend: str = "auto"
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -129,7 +263,7 @@ def build_tree(draft_logits: torch.Tensor, anchor: torch.Tensor, budget: int, *,
             (``sum_d V'^d``, d = 1..B-1), else ValueError.
         vocab_ids: ``[V']`` int64 or None: draft logit index j means target token ``vocab_ids[j]`` (a draft with
             a vocabulary subset; ids must be distinct). None: j is the token id.
-        backend: ``"auto" | "torch"``.
+        backend: ``"auto" | "triton" | "torch"``.
 
     Returns:
         ``(tree_tokens, tree_parents, tree_depths)``, int64 ``[R, T]`` each, nodes in selection order (best
@@ -137,19 +271,19 @@ def build_tree(draft_logits: torch.Tensor, anchor: torch.Tensor, budget: int, *,
     """
     op = "build_tree"
     _validate_build(op, draft_logits, anchor, budget, vocab_ids)
-    chosen = resolve_backend(op, backend, draft_logits.device, available=_BUILD_BACKENDS)
+    chosen = resolve_backend(op, backend, draft_logits.device, available=_BACKENDS)
     return torch.ops.dflash.build_tree(draft_logits, anchor, budget, vocab_ids, chosen)
 
-
-_BUILD_BACKENDS = ("torch",)
 
 
 @torch.library.custom_op("dflash::build_tree", mutates_args=())
 def _build_tree_op(draft_logits: torch.Tensor, anchor: torch.Tensor, budget: int, vocab_ids: Optional[torch.Tensor],
                    backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.dflash.build_tree``: :func:`build_tree` after validation."""
-    resolve_backend("build_tree", backend, draft_logits.device, available=_BUILD_BACKENDS)
-    return build_tree_reference(draft_logits, anchor, budget, vocab_ids=vocab_ids)
+    chosen = resolve_backend("build_tree", backend, draft_logits.device, available=_BACKENDS)
+    if chosen == "torch":
+        return build_tree_reference(draft_logits, anchor, budget, vocab_ids=vocab_ids)
+    return _build_tree_triton(draft_logits, anchor, budget, vocab_ids)
 
 
 @_build_tree_op.register_fake
@@ -164,6 +298,7 @@ def _build_tree_fake(draft_logits, anchor, budget, vocab_ids, backend):
 
 def _validate_nodes(op, name, t, shape=None, device=None):
     check_tensor(op, name, t, ndim=2, dtypes=_INDEX_DTYPES, device=device)
+    check_last_dim_contiguous(op, name, t)
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{op}: {name} must be [R, T] = {list(shape)} (one row of node values per tree), got "
                          f"{tuple(t.shape)}")
@@ -188,13 +323,32 @@ def tree_ancestor_mask_reference(tree_parents: torch.Tensor) -> torch.Tensor:
     return words.to(tree_parents.device)
 
 
+@triton.jit
+def _ancestor_mask_kernel(par_ptr, mask_ptr, T, W, stride_pr, BLOCK_T: tl.constexpr):
+    """Per request: walk every node's parent chain at once (T steps bound any depth), then pack the bits."""
+    r = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_T)
+    i_ok = i < T
+    cur = tl.where(i_ok, i, -1).to(tl.int64)
+    anc = tl.zeros((BLOCK_T, BLOCK_T), tl.int32)
+    for _ in range(0, T):
+        anc = anc | (i.to(tl.int64)[None, :] == cur[:, None]).to(tl.int32)
+        cur = tl.load(par_ptr + r * stride_pr + cur, mask=cur >= 0, other=-1)
+    for w in range(0, W):
+        in_word = (i >= w * 64) & (i < w * 64 + 64)
+        # Distinct powers of two: their sum is their OR (bit 63 wraps to the sign, as intended).
+        one = tl.full((BLOCK_T,), 1, tl.int64) << (i % 64).to(tl.int64)
+        word = tl.sum(tl.where((anc != 0) & in_word[None, :], one[None, :], 0), axis=1)
+        tl.store(mask_ptr + (r * T + i) * W + w, word, mask=i_ok)
+
+
 def tree_ancestor_mask(tree_parents: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """The ancestor bitmask of each tree, for :func:`dflash_kernels.verify_attention` (build once per round,
     pass it to every layer).
 
     Args:
         tree_parents: ``[R, T]`` int64, ``tree_parents[r, i] < i`` (-1 for the root, node 0).
-        backend: ``"auto" | "torch"``.
+        backend: ``"auto" | "triton" | "torch"``.
 
     Returns:
         ``[R, T, ceil(T / 64)]`` int64: bit ``j % 64`` of word ``j // 64`` of row i is set iff node j is node i
@@ -202,18 +356,24 @@ def tree_ancestor_mask(tree_parents: torch.Tensor, *, backend: str = "auto") -> 
     """
     op = "tree_ancestor_mask"
     _validate_nodes(op, "tree_parents", tree_parents)
-    chosen = resolve_backend(op, backend, tree_parents.device, available=_MASK_BACKENDS)
+    chosen = resolve_backend(op, backend, tree_parents.device, available=_BACKENDS)
     return torch.ops.dflash.tree_ancestor_mask(tree_parents, chosen)
 
-
-_MASK_BACKENDS = ("torch",)
 
 
 @torch.library.custom_op("dflash::tree_ancestor_mask", mutates_args=())
 def _tree_ancestor_mask_op(tree_parents: torch.Tensor, backend: str) -> torch.Tensor:
     """``torch.ops.dflash.tree_ancestor_mask``: :func:`tree_ancestor_mask` after validation."""
-    resolve_backend("tree_ancestor_mask", backend, tree_parents.device, available=_MASK_BACKENDS)
-    return tree_ancestor_mask_reference(tree_parents)
+    chosen = resolve_backend("tree_ancestor_mask", backend, tree_parents.device, available=_BACKENDS)
+    if chosen == "torch":
+        return tree_ancestor_mask_reference(tree_parents)
+    r, t = tree_parents.shape
+    words = mask_words(t)
+    mask = torch.empty((r, t, words), dtype=torch.int64, device=tree_parents.device)
+    if r:
+        _ancestor_mask_kernel[(r,)](par_ptr=tree_parents, mask_ptr=mask, T=t, W=words,
+                                    stride_pr=tree_parents.stride(0), BLOCK_T=next_pow2(t))
+    return mask
 
 
 @_tree_ancestor_mask_op.register_fake
@@ -262,6 +422,107 @@ def _walk_reference(choice: torch.Tensor, tree_tokens, tree_parents, block_size)
     return path.to(dev), accepted.to(dev), bonus.to(dev)
 
 
+@triton.jit
+def _tree_walk_kernel(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, acc_ptr, bonus_ptr, R, T, S, BSZ,
+                      stride_tr, stride_pr, SAMPLE: tl.constexpr, BLOCK_REQ: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_S: tl.constexpr):
+    """Per group of requests: the walk from the root. A node's choice is its merged split partials: the argmax
+    (greedy) or the Gumbel-max winner (SAMPLE), both computed for every node beforehand."""
+    reqs = tl.program_id(0) * BLOCK_REQ + tl.arange(0, BLOCK_REQ)
+    req_ok = reqs < R
+    reqs64 = reqs.to(tl.int64)
+    nodes = tl.arange(0, BLOCK_T)
+    m = req_ok[:, None] & (nodes < T)[None, :]
+    toks = tl.load(tok_ptr + reqs64[:, None] * stride_tr + nodes[None, :], mask=m, other=-1)
+    pars = tl.load(par_ptr + reqs64[:, None] * stride_pr + nodes[None, :], mask=m, other=-2)
+    sp = tl.arange(0, BLOCK_S)
+    cur = tl.zeros((BLOCK_REQ,), tl.int64)
+    still = req_ok
+    accepted = tl.zeros((BLOCK_REQ,), tl.int64)
+    bonus = tl.zeros((BLOCK_REQ,), tl.int64)
+    tl.store(path_ptr + reqs64 * BSZ, cur, mask=req_ok)
+    for d in range(0, BSZ):
+        rows64 = reqs64 * T + cur
+        if SAMPLE:
+            ok = req_ok[:, None] & (sp < S)[None, :]
+            pofs = rows64[:, None] * S + sp[None, :]
+            best = tl.load(pval_ptr + pofs, mask=ok, other=float("-inf"))
+            bidx = tl.load(pidx_ptr + pofs, mask=ok, other=-1)
+            top = tl.max(best, axis=1)
+            choice = tl.min(tl.where(ok & (best == top[:, None]) & (bidx >= 0), bidx, 2147483647), axis=1)
+        else:
+            choice = _merge_argmax(pval_ptr, pidx_ptr, rows64, req_ok, S, BLOCK_S)
+        choice = choice.to(tl.int64)
+        bonus = tl.where(still, choice, bonus)
+        if d < BSZ - 1:
+            hit = m & (pars == cur[:, None]) & (toks == choice[:, None])
+            child = tl.min(tl.where(hit, nodes[None, :], 2147483647), axis=1)
+            still = still & (child < 2147483647)
+            cur = tl.where(still, child.to(tl.int64), cur)
+            accepted += still.to(tl.int64)
+            tl.store(path_ptr + reqs64 * BSZ + d + 1, tl.where(still, cur, -1), mask=req_ok)
+    tl.store(acc_ptr + reqs64, accepted, mask=req_ok)
+    tl.store(bonus_ptr + reqs64, bonus, mask=req_ok)
+
+
+def _walk_triton(pval, pidx, s, tree_tokens, tree_parents, block_size, sample):
+    r, t = tree_tokens.shape
+    dev = tree_tokens.device
+    path = torch.empty((r, block_size), dtype=torch.int64, device=dev)
+    accepted = torch.empty(r, dtype=torch.int64, device=dev)
+    bonus = torch.empty(r, dtype=torch.int64, device=dev)
+    if r == 0:
+        return path, accepted, bonus
+    block_req = min(next_pow2(r), 64 if interpreting() else 16)
+    _tree_walk_kernel[(triton.cdiv(r, block_req),)](
+        pval_ptr=pval, pidx_ptr=pidx, tok_ptr=tree_tokens, par_ptr=tree_parents, path_ptr=path, acc_ptr=accepted,
+        bonus_ptr=bonus, R=r, T=t, S=s, BSZ=block_size, stride_tr=tree_tokens.stride(0),
+        stride_pr=tree_parents.stride(0), SAMPLE=sample, BLOCK_REQ=block_req, BLOCK_T=next_pow2(t),
+        BLOCK_S=next_pow2(s),
+    )
+    return path, accepted, bonus
+
+
+def _tree_accept_greedy_triton(logits, tree_tokens, tree_parents, block_size):
+    r, t, v = logits.shape
+    rows = r * t
+    block_v, chunk, s = _vocab_split(v, rows)
+    pval = torch.empty((rows, s), dtype=torch.float32, device=logits.device)
+    pidx = torch.empty((rows, s), dtype=torch.int32, device=logits.device)
+    if r:
+        br = _rows_per_program(rows, block_v)
+        _argmax_partial_kernel[(triton.cdiv(rows, br), s)](
+            logits_ptr=logits, pval_ptr=pval, pidx_ptr=pidx, R=rows, B=t, V=v, stride_n=logits.stride(0),
+            stride_b=logits.stride(1), CHUNK=chunk, S=s, BLOCK_ROWS=br, BLOCK_V=block_v,
+        )
+    return _walk_triton(pval, pidx, s, tree_tokens, tree_parents, block_size, False)
+
+
+def _tree_accept_sample_triton(logits, tree_tokens, tree_parents, block_size, temp_t, topk_t, topp_t, seed_t,
+                               offset_t, use_top_k, use_top_p):
+    """verify_sample's filter and Gumbel-max launches over all R x T node rows with nothing excluded (its draft
+    token pointer reads one -1), then the walk: node i of request r draws with Philox row r * T + i."""
+    r, t, v = logits.shape
+    rows = r * t
+    dev = logits.device
+    block_v, chunk, s = _vocab_split(v, rows)
+    pm = torch.empty((rows, s), dtype=torch.float32, device=dev)
+    ps, pbest = torch.empty_like(pm), torch.empty_like(pm)
+    pidx = torch.empty((rows, s), dtype=torch.int32, device=dev)
+    if r:
+        filt = use_top_k or use_top_p
+        thr = _filter_threshold(logits, temp_t, topk_t, topp_t, use_top_k, use_top_p) if filt else pidx[:, 0]
+        no_draft = torch.full((1,), -1, dtype=torch.int64, device=dev)
+        br = _rows_per_program(rows, block_v)
+        _sample_partial_kernel[(triton.cdiv(rows, br), s)](
+            z_ptr=logits, draft_ptr=no_draft, seed_ptr=seed_t, offset_ptr=offset_t, thr_ptr=thr, pm_ptr=pm, ps_ptr=ps,
+            pbest_ptr=pbest, pidx_ptr=pidx, temp_ptr=temp_t, R=rows, B=t, V=v, stride_n=logits.stride(0),
+            stride_b=logits.stride(1), stride_dn=0, stride_dj=0, stride_param=1 if temp_t.numel() > 1 else 0,
+            CHUNK=chunk, S=s, FILTER=filt, BLOCK_ROWS=br, BLOCK_V=block_v,
+        )
+    return _walk_triton(pbest, pidx, s, tree_tokens, tree_parents, block_size, True)
+
+
 def tree_accept_greedy_reference(logits, tree_tokens, tree_parents, *, block_size: int):
     """Definition: the walk (:func:`_walk_reference`) with ``choice = argmax(logits)`` (torch.argmax: first
     index among ties, NaN counts as the maximum)."""
@@ -280,7 +541,7 @@ def tree_accept_greedy(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_par
             token after node i (the verify pass over the tree).
         tree_tokens, tree_parents: ``[R, T]`` int64, as :func:`build_tree` returns them (depths <= B - 1).
         block_size: B; the walk stops at depth B - 1.
-        backend: ``"auto" | "torch"``.
+        backend: ``"auto" | "triton" | "torch"``.
 
     Returns:
         ``(path [R, B], accepted [R], bonus [R])`` int64: ``path[r, d]`` is the node at depth d of the accepted
@@ -289,19 +550,19 @@ def tree_accept_greedy(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_par
     """
     op = "tree_accept_greedy"
     _validate_accept(op, logits, tree_tokens, tree_parents, block_size)
-    chosen = resolve_backend(op, backend, logits.device, available=_ACCEPT_BACKENDS)
+    chosen = resolve_backend(op, backend, logits.device, available=_BACKENDS)
     return torch.ops.dflash.tree_accept_greedy(logits, tree_tokens, tree_parents, block_size, chosen)
 
-
-_ACCEPT_BACKENDS = ("torch",)
 
 
 @torch.library.custom_op("dflash::tree_accept_greedy", mutates_args=())
 def _tree_accept_greedy_op(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_parents: torch.Tensor,
                            block_size: int, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.dflash.tree_accept_greedy``: :func:`tree_accept_greedy` after validation."""
-    resolve_backend("tree_accept_greedy", backend, logits.device, available=_ACCEPT_BACKENDS)
-    return tree_accept_greedy_reference(logits, tree_tokens, tree_parents, block_size=block_size)
+    chosen = resolve_backend("tree_accept_greedy", backend, logits.device, available=_BACKENDS)
+    if chosen == "torch":
+        return tree_accept_greedy_reference(logits, tree_tokens, tree_parents, block_size=block_size)
+    return _tree_accept_greedy_triton(logits, tree_tokens, tree_parents, block_size)
 
 
 def _accept_fake(logits, block_size):
@@ -342,7 +603,7 @@ def tree_accept_sample(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_par
         logits, tree_tokens, tree_parents, block_size: as :func:`tree_accept_greedy`.
         temperature, top_k, top_p, seed, offset: as :func:`dflash_kernels.verify_sample` (scalars or ``[R]``
             device tensors; seed/offset ints or 1-element device tensors).
-        backend: ``"auto" | "torch"``.
+        backend: ``"auto" | "triton" | "torch"``.
 
     Returns:
         ``(path [R, B], accepted [R], bonus [R])`` int64, as :func:`tree_accept_greedy`.
@@ -355,7 +616,7 @@ def tree_accept_sample(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_par
     v = logits.shape[2]
     use_top_k = isinstance(top_k, torch.Tensor) or 0 < top_k < v
     use_top_p = isinstance(top_p, torch.Tensor) or top_p < 1.0
-    chosen = resolve_backend(op, backend, logits.device, available=_ACCEPT_BACKENDS)
+    chosen = resolve_backend(op, backend, logits.device, available=_BACKENDS)
     return torch.ops.dflash.tree_accept_sample(logits, tree_tokens, tree_parents, block_size, temp_t, topk_t, topp_t,
                                                seed_t, offset_t, use_top_k, use_top_p, chosen)
 
@@ -367,7 +628,12 @@ def _tree_accept_sample_op(logits: torch.Tensor, tree_tokens: torch.Tensor, tree
                            backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.dflash.tree_accept_sample``: :func:`tree_accept_sample` after validation (parameters as
     ``torch.ops.dflash.verify_sample`` takes them)."""
-    resolve_backend("tree_accept_sample", backend, logits.device, available=_ACCEPT_BACKENDS)
+    chosen = resolve_backend("tree_accept_sample", backend, logits.device, available=_BACKENDS)
+    if chosen == "triton":
+        return _tree_accept_sample_triton(logits, tree_tokens, tree_parents, block_size, temperature.to(torch.float32),
+                                          top_k.to(torch.int32), top_p.to(torch.float32),
+                                          seed.reshape(1).to(torch.int64), offset.reshape(1).to(torch.int64),
+                                          use_top_k, use_top_p)
     if temperature.numel() == 1:
         temperature, top_k, top_p = temperature.item(), int(top_k.item()), top_p.item()
     return tree_accept_sample_reference(logits, tree_tokens, tree_parents, block_size=block_size,
@@ -395,6 +661,7 @@ def _validate_compact(op, k_cache, v_cache, path, accepted, start, cache_batch_i
                          f"{tuple(v_cache.shape)}/{v_cache.dtype} must have the same shape, dtype and device")
     dev = k_cache.device
     check_tensor(op, "path", path, ndim=2, dtypes=_INDEX_DTYPES, device=dev)
+    check_last_dim_contiguous(op, "path", path)
     r = path.shape[0]
     if path.shape[1] < 1:
         raise ValueError(f"{op}: path must be [R, B] with B >= 1 (the walk's output), got {tuple(path.shape)}")
@@ -426,6 +693,37 @@ def tree_compact_reference(k_cache, v_cache, path, accepted, start, *, cache_bat
             cache[:, b, dst] = cache[:, b, src].clone()
 
 
+@triton.jit
+def _tree_compact_kernel(k_ptr, v_ptr, path_ptr, acc_ptr, start_ptr, bidx_ptr, KVH, D, CAP, BSZ,
+                         stride_l, stride_b, stride_pr, HAS_BATCH_IDX: tl.constexpr, BLOCK_B: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    """Per (request, layer x KV head): load the path's rows d <= accepted that move (path[d] != d, source below
+    the capacity), then, after a barrier (a destination row can be another depth's source), store them."""
+    r = tl.program_id(0).to(tl.int64)
+    lh = tl.program_id(1).to(tl.int64)
+    layer = lh // KVH
+    h = lh % KVH
+    if HAS_BATCH_IDX:
+        b = tl.load(bidx_ptr + r).to(tl.int64)
+    else:
+        b = r
+    a = tl.load(acc_ptr + r)
+    start = tl.load(start_ptr + r)
+    d = tl.arange(0, BLOCK_B)
+    src = tl.load(path_ptr + r * stride_pr + d, mask=(d < BSZ) & (d <= a), other=0)
+    move = (d < BSZ) & (d <= a) & (src != d) & (start + src < CAP)
+    e = tl.arange(0, BLOCK_D)
+    mask = move[:, None] & (e < D)[None, :]
+    base = layer * stride_l + b * stride_b
+    src_off = base + ((start + src) * KVH + h)[:, None] * D + e[None, :]
+    dst_off = base + ((start + d) * KVH + h)[:, None] * D + e[None, :]
+    kv_k = tl.load(k_ptr + src_off, mask=mask)
+    kv_v = tl.load(v_ptr + src_off, mask=mask)
+    tl.debug_barrier()
+    tl.store(k_ptr + dst_off, kv_k, mask=mask)
+    tl.store(v_ptr + dst_off, kv_v, mask=mask)
+
+
 def tree_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor,
                  start: torch.Tensor, *, cache_batch_idx: Optional[torch.Tensor] = None, backend: str = "auto") -> None:
     """Move each request's accepted tree path to consecutive cache rows, in every target layer, in place.
@@ -441,23 +739,33 @@ def tree_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, path: torch.Tenso
         path, accepted: the walk's ``[R, B]`` and ``[R]`` int64 (:func:`tree_accept_greedy`).
         start: ``[R]`` int64: the cache length before the verify step (node i was written at row start + i).
         cache_batch_idx: ``[R]`` int32/int64: request r uses batch row ``cache_batch_idx[r]`` (default r).
-        backend: ``"auto" | "torch"``.
+        backend: ``"auto" | "triton" | "torch"``.
     """
     op = "tree_compact"
     _validate_compact(op, k_cache, v_cache, path, accepted, start, cache_batch_idx)
-    chosen = resolve_backend(op, backend, k_cache.device, available=_COMPACT_BACKENDS)
+    chosen = resolve_backend(op, backend, k_cache.device, available=_BACKENDS)
     torch.ops.dflash.tree_compact(k_cache, v_cache, path, accepted, start, cache_batch_idx, chosen)
 
-
-_COMPACT_BACKENDS = ("torch",)
 
 
 @torch.library.custom_op("dflash::tree_compact", mutates_args=("k_cache", "v_cache"))
 def _tree_compact_op(k_cache: torch.Tensor, v_cache: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor,
                      start: torch.Tensor, cache_batch_idx: Optional[torch.Tensor], backend: str) -> None:
     """``torch.ops.dflash.tree_compact``: :func:`tree_compact` after validation (writes k_cache, v_cache)."""
-    resolve_backend("tree_compact", backend, k_cache.device, available=_COMPACT_BACKENDS)
-    tree_compact_reference(k_cache, v_cache, path, accepted, start, cache_batch_idx=cache_batch_idx)
+    chosen = resolve_backend("tree_compact", backend, k_cache.device, available=_BACKENDS)
+    if chosen == "torch":
+        tree_compact_reference(k_cache, v_cache, path, accepted, start, cache_batch_idx=cache_batch_idx)
+        return
+    layers, _, rows, kvh, d = k_cache.shape
+    r, bsz = path.shape
+    if r == 0 or layers == 0:
+        return
+    _tree_compact_kernel[(r, layers * kvh)](
+        k_ptr=k_cache, v_ptr=v_cache, path_ptr=path, acc_ptr=accepted, start_ptr=start,
+        bidx_ptr=cache_batch_idx if cache_batch_idx is not None else start, KVH=kvh, D=d, CAP=rows,
+        BSZ=bsz, stride_l=k_cache.stride(0), stride_b=k_cache.stride(1), stride_pr=path.stride(0),
+        HAS_BATCH_IDX=cache_batch_idx is not None, BLOCK_B=next_pow2(bsz), BLOCK_D=next_pow2(d),
+    )
 
 
 @_tree_compact_op.register_fake

@@ -226,3 +226,67 @@ def test_verify_attention_tree_kernel(monkeypatch, dtype, case):
         keep = torch.ones(cap, dtype=torch.bool)
         keep[blk] = False
         assert torch.equal(got_k[keep], kc[r][keep]) and torch.equal(got_v[keep], vc[r][keep])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# kernels equal to the references
+# ------------------------------------------------------------------------------------------------------------
+
+BUILD_CASES = [  # R, B-1, V', budget, dtype, vocab ids, ties
+    (3, 4, 150, 20, torch.float32, False, False),     # 3 vocab splits of 64 under the interpreter
+    (2, 6, 5, 40, torch.bfloat16, True, False),       # budget > V': every rank used
+    (2, 3, 70, 16, torch.float32, False, True),       # integer logits: exact score ties across depths
+    (1, 1, 9, 9, torch.float32, True, False),         # one level: the whole draft vocabulary
+]
+
+
+@pytest.mark.parametrize("case", BUILD_CASES, ids=[f"case{i}" for i in range(len(BUILD_CASES))])
+def test_build_tree_kernel_equals_reference(case):
+    r, p, v, budget, dtype, use_ids, ties = case
+    logits = (torch.randint(-3, 2, (r, p, v)).float() if ties else torch.randn(r, p, v) * 3).to(dtype)
+    anchor = torch.randint(0, 1000, (r,))
+    vocab_ids = torch.randperm(1000)[:v] if use_ids else None
+    want = dk.build_tree(logits, anchor, budget, vocab_ids=vocab_ids, backend="torch")
+    got = dk.build_tree(logits, anchor, budget, vocab_ids=vocab_ids, backend="triton")
+    for name, g, w in zip(("tokens", "parents", "depths"), got, want):
+        assert g.dtype == torch.int64 and torch.equal(g, w), name
+
+
+def test_ancestor_mask_kernel_equals_reference():
+    parents, _ = _random_tree(3, 70, 8)
+    got = dk.tree_ancestor_mask(parents, backend="triton")
+    assert torch.equal(got, dk.tree_ancestor_mask(parents, backend="torch"))
+
+
+def _walk_case(r, t, v, max_depth, dtype):
+    """Random trees with tokens drawn from few ids and logits whose argmax often is a child: deep walks."""
+    parents, _ = _random_tree(r, t, max_depth)
+    tokens = torch.randint(0, 4, (r, t))
+    logits = torch.randn(r, t, v)
+    logits[..., :4] += 3.0
+    return logits.to(dtype), tokens, parents
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_walk_kernel_equals_reference(dtype):
+    logits, tokens, parents = _walk_case(40, 13, 300, 5, dtype)
+    logits[0, :, 7] = float("nan")                       # NaN counts as the maximum, as torch.argmax
+    for bsz in (6, 3):
+        want = dk.tree_accept_greedy(logits, tokens, parents, block_size=bsz, backend="torch")
+        got = dk.tree_accept_greedy(logits, tokens, parents, block_size=bsz, backend="triton")
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+    assert int(want[1].max()) >= 2
+
+
+def test_compact_kernel_equals_reference():
+    layers, cap, kvh, d = 3, 20, 2, 6
+    path = torch.tensor([[0, 3, 4, 9, -1], [0, -1, -1, -1, -1], [0, 1, 5, -1, -1]])
+    accepted, start = torch.tensor([3, 0, 2]), torch.tensor([2, 7, 16])   # request 2: source row 21 is dropped
+    for cbi in (None, torch.tensor([3, 0, 1])):
+        k = torch.randn(layers, 4, cap, kvh, d)
+        v = torch.randn(layers, 4, cap, kvh, d)
+        k_ref, v_ref = k.clone(), v.clone()
+        dk.tree_compact(k_ref, v_ref, path, accepted, start, cache_batch_idx=cbi, backend="torch")
+        dk.tree_compact(k, v, path, accepted, start, cache_batch_idx=cbi, backend="triton")
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)

@@ -2,6 +2,7 @@
 arguments of verify_attention. References against independent brute-force definitions; kernels equal to the
 references (integers exactly); sampling by chi-square with a wrong rule shown to fail."""
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 import dflash_kernels as dk
 from dflash_kernels.draft_attention import verify_attention_reference
+from dflash_kernels.verify import filter_logits_reference
 from dflash_kernels.tree import (
     build_tree_reference, draft_log_normalizer, tree_accept_greedy_reference, tree_ancestor_mask_reference,
     tree_compact_reference,
@@ -290,3 +292,69 @@ def test_compact_kernel_equals_reference():
         dk.tree_compact(k_ref, v_ref, path, accepted, start, cache_batch_idx=cbi, backend="torch")
         dk.tree_compact(k, v, path, accepted, start, cache_batch_idx=cbi, backend="triton")
         assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+def _chi2(counts, probs, n):
+    """(statistic, critical value at p ~ 1e-6); a sample in a zero-probability cell is an automatic fail."""
+    exp, obs = probs.flatten() * n, counts.flatten().double()
+    if (obs[exp == 0] > 0).any():
+        return math.inf, 0.0
+    live = exp > 0
+    stat = float(((obs[live] - exp[live]) ** 2 / exp[live]).sum())
+    df = int(live.sum()) - 1
+    z = 4.75  # Wilson-Hilferty upper quantile, one-sided p ~ 1e-6
+    return stat, df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _walk_distribution(p, tokens, parents, bsz, first_child_only=False):
+    """P[end node, bonus] of the walk with x ~ p[node] at each node. ``first_child_only``: a deliberately wrong
+    rule, the chain rule on the tree (only each node's first child can be accepted; other children's tokens
+    end the walk as the bonus)."""
+    t, v = p.shape
+    out = torch.zeros(t, v, dtype=torch.float64)
+    reach, depth = {0: 1.0}, {0: 0}
+    for n in range(t):
+        if n not in reach:
+            continue
+        kids = {int(tokens[c]): c for c in range(t) if int(parents[c]) == n}
+        if first_child_only and kids:
+            first = min(kids.values())
+            kids = {int(tokens[first]): first}
+        for x in range(v):
+            if x in kids and depth[n] + 1 < bsz:
+                reach[kids[x]], depth[kids[x]] = reach[n] * float(p[n, x]), depth[n] + 1
+            else:
+                out[n, x] += reach[n] * float(p[n, x])
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sampled_walk_is_the_targets_distribution(backend):
+    """Many copies of one tree in one call: the (end node, bonus) counts against the exact distribution of the
+    rule (temperature and top-k applied), and the same counts reject the chain rule applied to the tree."""
+    v, bsz, temp, copies = 6, 3, 0.8, 4000
+    tokens = torch.tensor([9, 2, 4, 1, 2, 5])
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2])             # root: children 2, 4; node 1: 1, 2; node 2: 5
+    logits = torch.randn(6, v) * 0.7
+    p = torch.softmax(filter_logits_reference(logits, temp, top_k=5).double(), -1)
+    path, acc, bonus = dk.tree_accept_sample(logits.expand(copies, 6, v).contiguous(),
+                                             tokens.expand(copies, 6).contiguous(),
+                                             parents.expand(copies, 6).contiguous(), block_size=bsz,
+                                             temperature=temp, top_k=5, seed=4321, offset=2**33 + 5, backend=backend)
+    end = path.gather(1, acc[:, None]).squeeze(1)
+    assert (path[:, 0] == 0).all() and ((acc >= 0) & (acc <= bsz - 1)).all()
+    counts = torch.bincount(end * v + bonus, minlength=6 * v).view(6, v)
+    stat, crit = _chi2(counts, _walk_distribution(p, tokens, parents, bsz), copies)
+    assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f}\n{counts}"
+    wrong, wrong_crit = _chi2(counts, _walk_distribution(p, tokens, parents, bsz, first_child_only=True), copies)
+    assert wrong > wrong_crit, "the test cannot tell the chain rule on the tree apart"
+
+
+def test_sampled_walk_kernel_is_reproducible_and_uses_the_offset():
+    logits, tokens, parents = _walk_case(8, 9, 50, 4, torch.float32)
+    kw = dict(block_size=5, temperature=1.3, top_p=0.9, seed=3, backend="triton")
+    a = dk.tree_accept_sample(logits, tokens, parents, offset=torch.tensor([10]), **kw)
+    b = dk.tree_accept_sample(logits, tokens, parents, offset=10, **kw)
+    c = dk.tree_accept_sample(logits, tokens, parents, offset=11, **kw)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c))

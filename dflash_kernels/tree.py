@@ -324,22 +324,22 @@ def tree_ancestor_mask_reference(tree_parents: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _ancestor_mask_kernel(par_ptr, mask_ptr, T, W, stride_pr, BLOCK_T: tl.constexpr):
-    """Per request: walk every node's parent chain at once (T steps bound any depth), then pack the bits."""
+def _ancestor_mask_kernel(par_ptr, mask_ptr, T, W, stride_pr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Per request: walk every node's parent chain at once (T steps bound any depth), OR-ing each visited
+    node's bit into the node's words."""
     r = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_T)
     i_ok = i < T
+    w = tl.arange(0, BLOCK_W)
     cur = tl.where(i_ok, i, -1).to(tl.int64)
-    anc = tl.zeros((BLOCK_T, BLOCK_T), tl.int32)
+    words = tl.zeros((BLOCK_T, BLOCK_W), tl.int64)
     for _ in range(0, T):
-        anc = anc | (i.to(tl.int64)[None, :] == cur[:, None]).to(tl.int32)
+        bit = tl.full((BLOCK_T,), 1, tl.int64) << (tl.maximum(cur, 0) % 64)   # bit 63 is the sign, as intended
+        hit = (cur >= 0)[:, None] & (w[None, :] == (cur // 64)[:, None])
+        words = words | tl.where(hit, bit[:, None], 0)
         cur = tl.load(par_ptr + r * stride_pr + cur, mask=cur >= 0, other=-1)
-    for w in range(0, W):
-        in_word = (i >= w * 64) & (i < w * 64 + 64)
-        # Distinct powers of two: their sum is their OR (bit 63 wraps to the sign, as intended).
-        one = tl.full((BLOCK_T,), 1, tl.int64) << (i % 64).to(tl.int64)
-        word = tl.sum(tl.where((anc != 0) & in_word[None, :], one[None, :], 0), axis=1)
-        tl.store(mask_ptr + (r * T + i) * W + w, word, mask=i_ok)
+    out = (r * T + i)[:, None] * W + w[None, :]
+    tl.store(mask_ptr + out, words, mask=i_ok[:, None] & (w < W)[None, :])
 
 
 def tree_ancestor_mask(tree_parents: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
@@ -372,7 +372,7 @@ def _tree_ancestor_mask_op(tree_parents: torch.Tensor, backend: str) -> torch.Te
     mask = torch.empty((r, t, words), dtype=torch.int64, device=tree_parents.device)
     if r:
         _ancestor_mask_kernel[(r,)](par_ptr=tree_parents, mask_ptr=mask, T=t, W=words,
-                                    stride_pr=tree_parents.stride(0), BLOCK_T=next_pow2(t))
+                                    stride_pr=tree_parents.stride(0), BLOCK_T=next_pow2(t), BLOCK_W=next_pow2(words))
     return mask
 
 

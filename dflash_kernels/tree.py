@@ -181,12 +181,12 @@ def _tree_enumerate_kernel(lp_ptr, ids_ptr, anchor_ptr, vocab_ptr, tok_ptr, par_
     tl.store(par_ptr + out, -1)
     tl.store(dep_ptr + out, 0)
     for i in range(1, T):
-        # Pop the best entry: score desc, then depth, parent index and rank asc (rank order = logit desc,
-        # index asc). Each key narrows the candidates; (depth, parent, rank) identifies one entry.
+        # Pop the best entry: score desc, then depth asc, then parent index asc. The frontier holds at most one
+        # entry per parent (a parent's children enter one at a time, in rank order = logit desc, index asc),
+        # so the parent identifies the entry and the rank rule is implied.
         cand = f_ok & (f_score == tl.max(tl.where(f_ok, f_score, float("-inf")), axis=0))
         cand = cand & (f_depth == tl.min(tl.where(cand, f_depth, 2147483647), axis=0))
         cand = cand & (f_par == tl.min(tl.where(cand, f_par, 2147483647), axis=0))
-        cand = cand & (f_rank == tl.min(tl.where(cand, f_rank, 2147483647), axis=0))
         slot = tl.min(tl.where(cand, f, 2147483647), axis=0)
         at = f == slot
         score = tl.max(tl.where(at, f_score, float("-inf")), axis=0)

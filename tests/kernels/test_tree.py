@@ -55,7 +55,9 @@ def test_build_tree_reference_is_the_best_prefixes(ties):
     logits = torch.randn(r, p, v, dtype=torch.float64).float() * 2
     if ties:
         logits = torch.randint(-2, 2, (r, p, v)).float()   # many exactly equal scores: the tie rule decides
-        logits[1] = 0.0                                    # uniform rows: equal scores across depths too
+        logits[1] = 0.0                                    # uniform rows: equal scores, many parents
+        logits[2, 1] = float("-inf")                       # a one-hot row (log p = 0, -inf): a child ties its
+        logits[2, 1, 2] = 1.0                              # parent's score and its parent's siblings'
     anchor = torch.tensor([5, 6, 7])
     vocab_ids = torch.tensor([10, 3, 42, 7])
     got = build_tree_reference(logits.cpu(), anchor.cpu(), budget, vocab_ids=vocab_ids.cpu())
@@ -237,15 +239,27 @@ def test_verify_attention_tree_kernel(monkeypatch, dtype, case):
 BUILD_CASES = [  # R, B-1, V', budget, dtype, vocab ids, ties
     (3, 4, 150, 20, torch.float32, False, False),     # 3 vocab splits of 64 under the interpreter
     (2, 6, 5, 40, torch.bfloat16, True, False),       # budget > V': every rank used
-    (2, 3, 70, 16, torch.float32, False, True),       # integer logits: exact score ties across depths
+    (2, 3, 70, 24, torch.float32, False, True),       # exact score ties: every key of the tie rule decides
     (1, 1, 9, 9, torch.float32, True, False),         # one level: the whole draft vocabulary
 ]
+
+
+def _tied_logits(r, p, v):
+    """Integer logits with 2-3 tied maxima per row (ties between siblings and between cousins: the parent
+    rule) and a one-hot depth-2 row (-inf elsewhere: a child ties its parent's tied siblings: the depth rule)."""
+    logits = torch.randint(-3, 2, (r, p, v)).float()
+    for req in range(r):
+        for row in range(p):
+            logits[req, row, torch.randperm(v)[:2 + (req + row) % 2]] = 6.0
+    logits[:, 1] = float("-inf")
+    logits[:, 1, 5] = 5.0
+    return logits
 
 
 @pytest.mark.parametrize("case", BUILD_CASES, ids=[f"case{i}" for i in range(len(BUILD_CASES))])
 def test_build_tree_kernel_equals_reference(case):
     r, p, v, budget, dtype, use_ids, ties = case
-    logits = (torch.randint(-3, 2, (r, p, v)).float() if ties else torch.randn(r, p, v) * 3).to(dtype)
+    logits = (_tied_logits(r, p, v) if ties else torch.randn(r, p, v) * 3).to(dtype)
     anchor = torch.randint(0, 1000, (r,))
     vocab_ids = torch.randperm(1000)[:v] if use_ids else None
     want = dk.build_tree(logits, anchor, budget, vocab_ids=vocab_ids, backend="torch")

@@ -319,7 +319,7 @@ def tree_ancestor_mask_reference(tree_parents: torch.Tensor) -> torch.Tensor:
                 bits[req, i, j] = True
                 j = int(par[req, j])
     weights = torch.ones(MASK_WORD_BITS, dtype=torch.int64) << torch.arange(MASK_WORD_BITS)  # bit 63: int64 min
-    words = (bits.view(r, t, -1, MASK_WORD_BITS).to(torch.int64) * weights).sum(-1)
+    words = (bits.view(r, t, mask_words(t), MASK_WORD_BITS).to(torch.int64) * weights).sum(-1)
     return words.to(tree_parents.device)
 
 

@@ -372,3 +372,20 @@ def test_sampled_walk_kernel_is_reproducible_and_uses_the_offset():
     c = dk.tree_accept_sample(logits, tokens, parents, offset=11, **kw)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch(backend):
+    """R = 0 requests: empty results, nothing written, no launch."""
+    tokens, parents, depths = dk.build_tree(torch.randn(0, 3, 7), torch.zeros(0, dtype=torch.int64), 5,
+                                            backend=backend)
+    assert tokens.shape == parents.shape == depths.shape == (0, 6)
+    assert dk.tree_ancestor_mask(parents, backend=backend).shape == (0, 6, 1)
+    logits = torch.randn(0, 6, 11)
+    for path, acc, bonus in (dk.tree_accept_greedy(logits, tokens, parents, block_size=4, backend=backend),
+                             dk.tree_accept_sample(logits, tokens, parents, block_size=4, temperature=0.5, top_k=3,
+                                                   seed=0, offset=0, backend=backend)):
+        assert path.shape == (0, 4) and acc.shape == bonus.shape == (0,)
+    cache = torch.full((2, 1, 9, 1, 4), float("nan"))
+    dk.tree_compact(cache, cache.clone(), path, acc, torch.zeros(0, dtype=torch.int64), backend=backend)
+    assert torch.isnan(cache).all()

@@ -20,7 +20,7 @@ Model, per recorded op (a model, not a measurement):
             commit_round 1 (the ext op). Draft trees (``--tree-budget``): build_tree 3 + ATen's
             logsumexp of the fp32 draft logits (assumed 9 kernels: amax, abs, eq, masked_fill_, sub,
             exp_, sum, log_, add_; +1 fp32 copy of 16-bit logits), tree_ancestor_mask 1,
-            tree_accept_greedy 2, tree_accept_sample 2 (+ threshold), tree_compact 1.
+            tree_accept_greedy 2, tree_accept_sample 3 (+ threshold), tree_compact 1.
   bytes     every distinct tensor operand read once and every output written once (stride-0,
             broadcast dimensions count once); an in-place op's mutated operand is written once and
             also read, except pure overwrites (copy_, fill_, zero_). Gathers and scatters move only
@@ -268,7 +268,7 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
     if name == "tree_accept_sample":
         logits, use_top_k, use_top_p = args[0], args[9], args[10]
         rows, vocab = logits.numel() // logits.shape[-1], logits.shape[-1]
-        return (2 + threshold_launches(use_top_k, use_top_p),
+        return (3 + threshold_launches(use_top_k, use_top_p),  # + the fill of the draft-token stand-in
                 nbytes(args) + nbytes(out) + threshold_bytes(rows, vocab, logits.element_size(), use_top_k, use_top_p),
                 logits.numel())
     if name == "tree_compact":  # upper bound: every depth 1..B-1 accepted and moved, K and V, read and written

@@ -126,14 +126,15 @@ def build_tree_reference(draft_logits: torch.Tensor, anchor: torch.Tensor, budge
 
 
 @triton.jit
-def _topk_partial_kernel(z_ptr, pval_ptr, pidx_ptr, V, K, CHUNK, S, stride_row, BLOCK_V: tl.constexpr):
-    """Per (draft row, vocab split): the split's K best logits, best first (logit desc, index asc), in slots
-    ``[row, split, 0..K-1]``; slots past the split's size get index _BIG (no candidate)."""
+def _topk_partial_kernel(z_ptr, pval_ptr, pidx_ptr, P, V, K, S, stride_r, stride_p, BLOCK_V: tl.constexpr):
+    """Per (draft row, vocab split of one tile): the split's K best logits, best first (logit desc, index asc),
+    in slots ``[row, split, 0..K-1]``; slots past the split's size get index _BIG (no candidate)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    idx = split * CHUNK + tl.arange(0, BLOCK_V)
-    ok = (idx < V) & (idx < split * CHUNK + CHUNK)
-    x = tl.load(z_ptr + row * stride_row + idx.to(tl.int64), mask=ok, other=float("-inf")).to(tl.float32)
+    idx = split * BLOCK_V + tl.arange(0, BLOCK_V)
+    ok = idx < V
+    base = (row // P) * stride_r + (row % P) * stride_p
+    x = tl.load(z_ptr + base + idx.to(tl.int64), mask=ok, other=float("-inf")).to(tl.float32)
     cand = ok
     out = (row * S + split) * K
     for kk in range(0, K):
@@ -229,15 +230,14 @@ def _build_tree_triton(draft_logits, anchor, budget, vocab_ids):
     if r == 0:
         return outs
     rows = r * p
-    z = draft_logits.reshape(rows, v)
-    lse = draft_log_normalizer(draft_logits).reshape(rows)
+    lse = draft_log_normalizer(draft_logits)                     # a new contiguous [R, P]
     # Splits of one tile each: small tiles under the interpreter so that tests cross split borders.
     block_v = min(next_pow2(v), 64 if interpreting() else 2048)
     s = triton.cdiv(v, block_v)
     pval = torch.empty((rows, s, k), dtype=torch.float32, device=dev)
     pidx = torch.empty((rows, s, k), dtype=torch.int32, device=dev)
-    _topk_partial_kernel[(rows, s)](z_ptr=z, pval_ptr=pval, pidx_ptr=pidx, V=v, K=k, CHUNK=block_v, S=s,
-                                    stride_row=z.stride(0), BLOCK_V=block_v)
+    _topk_partial_kernel[(rows, s)](z_ptr=draft_logits, pval_ptr=pval, pidx_ptr=pidx, P=p, V=v, K=k, S=s,
+                                    stride_r=draft_logits.stride(0), stride_p=draft_logits.stride(1), BLOCK_V=block_v)
     lp = torch.empty((rows, k), dtype=torch.float32, device=dev)
     ids = torch.empty((rows, k), dtype=torch.int32, device=dev)
     _topk_merge_kernel[(rows,)](pval_ptr=pval, pidx_ptr=pidx, lse_ptr=lse, lp_ptr=lp, ids_ptr=ids, K=k, SK=s * k,

@@ -211,7 +211,7 @@ def configs():
 
     # Draft trees at budget 64 (T = 65) over a full Qwen3 draft vocabulary (151,936 ids: 75 splits of 2048).
     add("build_tree top-K partial", tr._topk_partial_kernel, dict(z_ptr=bf, pval_ptr=f32, pidx_ptr="*i32",
-                                                                  stride_row="i64"), dict(BLOCK_V=2048))
+                                                                  stride_r="i64", stride_p="i64"), dict(BLOCK_V=2048))
     add("build_tree top-K merge", tr._topk_merge_kernel,
         dict(pval_ptr=f32, pidx_ptr="*i32", lse_ptr=f32, lp_ptr=f32, ids_ptr="*i32"), dict(BLOCK_SK=8192))
     add("build_tree enumerate", tr._tree_enumerate_kernel,

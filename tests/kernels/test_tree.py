@@ -260,6 +260,7 @@ def _tied_logits(r, p, v):
 def test_build_tree_kernel_equals_reference(case):
     r, p, v, budget, dtype, use_ids, ties = case
     logits = (_tied_logits(r, p, v) if ties else torch.randn(r, p, v) * 3).to(dtype)
+    logits = torch.cat([torch.randn(r, 1, v).to(dtype), logits], 1)[:, 1:]   # strided rows: a view of the block
     anchor = torch.randint(0, 1000, (r,))
     vocab_ids = torch.randperm(1000)[:v] if use_ids else None
     want = dk.build_tree(logits, anchor, budget, vocab_ids=vocab_ids, backend="torch")

@@ -32,7 +32,6 @@ from dflash_kernels.verify import (
 
 _INDEX_DTYPES = (torch.int64,)
 _BACKENDS = ("triton", "torch")
-_BIG = 2**31 - 1
 MASK_WORD_BITS = 64
 
 
@@ -67,6 +66,7 @@ def _validate_build(op, draft_logits, anchor, budget, vocab_ids):
     r, p, v = draft_logits.shape
     dev = draft_logits.device
     check_tensor(op, "anchor", anchor, ndim=1, dtypes=_INDEX_DTYPES, device=dev)
+    check_last_dim_contiguous(op, "anchor", anchor)
     if anchor.shape[0] != r:
         raise ValueError(f"{op}: anchor must be [R={r}] (the last committed token of each request), got "
                          f"{tuple(anchor.shape)}")
@@ -77,6 +77,7 @@ def _validate_build(op, draft_logits, anchor, budget, vocab_ids):
                          f"{tuple(draft_logits.shape)} (sum of V'^d for d = 1..B-1); lower the budget")
     if vocab_ids is not None:
         check_tensor(op, "vocab_ids", vocab_ids, ndim=1, dtypes=_INDEX_DTYPES, device=dev)
+        check_last_dim_contiguous(op, "vocab_ids", vocab_ids)
         if vocab_ids.shape[0] != v:
             raise ValueError(f"{op}: vocab_ids must be [V'={v}] (target id of each draft logit index) or None, got "
                              f"{tuple(vocab_ids.shape)}")
@@ -128,7 +129,7 @@ def build_tree_reference(draft_logits: torch.Tensor, anchor: torch.Tensor, budge
 @triton.jit
 def _topk_partial_kernel(z_ptr, pval_ptr, pidx_ptr, P, V, K, S, stride_r, stride_p, BLOCK_V: tl.constexpr):
     """Per (draft row, vocab split of one tile): the split's K best logits, best first (logit desc, index asc),
-    in slots ``[row, split, 0..K-1]``; slots past the split's size get index _BIG (no candidate)."""
+    in slots ``[row, split, 0..K-1]``; slots past the split's size get index 2**31 - 1 (no candidate)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     idx = split * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -667,6 +668,7 @@ def _validate_compact(op, k_cache, v_cache, path, accepted, start, cache_batch_i
         raise ValueError(f"{op}: path must be [R, B] with B >= 1 (the walk's output), got {tuple(path.shape)}")
     for name, t in (("accepted", accepted), ("start", start)):
         check_tensor(op, name, t, ndim=1, dtypes=_INDEX_DTYPES, device=dev)
+        check_last_dim_contiguous(op, name, t)
         if t.shape[0] != r:
             raise ValueError(f"{op}: {name} must be [R={r}] like path's first dim, got {tuple(t.shape)}")
     if cache_batch_idx is None:
@@ -675,6 +677,7 @@ def _validate_compact(op, k_cache, v_cache, path, accepted, start, cache_batch_i
                              f"cache_batch_idx [R]")
     else:
         check_tensor(op, "cache_batch_idx", cache_batch_idx, ndim=1, dtypes=(torch.int32, torch.int64), device=dev)
+        check_last_dim_contiguous(op, "cache_batch_idx", cache_batch_idx)
         if cache_batch_idx.shape[0] != r:
             raise ValueError(f"{op}: cache_batch_idx must be [R={r}], got {tuple(cache_batch_idx.shape)}")
 

@@ -276,24 +276,44 @@ def test_ancestor_mask_kernel_equals_reference():
 
 
 def _walk_case(r, t, v, max_depth, dtype):
-    """Random trees with tokens drawn from few ids and logits whose argmax often is a child: deep walks."""
+    """Random trees with tokens drawn from few ids (siblings may share one) and logits whose argmax often is a
+    child; request 2's argmax at every node is its first child's token, so it walks to a leaf."""
     parents, _ = _random_tree(r, t, max_depth)
+    parents[2, 2] = 1                                    # at least depth 2
     tokens = torch.randint(0, 4, (r, t))
     logits = torch.randn(r, t, v)
     logits[..., :4] += 3.0
+    for n in range(t):
+        kids = (parents[2] == n).nonzero().flatten()
+        if kids.numel():
+            logits[2, n, tokens[2, kids[0]]] = 100.0
     return logits.to(dtype), tokens, parents
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_walk_kernel_equals_reference(dtype):
-    logits, tokens, parents = _walk_case(40, 13, 300, 5, dtype)
+    """V = 2500: two vocab splits under the interpreter, merged per visited node."""
+    logits, tokens, parents = _walk_case(16, 13, 2500, 5, dtype)
     logits[0, :, 7] = float("nan")                       # NaN counts as the maximum, as torch.argmax
-    for bsz in (6, 3):
+    logits[1, :, 2100] = 50.0                            # the argmax in the second split
+    for bsz in (3, 6):
         want = dk.tree_accept_greedy(logits, tokens, parents, block_size=bsz, backend="torch")
         got = dk.tree_accept_greedy(logits, tokens, parents, block_size=bsz, backend="triton")
         for g, w in zip(got, want):
             assert torch.equal(g, w)
-    assert int(want[1].max()) >= 2
+    assert int(want[1][2]) >= 2 and int(want[2][1]) == 2100
+
+
+def test_cold_sampled_walk_kernel_is_the_greedy_walk():
+    """At temperature 1e-3 the Gumbel-max winner is the argmax: the sampled walk (two vocab splits per node row)
+    equals the greedy one."""
+    logits, tokens, parents = _walk_case(16, 13, 2500, 5, torch.float32)
+    logits[1, :, 2100] = 50.0
+    greedy = dk.tree_accept_greedy(logits, tokens, parents, block_size=6, backend="triton")
+    cold = dk.tree_accept_sample(logits, tokens, parents, block_size=6, temperature=1e-3, seed=9, offset=1,
+                                 backend="triton")
+    for g, c in zip(greedy, cold):
+        assert torch.equal(g, c)
 
 
 def test_compact_kernel_equals_reference():

@@ -3,8 +3,9 @@ block's own keys]. One kernel family (a split kernel and a merge kernel, constex
 
 * ``draft_attention``: a DFlash draft layer; the block's K/V stay in registers, nothing is written.
 * ``verify_attention``: a target layer of the verify step; causal inside the block, optional q/k norm, and
-  the block's normed + rotated K rows and raw V rows are written into the cache at rows ``cache_lens[n] + i``. With a draft
-  tree (``tree_depths``, ``tree_mask``) the block rows sit at their depths and see their ancestors only.
+  the block's normed + rotated K rows and raw V rows are written into the cache at rows ``cache_lens[n] + i``.
+  With a draft tree (``tree_depths``, ``tree_mask``) the block rows sit at their depths and see their
+  ancestors only.
 
 Cost contract of one call (``bench/traffic.py`` models it; ``active_splits``, ``partial_slots`` and
 ``pick_max_splits`` are the split rule). Per request, ``live`` = context rows read: ``min(cache_lens[n],

@@ -31,3 +31,8 @@ __all__ += ["fused_context", "inject_context_kv", "draft_attention", "verify_att
 from dflash_kernels.commit import commit_round, commit_round_reference  # noqa: E402
 
 __all__ += ["commit_round", "commit_round_reference", "add_rms_norm", "silu_mul"]
+from dflash_kernels.tree import (  # noqa: E402
+    build_tree, tree_accept_greedy, tree_accept_sample, tree_ancestor_mask, tree_compact,
+)
+
+__all__ += ["build_tree", "tree_ancestor_mask", "tree_accept_greedy", "tree_accept_sample", "tree_compact"]

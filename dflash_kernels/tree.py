@@ -32,7 +32,6 @@ from dflash_kernels.verify import (
 
 _INDEX_DTYPES = (torch.int64,)
 _BACKENDS = ("triton", "torch")
-_BIG = 2**31 - 1
 MASK_WORD_BITS = 64
 
 
@@ -67,6 +66,7 @@ def _validate_build(op, draft_logits, anchor, budget, vocab_ids):
     r, p, v = draft_logits.shape
     dev = draft_logits.device
     check_tensor(op, "anchor", anchor, ndim=1, dtypes=_INDEX_DTYPES, device=dev)
+    check_last_dim_contiguous(op, "anchor", anchor)
     if anchor.shape[0] != r:
         raise ValueError(f"{op}: anchor must be [R={r}] (the last committed token of each request), got "
                          f"{tuple(anchor.shape)}")
@@ -77,6 +77,7 @@ def _validate_build(op, draft_logits, anchor, budget, vocab_ids):
                          f"{tuple(draft_logits.shape)} (sum of V'^d for d = 1..B-1); lower the budget")
     if vocab_ids is not None:
         check_tensor(op, "vocab_ids", vocab_ids, ndim=1, dtypes=_INDEX_DTYPES, device=dev)
+        check_last_dim_contiguous(op, "vocab_ids", vocab_ids)
         if vocab_ids.shape[0] != v:
             raise ValueError(f"{op}: vocab_ids must be [V'={v}] (target id of each draft logit index) or None, got "
                              f"{tuple(vocab_ids.shape)}")
@@ -126,14 +127,15 @@ def build_tree_reference(draft_logits: torch.Tensor, anchor: torch.Tensor, budge
 
 
 @triton.jit
-def _topk_partial_kernel(z_ptr, pval_ptr, pidx_ptr, V, K, CHUNK, S, stride_row, BLOCK_V: tl.constexpr):
-    """Per (draft row, vocab split): the split's K best logits, best first (logit desc, index asc), in slots
-    ``[row, split, 0..K-1]``; slots past the split's size get index _BIG (no candidate)."""
+def _topk_partial_kernel(z_ptr, pval_ptr, pidx_ptr, P, V, K, S, stride_r, stride_p, BLOCK_V: tl.constexpr):
+    """Per (draft row, vocab split of one tile): the split's K best logits, best first (logit desc, index asc),
+    in slots ``[row, split, 0..K-1]``; slots past the split's size get index 2**31 - 1 (no candidate)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    idx = split * CHUNK + tl.arange(0, BLOCK_V)
-    ok = (idx < V) & (idx < split * CHUNK + CHUNK)
-    x = tl.load(z_ptr + row * stride_row + idx.to(tl.int64), mask=ok, other=float("-inf")).to(tl.float32)
+    idx = split * BLOCK_V + tl.arange(0, BLOCK_V)
+    ok = idx < V
+    base = (row // P) * stride_r + (row % P) * stride_p
+    x = tl.load(z_ptr + base + idx.to(tl.int64), mask=ok, other=float("-inf")).to(tl.float32)
     cand = ok
     out = (row * S + split) * K
     for kk in range(0, K):
@@ -181,12 +183,12 @@ def _tree_enumerate_kernel(lp_ptr, ids_ptr, anchor_ptr, vocab_ptr, tok_ptr, par_
     tl.store(par_ptr + out, -1)
     tl.store(dep_ptr + out, 0)
     for i in range(1, T):
-        # Pop the best entry: score desc, then depth, parent index and rank asc (rank order = logit desc,
-        # index asc). Each key narrows the candidates; (depth, parent, rank) identifies one entry.
+        # Pop the best entry: score desc, then depth asc, then parent index asc. The frontier holds at most one
+        # entry per parent (a parent's children enter one at a time, in rank order = logit desc, index asc),
+        # so the parent identifies the entry and the rank rule is implied.
         cand = f_ok & (f_score == tl.max(tl.where(f_ok, f_score, float("-inf")), axis=0))
         cand = cand & (f_depth == tl.min(tl.where(cand, f_depth, 2147483647), axis=0))
         cand = cand & (f_par == tl.min(tl.where(cand, f_par, 2147483647), axis=0))
-        cand = cand & (f_rank == tl.min(tl.where(cand, f_rank, 2147483647), axis=0))
         slot = tl.min(tl.where(cand, f, 2147483647), axis=0)
         at = f == slot
         score = tl.max(tl.where(at, f_score, float("-inf")), axis=0)
@@ -229,15 +231,14 @@ def _build_tree_triton(draft_logits, anchor, budget, vocab_ids):
     if r == 0:
         return outs
     rows = r * p
-    z = draft_logits.reshape(rows, v)
-    lse = draft_log_normalizer(draft_logits).reshape(rows)
+    lse = draft_log_normalizer(draft_logits)                     # a new contiguous [R, P]
     # Splits of one tile each: small tiles under the interpreter so that tests cross split borders.
     block_v = min(next_pow2(v), 64 if interpreting() else 2048)
     s = triton.cdiv(v, block_v)
     pval = torch.empty((rows, s, k), dtype=torch.float32, device=dev)
     pidx = torch.empty((rows, s, k), dtype=torch.int32, device=dev)
-    _topk_partial_kernel[(rows, s)](z_ptr=z, pval_ptr=pval, pidx_ptr=pidx, V=v, K=k, CHUNK=block_v, S=s,
-                                    stride_row=z.stride(0), BLOCK_V=block_v)
+    _topk_partial_kernel[(rows, s)](z_ptr=draft_logits, pval_ptr=pval, pidx_ptr=pidx, P=p, V=v, K=k, S=s,
+                                    stride_r=draft_logits.stride(0), stride_p=draft_logits.stride(1), BLOCK_V=block_v)
     lp = torch.empty((rows, k), dtype=torch.float32, device=dev)
     ids = torch.empty((rows, k), dtype=torch.int32, device=dev)
     _topk_merge_kernel[(rows,)](pval_ptr=pval, pidx_ptr=pidx, lse_ptr=lse, lp_ptr=lp, ids_ptr=ids, K=k, SK=s * k,
@@ -319,27 +320,27 @@ def tree_ancestor_mask_reference(tree_parents: torch.Tensor) -> torch.Tensor:
                 bits[req, i, j] = True
                 j = int(par[req, j])
     weights = torch.ones(MASK_WORD_BITS, dtype=torch.int64) << torch.arange(MASK_WORD_BITS)  # bit 63: int64 min
-    words = (bits.view(r, t, -1, MASK_WORD_BITS).to(torch.int64) * weights).sum(-1)
+    words = (bits.view(r, t, mask_words(t), MASK_WORD_BITS).to(torch.int64) * weights).sum(-1)
     return words.to(tree_parents.device)
 
 
 @triton.jit
-def _ancestor_mask_kernel(par_ptr, mask_ptr, T, W, stride_pr, BLOCK_T: tl.constexpr):
-    """Per request: walk every node's parent chain at once (T steps bound any depth), then pack the bits."""
+def _ancestor_mask_kernel(par_ptr, mask_ptr, T, W, stride_pr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Per request: walk every node's parent chain at once (T steps bound any depth), OR-ing each visited
+    node's bit into the node's words."""
     r = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_T)
     i_ok = i < T
+    w = tl.arange(0, BLOCK_W)
     cur = tl.where(i_ok, i, -1).to(tl.int64)
-    anc = tl.zeros((BLOCK_T, BLOCK_T), tl.int32)
+    words = tl.zeros((BLOCK_T, BLOCK_W), tl.int64)
     for _ in range(0, T):
-        anc = anc | (i.to(tl.int64)[None, :] == cur[:, None]).to(tl.int32)
+        bit = tl.full((BLOCK_T,), 1, tl.int64) << (tl.maximum(cur, 0) % 64)   # bit 63 is the sign, as intended
+        hit = (cur >= 0)[:, None] & (w[None, :] == (cur // 64)[:, None])
+        words = words | tl.where(hit, bit[:, None], 0)
         cur = tl.load(par_ptr + r * stride_pr + cur, mask=cur >= 0, other=-1)
-    for w in range(0, W):
-        in_word = (i >= w * 64) & (i < w * 64 + 64)
-        # Distinct powers of two: their sum is their OR (bit 63 wraps to the sign, as intended).
-        one = tl.full((BLOCK_T,), 1, tl.int64) << (i % 64).to(tl.int64)
-        word = tl.sum(tl.where((anc != 0) & in_word[None, :], one[None, :], 0), axis=1)
-        tl.store(mask_ptr + (r * T + i) * W + w, word, mask=i_ok)
+    out = (r * T + i)[:, None] * W + w[None, :]
+    tl.store(mask_ptr + out, words, mask=i_ok[:, None] & (w < W)[None, :])
 
 
 def tree_ancestor_mask(tree_parents: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
@@ -372,7 +373,7 @@ def _tree_ancestor_mask_op(tree_parents: torch.Tensor, backend: str) -> torch.Te
     mask = torch.empty((r, t, words), dtype=torch.int64, device=tree_parents.device)
     if r:
         _ancestor_mask_kernel[(r,)](par_ptr=tree_parents, mask_ptr=mask, T=t, W=words,
-                                    stride_pr=tree_parents.stride(0), BLOCK_T=next_pow2(t))
+                                    stride_pr=tree_parents.stride(0), BLOCK_T=next_pow2(t), BLOCK_W=next_pow2(words))
     return mask
 
 
@@ -667,6 +668,7 @@ def _validate_compact(op, k_cache, v_cache, path, accepted, start, cache_batch_i
         raise ValueError(f"{op}: path must be [R, B] with B >= 1 (the walk's output), got {tuple(path.shape)}")
     for name, t in (("accepted", accepted), ("start", start)):
         check_tensor(op, name, t, ndim=1, dtypes=_INDEX_DTYPES, device=dev)
+        check_last_dim_contiguous(op, name, t)
         if t.shape[0] != r:
             raise ValueError(f"{op}: {name} must be [R={r}] like path's first dim, got {tuple(t.shape)}")
     if cache_batch_idx is None:
@@ -675,6 +677,7 @@ def _validate_compact(op, k_cache, v_cache, path, accepted, start, cache_batch_i
                              f"cache_batch_idx [R]")
     else:
         check_tensor(op, "cache_batch_idx", cache_batch_idx, ndim=1, dtypes=(torch.int32, torch.int64), device=dev)
+        check_last_dim_contiguous(op, "cache_batch_idx", cache_batch_idx)
         if cache_batch_idx.shape[0] != r:
             raise ValueError(f"{op}: cache_batch_idx must be [R={r}], got {tuple(cache_batch_idx.shape)}")
 

@@ -55,7 +55,9 @@ def test_build_tree_reference_is_the_best_prefixes(ties):
     logits = torch.randn(r, p, v, dtype=torch.float64).float() * 2
     if ties:
         logits = torch.randint(-2, 2, (r, p, v)).float()   # many exactly equal scores: the tie rule decides
-        logits[1] = 0.0                                    # uniform rows: equal scores across depths too
+        logits[1] = 0.0                                    # uniform rows: equal scores, many parents
+        logits[2, 1] = float("-inf")                       # a one-hot row (log p = 0, -inf): a child ties its
+        logits[2, 1, 2] = 1.0                              # parent's score and its parent's siblings'
     anchor = torch.tensor([5, 6, 7])
     vocab_ids = torch.tensor([10, 3, 42, 7])
     got = build_tree_reference(logits.cpu(), anchor.cpu(), budget, vocab_ids=vocab_ids.cpu())
@@ -237,15 +239,28 @@ def test_verify_attention_tree_kernel(monkeypatch, dtype, case):
 BUILD_CASES = [  # R, B-1, V', budget, dtype, vocab ids, ties
     (3, 4, 150, 20, torch.float32, False, False),     # 3 vocab splits of 64 under the interpreter
     (2, 6, 5, 40, torch.bfloat16, True, False),       # budget > V': every rank used
-    (2, 3, 70, 16, torch.float32, False, True),       # integer logits: exact score ties across depths
+    (2, 3, 70, 24, torch.float32, False, True),       # exact score ties: every key of the tie rule decides
     (1, 1, 9, 9, torch.float32, True, False),         # one level: the whole draft vocabulary
 ]
+
+
+def _tied_logits(r, p, v):
+    """Integer logits with 2-3 tied maxima per row (ties between siblings and between cousins: the parent
+    rule) and a one-hot depth-2 row (-inf elsewhere: a child ties its parent's tied siblings: the depth rule)."""
+    logits = torch.randint(-3, 2, (r, p, v)).float()
+    for req in range(r):
+        for row in range(p):
+            logits[req, row, torch.randperm(v)[:2 + (req + row) % 2]] = 6.0
+    logits[:, 1] = float("-inf")
+    logits[:, 1, 5] = 5.0
+    return logits
 
 
 @pytest.mark.parametrize("case", BUILD_CASES, ids=[f"case{i}" for i in range(len(BUILD_CASES))])
 def test_build_tree_kernel_equals_reference(case):
     r, p, v, budget, dtype, use_ids, ties = case
-    logits = (torch.randint(-3, 2, (r, p, v)).float() if ties else torch.randn(r, p, v) * 3).to(dtype)
+    logits = (_tied_logits(r, p, v) if ties else torch.randn(r, p, v) * 3).to(dtype)
+    logits = torch.cat([torch.randn(r, 1, v).to(dtype), logits], 1)[:, 1:]   # strided rows: a view of the block
     anchor = torch.randint(0, 1000, (r,))
     vocab_ids = torch.randperm(1000)[:v] if use_ids else None
     want = dk.build_tree(logits, anchor, budget, vocab_ids=vocab_ids, backend="torch")
@@ -261,24 +276,44 @@ def test_ancestor_mask_kernel_equals_reference():
 
 
 def _walk_case(r, t, v, max_depth, dtype):
-    """Random trees with tokens drawn from few ids and logits whose argmax often is a child: deep walks."""
+    """Random trees with tokens drawn from few ids (siblings may share one) and logits whose argmax often is a
+    child; request 2's argmax at every node is its first child's token, so it walks to a leaf."""
     parents, _ = _random_tree(r, t, max_depth)
+    parents[2, 2] = 1                                    # at least depth 2
     tokens = torch.randint(0, 4, (r, t))
     logits = torch.randn(r, t, v)
     logits[..., :4] += 3.0
+    for n in range(t):
+        kids = (parents[2] == n).nonzero().flatten()
+        if kids.numel():
+            logits[2, n, tokens[2, kids[0]]] = 100.0
     return logits.to(dtype), tokens, parents
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_walk_kernel_equals_reference(dtype):
-    logits, tokens, parents = _walk_case(40, 13, 300, 5, dtype)
+    """V = 2500: two vocab splits under the interpreter, merged per visited node."""
+    logits, tokens, parents = _walk_case(16, 13, 2500, 5, dtype)
     logits[0, :, 7] = float("nan")                       # NaN counts as the maximum, as torch.argmax
-    for bsz in (6, 3):
+    logits[1, :, 2100] = 50.0                            # the argmax in the second split
+    for bsz in (3, 6):
         want = dk.tree_accept_greedy(logits, tokens, parents, block_size=bsz, backend="torch")
         got = dk.tree_accept_greedy(logits, tokens, parents, block_size=bsz, backend="triton")
         for g, w in zip(got, want):
             assert torch.equal(g, w)
-    assert int(want[1].max()) >= 2
+    assert int(want[1][2]) >= 2 and int(want[2][1]) == 2100
+
+
+def test_cold_sampled_walk_kernel_is_the_greedy_walk():
+    """At temperature 1e-3 the Gumbel-max winner is the argmax: the sampled walk (two vocab splits per node row)
+    equals the greedy one."""
+    logits, tokens, parents = _walk_case(16, 13, 2500, 5, torch.float32)
+    logits[1, :, 2100] = 50.0
+    greedy = dk.tree_accept_greedy(logits, tokens, parents, block_size=6, backend="triton")
+    cold = dk.tree_accept_sample(logits, tokens, parents, block_size=6, temperature=1e-3, seed=9, offset=1,
+                                 backend="triton")
+    for g, c in zip(greedy, cold):
+        assert torch.equal(g, c)
 
 
 def test_compact_kernel_equals_reference():
@@ -358,3 +393,20 @@ def test_sampled_walk_kernel_is_reproducible_and_uses_the_offset():
     c = dk.tree_accept_sample(logits, tokens, parents, offset=11, **kw)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch(backend):
+    """R = 0 requests: empty results, nothing written, no launch."""
+    tokens, parents, depths = dk.build_tree(torch.randn(0, 3, 7), torch.zeros(0, dtype=torch.int64), 5,
+                                            backend=backend)
+    assert tokens.shape == parents.shape == depths.shape == (0, 6)
+    assert dk.tree_ancestor_mask(parents, backend=backend).shape == (0, 6, 1)
+    logits = torch.randn(0, 6, 11)
+    for path, acc, bonus in (dk.tree_accept_greedy(logits, tokens, parents, block_size=4, backend=backend),
+                             dk.tree_accept_sample(logits, tokens, parents, block_size=4, temperature=0.5, top_k=3,
+                                                   seed=0, offset=0, backend=backend)):
+        assert path.shape == (0, 4) and acc.shape == bonus.shape == (0,)
+    cache = torch.full((2, 1, 9, 1, 4), float("nan"))
+    dk.tree_compact(cache, cache.clone(), path, acc, torch.zeros(0, dtype=torch.int64), backend=backend)
+    assert torch.isnan(cache).all()

@@ -81,18 +81,18 @@ def test_inject_context_kv_real_shape(backend):
     rows = [16, 3, 16, 1]
     cached = [0, 2048, 17, 8000]
     n, m, cap = len(rows), sum(rows), 8100
-    ctx = _rnd(m, H)
-    kw, vw = _rnd(L, KVH * D, H, scale=H ** -0.5), _rnd(L, KVH * D, H, scale=H ** -0.5)
-    knw = (1 + 0.1 * torch.randn(L, D, device=DEV)).to(BF)
+    # One layer's projected context rows as the engine passes them: column views of the merged QKV output.
+    qkv = _rnd(m, (H // D + 2 * KVH) * D)
+    k, v = qkv[:, H:].unflatten(-1, (2, KVH, D)).unbind(-3)
+    knw = (1 + 0.1 * torch.randn(D, device=DEV)).to(BF)
     cu = torch.tensor([0] + rows, device=DEV).cumsum(0)
     lens = torch.tensor(cached, device=DEV)
-    pos = torch.cat([torch.arange(c, c + r, device=DEV) for c, r in zip(cached, rows)])
     inv = _inv_freq(D)
     outs = {}
     for name, dt in (("kernel", BF), ("f64", torch.float64), ("lowp", BF)):
-        kc = torch.full((L, n, cap, KVH, D), float("nan"), device=DEV, dtype=dt)
+        kc = torch.full((n, cap, KVH, D), float("nan"), device=DEV, dtype=dt)
         vc = kc.clone()
-        args = (ctx.to(dt), kw.to(dt), vw.to(dt), knw.to(dt), pos, cu, lens, kc, vc)
+        args = (k.to(dt), v.to(dt), knw.to(dt), cu, lens, kc, vc)
         if name == "kernel":
             dk.inject_context_kv(*args, inv_freq=inv, backend=backend)
         else:

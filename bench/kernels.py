@@ -118,11 +118,10 @@ class Case:
         N, H, T = self.shape["N"], d["H"], d["T"]
         return (N * T * H + T * H * H + H + N * H) * e
 
-    def _bytes_inject_context_kv(self):
+    def _bytes_inject_context_kv(self):  # one layer: projected K/V rows read, written into the cache
         d, e = self.dims, self.elem
         M = self.shape["R"] * self.shape["B"]
-        w = 2 * d["L"] * d["kvH"] * d["D"] * d["H"]
-        return (M * d["H"] + w + d["L"] * d["D"] + 2 * d["L"] * M * d["kvH"] * d["D"]) * e + M * 8
+        return (4 * M * d["kvH"] * d["D"] + d["D"]) * e
 
     def _bytes_draft_attention(self):
         d, e, s = self.dims, self.elem, self.shape
@@ -163,16 +162,13 @@ class Case:
     def _make_inject_context_kv(self):
         d = self.dims
         R, B = self.shape["R"], self.shape["B"]
-        L, kvH, D, H = d["L"], d["kvH"], d["D"], d["H"]
+        kvH, D = d["kvH"], d["D"]
         cap = 4 * B + 64
         lens = torch.randint(0, cap - B, (R,), device=self.device)
-        return dict(ctx=self.rnd(R * B, H), kw=self.rnd(L, kvH * D, H, scale=H ** -0.5),
-                    vw=self.rnd(L, kvH * D, H, scale=H ** -0.5),
-                    knw=(1 + 0.1 * torch.randn(L, D, device=self.device)).to(self.dtype),
-                    pos=(lens[:, None] + torch.arange(B, device=self.device)).view(-1),
+        return dict(k=self.rnd(R * B, kvH, D), v=self.rnd(R * B, kvH, D),
+                    knw=(1 + 0.1 * torch.randn(D, device=self.device)).to(self.dtype),
                     cu=torch.arange(R + 1, device=self.device) * B, lens=lens,
-                    kc=self.rnd(L, R, cap, kvH, D), vc=self.rnd(L, R, cap, kvH, D),
-                    inv=_inv_freq(D).to(self.device))
+                    kc=self.rnd(R, cap, kvH, D), vc=self.rnd(R, cap, kvH, D), inv=_inv_freq(D).to(self.device))
 
     def _make_draft_attention(self):
         d, s = self.dims, self.shape
@@ -237,8 +233,8 @@ class Case:
         if self.op == "fused_context":
             return dk.fused_context(x["taps"], x["w"], x["nw"], 1e-6, backend=backend)
         if self.op == "inject_context_kv":
-            dk.inject_context_kv(x["ctx"], x["kw"], x["vw"], x["knw"], x["pos"], x["cu"], x["lens"], x["kc"], x["vc"],
-                                 inv_freq=x["inv"], backend=backend)
+            dk.inject_context_kv(x["k"], x["v"], x["knw"], x["cu"], x["lens"], x["kc"], x["vc"], inv_freq=x["inv"],
+                                 backend=backend)
             return x["kc"], x["vc"]
         if self.op == "draft_attention":
             return dk.draft_attention(x["q"], x["k"], x["v"], x["kc"], x["vc"], x["lens"], x["qw"], x["kw"],

@@ -17,7 +17,7 @@ Model, per recorded op (a model, not a measurement):
             one column tile covers H), inject_context_kv 1, draft_attention / verify_attention 2
             (split + merge), add_rms_norm 1, silu_mul 1, verify_greedy 2, verify_sample 2 (+ the
             radix-select threshold's launches with top-k/top-p, ``threshold_launches``),
-            commit_round 1 (the ext op). Draft trees (``--tree-budget``): build_tree 3 + ATen's
+            commit_round 1 (the ext op), draft_round_setup 1. Draft trees (``--tree-budget``): build_tree 3 + ATen's
             logsumexp of the fp32 draft logits (assumed 9 kernels: amax, abs, eq, masked_fill_, sub,
             exp_, sum, log_, add_; +1 fp32 copy of 16-bit logits), tree_ancestor_mask 1,
             tree_accept_greedy 2, tree_accept_sample 3 (+ threshold), tree_compact 1.
@@ -30,9 +30,10 @@ Model, per recorded op (a model, not a measurement):
             (``context`` per request, not the capacity) plus the fp32 partials of their active splits
             (the kernels' own rule), written and read once; verify_attention also writes the block's
             K/V rows; add_rms_norm reads x, the weight and the residual and writes the output and the
-            residual; silu_mul reads [.., 2I] and writes [.., I]; inject_context_kv reads ctx and the
-            stacked K/V weights once and writes only the injected rows; fused_context reads the taps
-            and the fc weight once (+ fp32 split-K partials); the top-k/top-p threshold per
+            residual; silu_mul reads [.., 2I] and writes [.., I]; draft_round_setup reads four and
+            writes three [N] int64 vectors (block[:, 0] is one); inject_context_kv reads the rows'
+            projected K/V and writes only the injected rows; fused_context reads the taps and the fc
+            weight once (+ fp32 split-K partials); the top-k/top-p threshold per
             ``threshold_bytes``. Split counts follow the kernels' own heuristics for an H200 (132 SMs).
             Trees: build_tree reads the draft logits once plus the logsumexp's passes over their fp32
             copy (read 4, read+write 2: 6 x 4 bytes per element, plus the copy) and the split top-K
@@ -40,7 +41,7 @@ Model, per recorded op (a model, not a measurement):
             tree_compact moves every accepted depth's K/V rows in every layer (an upper bound: all
             B - 1 depths accepted, none already in place).
   FLOPs     mm / bmm / addmm 2*M*N*K; the attention ops 4*B*nH*D*(context + B) per request;
-            inject_context_kv and fused_context their GEMMs; everything else one per output element.
+            fused_context its GEMM; everything else one per output element.
   floor     what the step cannot avoid moving: every weight it uses once (the embedding table only
             as the rows looked up; the LM head in full), the live K/V once, the new K/V rows
             written once, the step's inputs and outputs (draft: fused-context features; verify:
@@ -203,8 +204,8 @@ def aten_cost(func, args, kwargs, out) -> tuple[int, int, int]:
 def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
     """(launches, bytes, FLOPs) of one ``torch.ops.dflash.*`` op per its contract (dflash_kernels/README.md)."""
     nbytes = lambda ts: sum(distinct_bytes(t) for t in tensors_in(ts))  # noqa: E731
-    if name == "fused_context":
-        taps, fc_weight, norm_weight = args[0], args[1], args[2]
+    if name == "fused_context":  # (taps, fc_weight, norm_weight, eps, out, backend)
+        taps, fc_weight, norm_weight, out = args[0], args[1], args[2], args[4]
         n, h = out.shape
         k = fc_weight.shape[1]
         # _fused_context_triton's GPU tile and split-K choice
@@ -218,12 +219,10 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
         fused = block_n >= h and split == 1
         partials = 0 if fused else 2 * split * n * h * 4
         return (1 if fused else 2), nbytes([taps, fc_weight, norm_weight]) + distinct_bytes(out) + partials, 2 * n * k * h
-    if name == "inject_context_kv":
-        ctx, k_weight, v_weight = args[0], args[1], args[2]
-        k_cache = args[7]
-        rows, layers, kv_dim = ctx.shape[0], k_weight.shape[0], k_weight.shape[1]
-        written = 2 * rows * layers * kv_dim * k_cache.element_size()
-        return 1, nbytes(args[:7]) + nbytes(args[9:10]) + written, 2 * 2 * rows * layers * kv_dim * ctx.shape[1]
+    if name == "inject_context_kv":  # (k, v, k_norm_weight, cu, cache_lens, k_cache, v_cache, inv_freq, ...)
+        k, k_cache = args[0], args[5]
+        written = 2 * k.numel() * k_cache.element_size()  # only the injected rows
+        return 1, nbytes(args[:5]) + nbytes(args[7:8]) + written, 2 * k.numel()
     if name in ("draft_attention", "verify_attention"):
         q, k, v, k_cache, v_cache = args[:5]
         n, b, nh, d = q.shape
@@ -238,7 +237,7 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
         small = nbytes([q, k, v, *args[5:9]]) + nbytes([args[15]] if name == "draft_attention" else args[16:18])
         return 2, small + live + written + partials + distinct_bytes(out), 4 * n * b * nh * d * (context + b)
     if name == "add_rms_norm":  # x, weight (and the residual, read and written in place) -> out
-        x, weight, residual = args[0], args[1], args[3]
+        x, weight, residual, out = args[0], args[1], args[3], args[4]
         return 1, nbytes([x, weight]) + 2 * nbytes([residual]) + distinct_bytes(out), 4 * x.numel()
     if name == "silu_mul":
         return 1, distinct_bytes(args[0]) + distinct_bytes(out), 4 * out.numel()
@@ -250,6 +249,9 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
         return (2 + threshold_launches(use_top_k, use_top_p),
                 nbytes(args) + nbytes(out) + threshold_bytes(rows, vocab, logits.element_size(), use_top_k, use_top_p),
                 logits.numel())
+    if name == "draft_round_setup":  # reads 4 [N] int64, writes block[:, 0], context_start and block_lens
+        n = args[0].shape[0]
+        return 1, 7 * n * 8, 3 * n
     if name == "commit_round":
         mutated = nbytes(args[3:8])
         return 1, nbytes(args) + mutated + distinct_bytes(out), 0

@@ -15,10 +15,13 @@ tokens before the anchor. Rolling back a rejected block costs nothing: its rows 
 
 Round (each layer of either model is nine kernels: add_rms_norm, merged QKV GEMM, attention with
 q/k norm + RoPE fused (split + merge), o_proj, add_rms_norm, merged gate/up GEMM, silu_mul, down_proj):
-  draft step   inject the previous round's committed rows (fused_context + inject_context_kv),
-               then every draft layer over [context cache ++ block] (draft_attention; block rows at
-               or beyond ``v = min(B, max_length - position)`` are masked, as the reference drafts a
-               v-row block at the tail), final norm, ``draft.propose`` (LM head + argmax) -> proposals.
+  draft step   fused_context of the previous round's rows, then every draft layer over [context cache ++
+               block] (draft_attention; block rows at or beyond ``v = min(B, max_length - position)`` are
+               masked, as the reference drafts a v-row block at the tail), final norm, ``draft.propose``
+               (LM head + argmax) -> proposals. The context rows ride in each layer's merged QKV GEMM,
+               stacked under the block rows, so the K/V weights are read once per step; their K/V go to
+               the layer's context cache (inject_context_kv: k_norm + RoPE + cache write) before its
+               attention: ten kernels per draft layer.
   verify step  lean target forward over [anchor, proposals] at positions[r] (verify_attention writes
                the block's K/V into the target cache; taps into a buffer), verify_greedy /
                verify_sample, commit_round (tokens, lengths, positions, anchor, stop and length
@@ -48,8 +51,8 @@ from dflash.merged_linear import merged_weight
 from dflash.results import GenerateResult, device_clock
 from dflash.sampling import GREEDY_EPS, SamplingParams, sample
 from dflash_kernels import (
-    add_rms_norm, build_tree, commit_round, draft_attention, fused_context, inject_context_kv, silu_mul, tree_accept_greedy,
-    tree_accept_sample, tree_ancestor_mask, tree_compact, verify_greedy, verify_sample,
+    add_rms_norm, build_tree, commit_round, draft_attention, draft_round_setup, fused_context, inject_context_kv,
+    silu_mul, tree_accept_greedy, tree_accept_sample, tree_ancestor_mask, tree_compact, verify_greedy, verify_sample,
 )
 
 
@@ -105,13 +108,6 @@ class DFlashEngine:
         dtype = draft.fc.weight.dtype
         inv_freq, self.attention_scaling = rope_inv_freq(cfg)
         self.inv_freq = inv_freq.to(device)
-        # Stacked [L, ...] copies for inject_context_kv, filled (and later refreshed) by refresh_weights.
-        first = draft.layers[0].self_attn
-        layers = cfg.num_hidden_layers
-        self.k_weight = first.k_proj.weight.new_empty((layers, *first.k_proj.weight.shape))
-        self.v_weight = first.v_proj.weight.new_empty((layers, *first.v_proj.weight.shape))
-        self.k_norm_weight = first.k_norm.weight.new_empty((layers, *first.k_norm.weight.shape))
-        self.refresh_weights()
         # Merged [q; k; v] and [gate; up] weights of each draft layer, shared with the draft's own parameters.
         self.qkv = [merged_weight([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], l.self_attn,
                                   "_dflash_qkv")[0] for l in draft.layers]
@@ -129,6 +125,8 @@ class DFlashEngine:
         self.done = torch.ones(batch, dtype=torch.bool, device=device)
         self.max_lengths = torch.zeros(batch, **long)
         self.num_new = torch.zeros(batch, **long)
+        self.context_start = torch.zeros(batch, **long)  # written by draft_round_setup at each draft step
+        self.block_lens = torch.zeros(batch, **long)
         self.proposals = torch.zeros(batch, B - 1, **long)
         if tree_budget is not None:  # the draft's block logits (the LM head's dtype, or the draft's for a subset)
             vocab = cfg.draft_vocab_size or target_model.lm_head.weight.shape[0]
@@ -136,7 +134,9 @@ class DFlashEngine:
             self.draft_logits = torch.zeros(batch, B - 1, vocab, dtype=logits_dtype, device=device)
         self.draft_block = torch.full((batch, B), cfg.mask_token_id if self.use_draft else 0, **long)  # [anchor, MASK...]
         self.features = torch.zeros(batch, B, cfg.num_taps * cfg.hidden_size, dtype=dtype, device=device)
-        self.block_offsets = torch.arange(B, device=device)
+        # Input rows of every draft layer's merged QKV GEMM: the block's normed rows (rows [0, batch*B), written
+        # by each layer's add_rms_norm) over the context rows (rows [batch*B, 2*batch*B), fused_context's output).
+        self.layer_in = torch.zeros(2 * batch * B, cfg.hidden_size, dtype=dtype, device=device)
         self.cu_block = torch.arange(batch + 1, device=device) * B
         # Per-call settings, written in place by reset() (a captured step keeps reading these tensors).
         self.temperature = torch.ones(batch, dtype=torch.float32, device=device)
@@ -150,15 +150,6 @@ class DFlashEngine:
         self.stop_width = 0
         self.kv_bound = 0  # host-side bound on positions + scratch rows, grown by B per round (no sync)
         self.graphs: dict[tuple, object] = {}
-
-    def refresh_weights(self) -> None:
-        """Re-copy the stacked context K/V weights from the draft (in place, so captured graphs stay valid)."""
-        with torch.no_grad():
-            for i, layer in enumerate(self.draft.layers):
-                attn = layer.self_attn
-                self.k_weight[i].copy_(attn.k_proj.weight)
-                self.v_weight[i].copy_(attn.v_proj.weight)
-                self.k_norm_weight[i].copy_(attn.k_norm.weight)
 
     # ------------------------------------------------------------------ setup per generation
     def reset(self, prompts: Sequence[torch.Tensor], max_new_tokens: Sequence[int], stops: Sequence[list[int]],
@@ -197,8 +188,10 @@ class DFlashEngine:
                 if self.use_draft:  # the chunk's context rows go straight into the draft cache
                     ctx = fused_context(feats[0], self.draft.fc.weight, self.draft.hidden_norm.weight,
                                         self.draft.config.rms_norm_eps, backend=self.backend)
-                    self._inject(ctx, torch.arange(c0, c1, device=self.device),
-                                 torch.tensor([0, c1 - c0], device=self.device), start, cache_batch_idx=row)
+                    cu = torch.tensor([0, c1 - c0], device=self.device)
+                    for li, layer in enumerate(self.draft.layers):
+                        q_cols = layer.self_attn.num_heads * layer.self_attn.head_dim
+                        self._inject(li, F.linear(ctx, self.qkv[li][q_cols:]), cu, start, cache_batch_idx=row)
             first = int(sample(logits[0, -1], sampling.temperature, sampling.top_p, sampling.top_k, generator))
             self.out_tokens[r, :p] = prompt
             self.out_tokens[r, p] = first
@@ -234,26 +227,27 @@ class DFlashEngine:
         eagerly, the longest request's rows plus the scratch rows (grown by B per round)."""
         self.kv_bound = self.capacity + self.scratch_rows if self.graph_mode else longest + self.scratch_rows
 
-    def _inject(self, ctx, positions, cu_lens, cache_lens, cache_batch_idx=None):
-        cfg = self.draft.config
-        inject_context_kv(ctx, self.k_weight, self.v_weight, self.k_norm_weight, positions, cu_lens, cache_lens,
-                          self.k_cache, self.v_cache, inv_freq=self.inv_freq, attention_scaling=self.attention_scaling,
-                          eps=cfg.rms_norm_eps, cache_batch_idx=cache_batch_idx, backend=self.backend)
+    def _inject(self, li: int, kv: torch.Tensor, cu_lens, cache_lens, cache_batch_idx=None):
+        """Layer ``li``'s context rows into its cache; ``kv`` [M, 2*kvH*D] holds their k_proj and v_proj columns."""
+        attn = self.draft.layers[li].self_attn
+        k, v = kv.unflatten(-1, (2, attn.num_kv_heads, attn.head_dim)).unbind(-3)
+        inject_context_kv(k, v, attn.k_norm.weight, cu_lens, cache_lens, self.k_cache[li], self.v_cache[li],
+                          inv_freq=self.inv_freq, attention_scaling=self.attention_scaling,
+                          eps=self.draft.config.rms_norm_eps, cache_batch_idx=cache_batch_idx, backend=self.backend)
 
     # ------------------------------------------------------------------ the two steps
     def draft_step(self) -> None:
         """Inject last round's committed rows, run the draft over the block, write proposals."""
         draft, cfg, n, B = self.draft, self.draft.config, self.batch, self.block_size
-        start = self.positions - self.num_new  # first row of the rows committed last round
-        ctx = fused_context(self.features.view(n * B, -1), draft.fc.weight, draft.hidden_norm.weight,
-                            cfg.rms_norm_eps, backend=self.backend)
-        # All B rows of every request are written; only num_new of them become valid context
-        # (positions advanced by exactly that), so the shapes stay static.
-        self._inject(ctx, (start[:, None] + self.block_offsets).view(-1), self.cu_block, start)
-        # The reference drafts [anchor, MASK x (v-1)] with v = min(B, max_length - position): the
-        # block rows at or beyond v are masked out as keys, so rows < v see exactly that block.
-        block_lens = (self.max_lengths - self.positions).clamp(1, B)
-        self.draft_block[:, 0].copy_(self.anchor)
+        rows = n * B
+        x_block = self.layer_in[:rows].view(n, B, -1)
+        ctx = fused_context(self.features.view(rows, -1), draft.fc.weight, draft.hidden_norm.weight,
+                            cfg.rms_norm_eps, out=self.layer_in[rows:], backend=self.backend)
+        # [anchor, MASK...] block, the first context row committed last round, and the block rows to draft: the
+        # reference drafts [anchor, MASK x (v-1)] with v = min(B, max_length - position); block rows at or beyond
+        # v are masked out as keys, so rows < v see exactly that block.
+        draft_round_setup(self.anchor, self.positions, self.num_new, self.max_lengths, block=self.draft_block,
+                          context_start=self.context_start, block_lens=self.block_lens, backend=self.backend)
         h = F.embedding(self.draft_block, self.target_model.get_input_embeddings().weight).to(ctx.dtype)
         if cfg.input_embedding_scale != 1.0:
             h = h * cfg.input_embedding_scale
@@ -261,17 +255,20 @@ class DFlashEngine:
         delta = None
         for li, layer in enumerate(draft.layers):
             attn, norm = layer.self_attn, layer.input_layernorm
-            x = add_rms_norm(h if delta is None else delta, norm.weight, norm.eps,
-                             residual=None if delta is None else h, backend=self.backend)
-            qkv = F.linear(x, self.qkv[li])
+            add_rms_norm(h if delta is None else delta, norm.weight, norm.eps,
+                         residual=None if delta is None else h, out=x_block, backend=self.backend)
+            qkv = F.linear(self.layer_in, self.qkv[li])  # block rows, then context rows
             q_cols, kv_cols = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-            q = qkv[..., :q_cols].view(n, B, attn.num_heads, attn.head_dim)
-            k = qkv[..., q_cols:q_cols + kv_cols].view(n, B, attn.num_kv_heads, attn.head_dim)
-            v = qkv[..., q_cols + kv_cols:].view(n, B, attn.num_kv_heads, attn.head_dim)
+            # All B rows of every request are written; only num_new of them become valid context
+            # (positions advanced by exactly that), so the shapes stay static.
+            self._inject(li, qkv[rows:, q_cols:], self.cu_block, self.context_start)
+            q = qkv[:rows, :q_cols].view(n, B, attn.num_heads, attn.head_dim)
+            k = qkv[:rows, q_cols:q_cols + kv_cols].view(n, B, attn.num_kv_heads, attn.head_dim)
+            v = qkv[:rows, q_cols + kv_cols:].view(n, B, attn.num_kv_heads, attn.head_dim)
             o = draft_attention(q, k, v, self.k_cache[li], self.v_cache[li], self.positions, attn.q_norm.weight,
                                 attn.k_norm.weight, inv_freq=self.inv_freq, attention_scaling=self.attention_scaling,
                                 eps=cfg.rms_norm_eps, sliding_window=attn.window, causal=attn.causal,
-                                max_context_len=self.kv_bound, block_lens=block_lens, backend=self.backend)
+                                max_context_len=self.kv_bound, block_lens=self.block_lens, backend=self.backend)
             delta = attn.o_proj(o.reshape(n, B, -1))
             norm = layer.post_attention_layernorm
             x = add_rms_norm(delta, norm.weight, norm.eps, residual=h, backend=self.backend)
@@ -413,7 +410,6 @@ def cached_engine(target_model, draft: DraftModel, **options) -> DFlashEngine:
     key = (id(target_model), id(draft), DFlashEngine, tuple(sorted(options.items())))
     engine = _ENGINE.get("engine")
     if engine is not None and _ENGINE.get("key") == key and engine.target_model is target_model and engine.draft is draft:
-        engine.refresh_weights()
         return engine
     _ENGINE.clear()  # drop the old engine's buffers before allocating the new ones
     engine = DFlashEngine(target_model, draft, **options)

@@ -28,9 +28,9 @@ from dflash_kernels.verify import verify_greedy, verify_sample  # noqa: E402
 
 __all__ += ["fused_context", "inject_context_kv", "draft_attention", "verify_attention", "verify_greedy",
             "verify_sample"]
-from dflash_kernels.commit import commit_round, commit_round_reference  # noqa: E402
+from dflash_kernels.commit import commit_round, commit_round_reference, draft_round_setup  # noqa: E402
 
-__all__ += ["commit_round", "commit_round_reference", "add_rms_norm", "silu_mul"]
+__all__ += ["commit_round", "commit_round_reference", "draft_round_setup", "add_rms_norm", "silu_mul"]
 from dflash_kernels.tree import (  # noqa: E402
     build_tree, tree_accept_greedy, tree_accept_sample, tree_ancestor_mask, tree_compact,
 )

@@ -26,16 +26,27 @@ get ``num_new[r] = 0``)::
 draft model (the target hidden states of the anchor and the ``n-1`` committed drafts: rows
 ``0..n-1`` of this round's verify block). It equals ``accepted[r] + 1`` unless the request
 finished in this round. ``positions[r]`` stays the position of ``anchor[r]``.
+
+``draft_round_setup`` is the draft step's side of the same bookkeeping, one launch for what the
+draft needs from the committed state (per request ``r``, block size ``B = block.shape[1]``)::
+
+    block[r, 0]      = anchor[r]                                   # [anchor, MASK, ...] is drafted
+    context_start[r] = positions[r] - num_new[r]                   # first of last round's new context rows
+    block_lens[r]    = min(max(max_lengths[r] - positions[r], 1), B)  # rows the reference would draft
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+import triton
+import triton.language as tl
 
 from dflash_kernels._dispatch import resolve_backend
+from dflash_kernels._triton_utils import check_tensor, next_pow2
 
-__all__ = ["commit_round", "commit_round_reference", "CommitRoundInputError"]
+__all__ = ["commit_round", "commit_round_reference", "CommitRoundInputError", "draft_round_setup",
+           "draft_round_setup_reference"]
 
 _OP = "commit_round"
 _BACKENDS = ("ext", "torch")
@@ -223,3 +234,86 @@ def _commit_round_op(draft_tokens: torch.Tensor, accepted: torch.Tensor, bonus: 
 def _commit_round_fake(draft_tokens, accepted, bonus, out_tokens, lengths, positions, anchor, done, max_lengths,
                        stop_tokens, backend):
     return accepted.new_empty((draft_tokens.shape[0],))
+
+
+# ------------------------------------------------------------------------------------------ draft_round_setup
+
+_SETUP = "draft_round_setup"
+_SETUP_BACKENDS = ("triton", "torch")
+
+
+def draft_round_setup_reference(anchor: torch.Tensor, positions: torch.Tensor, num_new: torch.Tensor,
+                                max_lengths: torch.Tensor, block: torch.Tensor, context_start: torch.Tensor,
+                                block_lens: torch.Tensor) -> None:
+    """Definition of :func:`draft_round_setup` (vectorised, no host sync)."""
+    block[:, 0] = anchor
+    torch.sub(positions, num_new, out=context_start)
+    block_lens.copy_((max_lengths - positions).clamp(1, block.shape[1]))
+
+
+@triton.jit
+def _draft_round_setup_kernel(anchor_ptr, pos_ptr, new_ptr, maxl_ptr, block_ptr, start_ptr, lens_ptr, N, B,
+                              stride_block, BLOCK_N: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = r < N
+    r64 = r.to(tl.int64)
+    pos = tl.load(pos_ptr + r64, mask=ok, other=0)
+    tl.store(block_ptr + r64 * stride_block, tl.load(anchor_ptr + r64, mask=ok, other=0), mask=ok)
+    tl.store(start_ptr + r64, pos - tl.load(new_ptr + r64, mask=ok, other=0), mask=ok)
+    room = tl.load(maxl_ptr + r64, mask=ok, other=0) - pos
+    tl.store(lens_ptr + r64, tl.minimum(tl.maximum(room, 1), B), mask=ok)
+
+
+def draft_round_setup(anchor: torch.Tensor, positions: torch.Tensor, num_new: torch.Tensor,
+                      max_lengths: torch.Tensor, *, block: torch.Tensor, context_start: torch.Tensor,
+                      block_lens: torch.Tensor, backend: str = "auto") -> None:
+    """What the draft step needs from the committed state, in one launch, in place (see the module docstring).
+
+    Args:
+        anchor, positions, num_new, max_lengths: ``[N]`` int64 (``commit_round``'s anchor, positions, num_new
+            and max_lengths).
+        block: ``[N, B]`` int64 (any strides), **out**: column 0 becomes the anchor; the other columns are
+            not touched (the mask token).
+        context_start: ``[N]`` int64, **out**: ``positions - num_new``, the position of the first context row
+            the last round committed (its rows go to the draft's context cache from there).
+        block_lens: ``[N]`` int64, **out**: ``clamp(max_lengths - positions, 1, B)``, the block rows the
+            draft attends to (``draft_attention``'s ``block_lens``).
+        backend: ``"auto" | "triton" | "torch"``.
+    """
+    check_tensor(_SETUP, "block", block, ndim=2, dtypes=(torch.int64,))
+    n, dev = block.shape[0], block.device
+    if block.shape[1] < 1:
+        raise ValueError(f"{_SETUP}: block must be [N, B] with B >= 1, got shape {tuple(block.shape)}")
+    for name, t in (("anchor", anchor), ("positions", positions), ("num_new", num_new), ("max_lengths", max_lengths),
+                    ("context_start", context_start), ("block_lens", block_lens)):
+        check_tensor(_SETUP, name, t, ndim=1, dtypes=(torch.int64,), device=dev)
+        if t.shape[0] != n or not t.is_contiguous():
+            raise ValueError(f"{_SETUP}: {name} must be a contiguous [N={n}] tensor (N = block.shape[0]), "
+                             f"got shape {tuple(t.shape)}")
+    chosen = resolve_backend(_SETUP, backend, dev, available=_SETUP_BACKENDS)
+    torch.ops.dflash.draft_round_setup(anchor, positions, num_new, max_lengths, block, context_start, block_lens,
+                                       chosen)
+
+
+@torch.library.custom_op("dflash::draft_round_setup", mutates_args=("block", "context_start", "block_lens"))
+def _draft_round_setup_op(anchor: torch.Tensor, positions: torch.Tensor, num_new: torch.Tensor,
+                          max_lengths: torch.Tensor, block: torch.Tensor, context_start: torch.Tensor,
+                          block_lens: torch.Tensor, backend: str) -> None:
+    """``torch.ops.dflash.draft_round_setup``: :func:`draft_round_setup` after validation."""
+    chosen = resolve_backend(_SETUP, backend, anchor.device, available=_SETUP_BACKENDS)
+    if chosen == "torch":
+        draft_round_setup_reference(anchor, positions, num_new, max_lengths, block, context_start, block_lens)
+        return
+    n = block.shape[0]
+    if n == 0:
+        return
+    block_n = min(1024, max(16, next_pow2(n)))
+    _draft_round_setup_kernel[(triton.cdiv(n, block_n),)](
+        anchor_ptr=anchor, pos_ptr=positions, new_ptr=num_new, maxl_ptr=max_lengths, block_ptr=block,
+        start_ptr=context_start, lens_ptr=block_lens, N=n, B=block.shape[1], stride_block=block.stride(0),
+        BLOCK_N=block_n)
+
+
+@_draft_round_setup_op.register_fake
+def _draft_round_setup_fake(anchor, positions, num_new, max_lengths, block, context_start, block_lens, backend):
+    return None

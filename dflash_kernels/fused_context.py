@@ -10,7 +10,7 @@ import triton.language as tl
 
 from dflash_kernels._dispatch import resolve_backend
 from dflash_kernels._triton_utils import (
-    FLOAT_DTYPES, check_tensor, interpreting, next_pow2, rms_norm_reference,
+    FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, rms_norm_reference,
 )
 
 OP = "fused_context"
@@ -39,7 +39,7 @@ def _split_taps(taps: Taps, fc_weight: torch.Tensor) -> list[torch.Tensor]:
     return list(taps)
 
 
-def _validate(taps: list[torch.Tensor], fc_weight, norm_weight, eps):
+def _validate(taps: list[torch.Tensor], fc_weight, norm_weight, eps, out):
     for i, t in enumerate(taps):
         check_tensor(OP, f"taps[{i}]", t, ndim=2, dtypes=FLOAT_DTYPES, device=taps[0].device)
         if t.shape != taps[0].shape:
@@ -58,6 +58,11 @@ def _validate(taps: list[torch.Tensor], fc_weight, norm_weight, eps):
         raise ValueError(f"{OP}: norm_weight must be [H] = [{h}], got {tuple(norm_weight.shape)}")
     if not isinstance(eps, (float, int)) or eps < 0:
         raise ValueError(f"{OP}: eps must be a non-negative float, got {eps!r}")
+    if out is not None:
+        check_tensor(OP, "out", out, ndim=2, dtypes=(taps[0].dtype,), device=dev)
+        if tuple(out.shape) != (n, h):
+            raise ValueError(f"{OP}: out must be [N, H] = [{n}, {h}], got {tuple(out.shape)}")
+        check_last_dim_contiguous(OP, "out", out)
 
 
 def fused_context_reference(taps: Taps, fc_weight: torch.Tensor, norm_weight: torch.Tensor,
@@ -187,12 +192,11 @@ def _sm_count(dev: torch.device) -> int:
     return _sm_count_index(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
-def _fused_context_triton(taps: list[torch.Tensor], fc_weight, norm_weight, eps, split_k=None) -> torch.Tensor:
+def _fused_context_triton(taps: list[torch.Tensor], fc_weight, norm_weight, eps, out, split_k=None) -> None:
     n, h = taps[0].shape
     dev = taps[0].device
-    out = torch.empty((n, h), dtype=taps[0].dtype, device=dev)
     if n == 0:
-        return out
+        return
     taps = [t if t.stride(-1) == 1 or h == 1 else t.contiguous() for t in taps]
     tap_stride = _uniform_tap_stride(taps)
     if tap_stride is None and len(taps) > MAX_SEPARATE_TAPS:
@@ -240,11 +244,10 @@ def _fused_context_triton(taps: list[torch.Tensor], fc_weight, norm_weight, eps,
         _rmsnorm_rows_kernel[(n,)](out_ptr=out, x_ptr=ws, w_ptr=norm_weight, N=n, H=h, SPLITS=split_k,
                                    stride_x=ws.stride(1), stride_out=out.stride(0), eps=float(eps),
                                    BLOCK_H=min(next_pow2(h), 4096))
-    return out
 
 
 def fused_context(taps: Taps, fc_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-6, *,
-                  backend: str = "auto") -> torch.Tensor:
+                  out: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """Project the target's tapped hidden states to the draft width and RMS-normalise them.
 
     out = RMSNorm(concat(taps, -1) @ fc_weight.T) * norm_weight, RMS statistics in fp32.
@@ -259,28 +262,34 @@ def fused_context(taps: Taps, fc_weight: torch.Tensor, norm_weight: torch.Tensor
         fc_weight: ``[H, T*H]``, the draft's ``fc.weight`` (nn.Linear layout, no bias); any float dtype.
         norm_weight: ``[H]``, the draft's ``hidden_norm.weight``.
         eps: RMSNorm epsilon (``rms_norm_eps`` of the draft config).
+        out: None, or an ``[N, H]`` tensor in the taps' dtype (last dim contiguous, rows may be strided) to
+            write the result into, e.g. rows of a buffer that a following GEMM reads together with other rows.
         backend: ``"auto" | "triton" | "torch"``.
 
     Returns:
-        A new ``[N, H]`` tensor in the taps' dtype.
+        ``out``, or a new ``[N, H]`` tensor in the taps' dtype.
     """
     taps_list = _split_taps(taps, fc_weight)
-    _validate(taps_list, fc_weight, norm_weight, eps)
+    _validate(taps_list, fc_weight, norm_weight, eps, out)
     chosen = resolve_backend(OP, backend, taps_list[0].device, available=_BACKENDS)
-    return torch.ops.dflash.fused_context(taps_list, fc_weight, norm_weight, float(eps), chosen)
+    if out is None:
+        out = taps_list[0].new_empty((taps_list[0].shape[0], fc_weight.shape[0]))
+    torch.ops.dflash.fused_context(taps_list, fc_weight, norm_weight, float(eps), out, chosen)
+    return out
 
 
-@torch.library.custom_op("dflash::fused_context", mutates_args=())
+@torch.library.custom_op("dflash::fused_context", mutates_args=("out",))
 def _fused_context_op(taps: list[torch.Tensor], fc_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                      backend: str) -> torch.Tensor:
-    """``torch.ops.dflash.fused_context``: :func:`fused_context` after validation; ``taps`` is the list of T
-    ``[N, H]`` views the public function makes of any accepted layout."""
+                      out: torch.Tensor, backend: str) -> None:
+    """``torch.ops.dflash.fused_context``: :func:`fused_context` after validation (writes out); ``taps`` is the
+    list of T ``[N, H]`` views the public function makes of any accepted layout."""
     chosen = resolve_backend(OP, backend, taps[0].device, available=_BACKENDS)
     if chosen == "torch":
-        return fused_context_reference(taps, fc_weight, norm_weight, eps)
-    return _fused_context_triton(taps, fc_weight, norm_weight, eps)
+        out.copy_(fused_context_reference(taps, fc_weight, norm_weight, eps))
+        return
+    _fused_context_triton(taps, fc_weight, norm_weight, eps, out)
 
 
 @_fused_context_op.register_fake
-def _fused_context_fake(taps, fc_weight, norm_weight, eps, backend):
-    return taps[0].new_empty((taps[0].shape[0], fc_weight.shape[0]))
+def _fused_context_fake(taps, fc_weight, norm_weight, eps, out, backend):
+    return None

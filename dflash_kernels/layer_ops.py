@@ -76,11 +76,10 @@ def _add_rms_norm_kernel(out_ptr, x_ptr, res_ptr, w_ptr, H, stride_x, eps,
     tl.store(out_ptr + row * H + offs, _round_to(y, dtype).to(dtype), mask=m)
 
 
-def _add_rms_norm_triton(x, weight, eps, residual) -> torch.Tensor:
+def _add_rms_norm_triton(x, weight, eps, residual, out) -> None:
     h = x.shape[-1]
-    out = x.new_empty(x.shape)
     if out.numel() == 0:
-        return out
+        return
     x2 = x.reshape(-1, h)
     block_h = next_pow2(h)
     _add_rms_norm_kernel[(x2.shape[0],)](
@@ -88,10 +87,9 @@ def _add_rms_norm_triton(x, weight, eps, residual) -> torch.Tensor:
         stride_x=x2.stride(0), eps=float(eps), HAS_RESIDUAL=residual is not None, BLOCK_H=block_h,
         num_warps=1 if interpreting() else min(16, max(1, block_h // 512)),
     )
-    return out
 
 
-def _validate_add_rms_norm(x, weight, eps, residual):
+def _validate_add_rms_norm(x, weight, eps, residual, out):
     op = ADD_RMS_NORM
     check_tensor(op, "x", x, dtypes=FLOAT_DTYPES)
     if x.dim() < 1:
@@ -109,12 +107,18 @@ def _validate_add_rms_norm(x, weight, eps, residual):
         if not residual.is_contiguous():
             raise ValueError(f"{op}: residual is updated in place and must be contiguous; keep the residual "
                              "stream in a contiguous tensor")
+    if out is not None:
+        check_tensor(op, "out", out, dtypes=(x.dtype,), device=x.device)
+        if out.shape != x.shape or not out.is_contiguous():
+            raise ValueError(f"{op}: out must be a contiguous tensor of x's shape {tuple(x.shape)}, got "
+                             f"{tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}")
     if not isinstance(eps, (float, int)) or eps < 0:
         raise ValueError(f"{op}: eps must be a non-negative float, got {eps!r}")
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
-                 residual: Optional[torch.Tensor] = None, backend: str = "auto") -> torch.Tensor:
+                 residual: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                 backend: str = "auto") -> torch.Tensor:
     """Residual add and RMSNorm of a decoder layer (HF ``hidden = residual + hidden; norm(hidden)``).
 
     Args:
@@ -124,31 +128,36 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
         eps: RMSNorm epsilon.
         residual: None, or the contiguous residual stream (x's shape and dtype); it is updated in place
             to ``residual + x`` rounded to the dtype, and that sum is what gets normalised.
+        out: None, or a contiguous tensor of x's shape and dtype to write the result into (e.g. rows of a
+            buffer that a following GEMM reads together with other rows).
         backend: ``"auto" | "triton" | "torch"``.
 
     Returns:
-        A new tensor of x's shape and dtype: ``RMSNorm(residual + x or x) * weight`` with fp32 statistics,
-        the normalised value rounded to the dtype before the weight multiply (HF order). One launch.
+        ``out``, or a new contiguous tensor of x's shape and dtype: ``RMSNorm(residual + x or x) * weight`` with
+        fp32 statistics, the normalised value rounded to the dtype before the weight multiply (HF order). One launch.
     """
-    _validate_add_rms_norm(x, weight, eps, residual)
+    _validate_add_rms_norm(x, weight, eps, residual, out)
     chosen = resolve_backend(ADD_RMS_NORM, backend, x.device, available=_BACKENDS)
-    return torch.ops.dflash.add_rms_norm(x, weight, float(eps), residual, chosen)
+    if out is None:
+        out = x.new_empty(x.shape)
+    torch.ops.dflash.add_rms_norm(x, weight, float(eps), residual, out, chosen)
+    return out
 
 
-@torch.library.custom_op("dflash::add_rms_norm", mutates_args=("residual",))
+@torch.library.custom_op("dflash::add_rms_norm", mutates_args=("residual", "out"))
 def _add_rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor],
-                     backend: str) -> torch.Tensor:
-    """``torch.ops.dflash.add_rms_norm``: :func:`add_rms_norm` after validation (writes residual)."""
+                     out: torch.Tensor, backend: str) -> None:
+    """``torch.ops.dflash.add_rms_norm``: :func:`add_rms_norm` after validation (writes residual and out)."""
     chosen = resolve_backend(ADD_RMS_NORM, backend, x.device, available=_BACKENDS)
     if chosen == "torch":
-        # contiguous(): the fake's layout, whatever the row strides of x.
-        return add_rms_norm_reference(x, weight, eps, residual=residual).contiguous()
-    return _add_rms_norm_triton(x, weight, eps, residual)
+        out.copy_(add_rms_norm_reference(x, weight, eps, residual=residual))
+        return
+    _add_rms_norm_triton(x, weight, eps, residual, out)
 
 
 @_add_rms_norm_op.register_fake
-def _add_rms_norm_fake(x, weight, eps, residual, backend):
-    return x.new_empty(x.shape)
+def _add_rms_norm_fake(x, weight, eps, residual, out, backend):
+    return None
 
 
 # -------------------------------------------------------------------------------------------------- silu_mul

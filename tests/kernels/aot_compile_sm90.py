@@ -25,6 +25,7 @@ from triton.compiler import ASTSource  # noqa: E402
 import importlib  # noqa: E402
 
 # The package re-exports functions under the module names, so import the modules explicitly.
+cm = importlib.import_module("dflash_kernels.commit")
 da = importlib.import_module("dflash_kernels.draft_attention")
 fc = importlib.import_module("dflash_kernels.fused_context")
 ik = importlib.import_module("dflash_kernels.inject_context_kv")
@@ -196,10 +197,9 @@ def configs():
             dict(SLIDING=sliding, MIN_CHUNK=da.MIN_CHUNK, BLOCK_ROWS=16, BLOCK_D=d),
             ints=dict(ROWS=b * nh, D=d, stride_on=b * nh * d, stride_or=d))
     add("inject_context_kv", ik._inject_kernel,
-        dict(ctx_ptr=bf, kw_ptr=bf, vw_ptr=bf, knw_ptr=bf, pos_ptr="*i64", cu_ptr="*i64", lens_ptr="*i64",
-             table_ptr="*i32", inv_freq_ptr=f32, kc_ptr=bf, vc_ptr=bf, attention_scaling="fp32", eps="fp32",
-             stride_kcl="i64", stride_vcl="i64", stride_kcp="i64", stride_vcp="i64"),
-        dict(HAS_TABLE=True, DOT_PREC="tf32", BLOCK_M=16, BLOCK_K=64, BLOCK_HALF=64, BLOCK_REQ=1))
+        dict(k_ptr=bf, v_ptr=bf, knw_ptr=bf, cu_ptr="*i64", lens_ptr="*i64", table_ptr="*i32", inv_freq_ptr=f32,
+             kc_ptr=bf, vc_ptr=bf, attention_scaling="fp32", eps="fp32", stride_kcp="i64", stride_vcp="i64"),
+        dict(HAS_TABLE=True, BLOCK_M=16, BLOCK_HALF=64, BLOCK_REQ=1))
     for res in (False, True):
         add(f"add_rms_norm residual={res}", lo._add_rms_norm_kernel,
             dict(out_ptr=bf, x_ptr=bf, res_ptr=bf, w_ptr=bf, eps="fp32", stride_x="i64"),
@@ -207,6 +207,10 @@ def configs():
     add("add_rms_norm fp32", lo._add_rms_norm_kernel,
         dict(out_ptr=f32, x_ptr=f32, res_ptr=f32, w_ptr=f32, eps="fp32", stride_x="i64"),
         dict(HAS_RESIDUAL=True, BLOCK_H=1024), num_warps=2)
+    add("draft_round_setup", cm._draft_round_setup_kernel,
+        {name: "*i64"
+         for name in ("anchor_ptr", "pos_ptr", "new_ptr", "maxl_ptr", "block_ptr", "start_ptr", "lens_ptr")},
+        dict(BLOCK_N=16))
     add("silu_mul", lo._silu_mul_kernel, dict(out_ptr=bf, gu_ptr=bf, stride_gu="i64"), dict(BLOCK_I=1024))
 
     # Draft trees at budget 64 (T = 65) over a full Qwen3 draft vocabulary (151,936 ids: 75 splits of 2048).

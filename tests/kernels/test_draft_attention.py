@@ -283,9 +283,10 @@ def test_inject_then_attend_matches_one_shot_reference(backend):
     done = [0] * n
     for new in rounds:
         rows = torch.cat([ctx_all[i][done[i]:done[i] + new[i]] for i in range(n)])
-        pos = torch.cat([torch.arange(done[i], done[i] + new[i]) for i in range(n)])
         cu = torch.tensor([0] + new).cumsum(0)
-        inject_context_kv(rows, kw, vw, knw, pos, cu, lens, kc, vc, inv_freq=inv, block_table=table, backend=backend)
+        for layer in range(layers):
+            inject_context_kv((rows @ kw[layer].T).view(-1, kvh, d), (rows @ vw[layer].T).view(-1, kvh, d), knw[layer],
+                              cu, lens, kc[layer], vc[layer], inv_freq=inv, block_table=table, backend=backend)
         lens += torch.tensor(new)
         done = [done[i] + new[i] for i in range(n)]
     q = torch.randn(layers, n, b, nh, d)

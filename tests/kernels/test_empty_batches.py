@@ -29,9 +29,8 @@ def test_attention_and_inject_empty(backend):
     out = verify_attention(torch.randn(0, 3, 2, d), torch.randn(0, 3, 1, d), torch.randn(0, 3, 1, d), kc, vc,
                            torch.zeros(0, dtype=torch.int64), inv_freq=inv, backend=backend)
     assert out.shape == (0, 3, 2, d) and torch.isnan(kc).all() and torch.isnan(vc).all()
-    kc = torch.full((2, 2, 5, 1, d), float("nan"))
+    kc = torch.full((2, 5, 1, d), float("nan"))
     vc = kc.clone()
-    inject_context_kv(torch.randn(0, 12), torch.randn(2, d, 12), torch.randn(2, d, 12), torch.randn(2, d),
-                      torch.zeros(0, dtype=torch.int64), torch.zeros(3, dtype=torch.int64),
+    inject_context_kv(torch.randn(0, 1, d), torch.randn(0, 1, d), torch.randn(d), torch.zeros(3, dtype=torch.int64),
                       torch.zeros(2, dtype=torch.int64), kc, vc, inv_freq=inv, backend=backend)
     assert torch.isnan(kc).all() and torch.isnan(vc).all()

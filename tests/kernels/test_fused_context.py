@@ -83,6 +83,10 @@ def test_bad_inputs():
         fused_context(torch.randn(4, 15), w, nw)
     with pytest.raises(ValueError, match="backend"):
         fused_context(taps, w, nw, backend="cuda")
+    with pytest.raises(ValueError, match="out must be \\[N, H\\]"):
+        fused_context(taps, w, nw, out=torch.empty(3, 8))
+    with pytest.raises(TypeError, match="out has dtype"):
+        fused_context(taps, w, nw, out=torch.empty(4, 8, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("split_k", [1, 2, 3, 7])
@@ -90,4 +94,20 @@ def test_split_k_partials_sum_to_the_same_result(split_k):
     from dflash_kernels.fused_context import _fused_context_triton
 
     taps, w, nw = _inputs(5, 37, 3, torch.bfloat16)
-    _check(_fused_context_triton(taps, w, nw, 1e-6, split_k=split_k), taps, w, nw)
+    out = torch.full((5, 37), float("nan"), dtype=torch.bfloat16)
+    _fused_context_triton(taps, w, nw, 1e-6, out, split_k=split_k)
+    _check(out, taps, w, nw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("h", [12, 301])  # the norm fused into the GEMM, and the two-pass norm
+def test_out_rows_of_a_buffer(backend, h):
+    """out=: the rows land in the given (row-strided) view and nowhere else."""
+    taps, w, nw = _inputs(3, h, 2, torch.bfloat16)
+    buffer = torch.full((8, h + 5), float("nan"), dtype=torch.bfloat16)
+    out = buffer[4:7, 2:2 + h]
+    assert fused_context(taps, w, nw, out=out, backend=backend) is out
+    _check(out, taps, w, nw)
+    untouched = torch.ones_like(buffer, dtype=torch.bool)
+    untouched[4:7, 2:2 + h] = False
+    assert torch.isnan(buffer[untouched]).all()

@@ -12,26 +12,26 @@ def _inv_freq(d, theta=10000.0):
     return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
 
 
-def _case(layers, h, kvh, d, new_rows, cached, dtype):
+def _case(q_cols, kvh, d, new_rows, cached, dtype):
+    """k, v as column views of one [M, q_cols + 2*kvH*D] merged projection (strided rows, as the engine passes them)."""
     m = sum(new_rows)
-    ctx = torch.randn(m, h).to(dtype)
-    kw = (torch.randn(layers, kvh * d, h) / h ** 0.5).to(dtype)
-    vw = (torch.randn(layers, kvh * d, h) / h ** 0.5).to(dtype)
-    knw = (1 + 0.3 * torch.randn(layers, d)).to(dtype)
+    qkv = torch.randn(m, q_cols + 2 * kvh * d).to(dtype)
+    k = qkv[:, q_cols:q_cols + kvh * d].view(m, kvh, d)
+    v = qkv[:, q_cols + kvh * d:].view(m, kvh, d)
+    knw = (1 + 0.3 * torch.randn(d)).to(dtype)
     cu = torch.tensor([0] + new_rows).cumsum(0)
     lens = torch.tensor(cached, dtype=torch.int64)
-    pos = torch.cat([torch.arange(c, c + r) for c, r in zip(cached, new_rows)] + [torch.zeros(0, dtype=torch.int64)])
     capacity = max(c + r for c, r in zip(cached, new_rows)) + 3
-    return ctx, kw, vw, knw, pos, cu, lens, capacity
+    return k, v, knw, cu, lens, capacity
 
 
 def _references(args, capacity, n, shape_tail, **kw):
-    ctx, kw_, vw, knw, pos, cu, lens = args
+    k, v, knw, cu, lens = args
     outs = []
-    for dt in (torch.float64, ctx.dtype):
-        kc = torch.full((kw_.shape[0], n, capacity) + shape_tail, float("nan"), dtype=dt)
+    for dt in (torch.float64, k.dtype):
+        kc = torch.full((n, capacity) + shape_tail, float("nan"), dtype=dt)
         vc = kc.clone()
-        inject_context_kv_reference(ctx.to(dt), kw_.to(dt), vw.to(dt), knw.to(dt), pos, cu, lens, kc, vc, **kw)
+        inject_context_kv_reference(k.to(dt), v.to(dt), knw.to(dt), cu, lens, kc, vc, **kw)
         outs.append((kc, vc))
     return outs
 
@@ -46,31 +46,31 @@ def _check(kc, vc, refs):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("layers,h,kvh,d,new_rows,cached", [
-    (2, 37, 2, 24, [5, 0, 17], [0, 3, 1]),
-    (3, 64, 1, 16, [1, 300], [17, 0]),
-    (1, 33, 3, 8, [7, 1, 2, 16, 3], [300, 0, 1, 17, 2]),
+@pytest.mark.parametrize("q_cols,kvh,d,new_rows,cached", [
+    (5, 2, 24, [5, 0, 17], [0, 3, 1]),
+    (0, 1, 16, [1, 40], [17, 0]),
+    (9, 3, 8, [7, 1, 2, 16, 3], [300, 0, 1, 17, 2]),
 ])
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
-def test_matches_reference(backend, dtype, layers, h, kvh, d, new_rows, cached, layout):
-    ctx, kw, vw, knw, pos, cu, lens, cap = _case(layers, h, kvh, d, new_rows, cached, dtype)
+def test_matches_reference(backend, dtype, q_cols, kvh, d, new_rows, cached, layout):
+    k, v, knw, cu, lens, cap = _case(q_cols, kvh, d, new_rows, cached, dtype)
     n = len(new_rows)
     rope = dict(inv_freq=_inv_freq(d), attention_scaling=0.9, eps=1e-6)
     if layout == "contiguous":
-        kc = torch.full((layers, n, cap, kvh, d), float("nan"), dtype=dtype)
+        kc = torch.full((n, cap, kvh, d), float("nan"), dtype=dtype)
         vc = kc.clone()
-        inject_context_kv(ctx, kw, vw, knw, pos, cu, lens, kc, vc, backend=backend, **rope)
+        inject_context_kv(k, v, knw, cu, lens, kc, vc, backend=backend, **rope)
     else:
         table, num_pages = random_block_table(n, cap, 4)
-        kp = torch.full((layers, num_pages, 4, kvh, d), float("nan"), dtype=dtype)
+        kp = torch.full((num_pages, 4, kvh, d), float("nan"), dtype=dtype)
         vp = kp.clone()
-        inject_context_kv(ctx, kw, vw, knw, pos, cu, lens, kp, vp, block_table=table, backend=backend, **rope)
+        inject_context_kv(k, v, knw, cu, lens, kp, vp, block_table=table, backend=backend, **rope)
         kc, vc = paged_view(kp, table, cap), paged_view(vp, table, cap)
-    _check(kc, vc, _references((ctx, kw, vw, knw, pos, cu, lens), cap, n, (kvh, d), **rope))
+    _check(kc, vc, _references((k, v, knw, cu, lens), cap, n, (kvh, d), **rope))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_cache_batch_idx_and_positions_from_rope_init(backend):
+def test_cache_batch_idx_and_rope_init(backend):
     # inv_freq/attention_scaling as transformers builds them for a yarn config.
     from transformers import Qwen3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -82,47 +82,47 @@ def test_cache_batch_idx_and_positions_from_rope_init(backend):
                                        "original_max_position_embeddings": 1024})
     inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](cfg, torch.get_default_device())
     assert scaling != 1.0
-    ctx, kw, vw, knw, pos, cu, lens, cap = _case(2, 32, 1, d, [3, 4], [2, 0], torch.float32)
+    k, v, knw, cu, lens, cap = _case(3, 1, d, [3, 4], [2, 0], torch.float32)
     idx = torch.tensor([2, 0])
-    kc = torch.full((2, 3, cap, 1, d), float("nan"))
+    kc = torch.full((3, cap, 1, d), float("nan"))
     vc = kc.clone()
     rope = dict(inv_freq=inv_freq, attention_scaling=scaling)
-    inject_context_kv(ctx, kw, vw, knw, pos, cu, lens, kc, vc, cache_batch_idx=idx, backend=backend, **rope)
-    assert torch.isnan(kc[:, 1]).all()
-    refs = _references((ctx, kw, vw, knw, pos, cu, lens), cap, 2, (1, d), **rope)
-    _check(kc[:, idx], vc[:, idx], refs)
+    inject_context_kv(k, v, knw, cu, lens, kc, vc, cache_batch_idx=idx, backend=backend, **rope)
+    assert torch.isnan(kc[1]).all()
+    refs = _references((k, v, knw, cu, lens), cap, 2, (1, d), **rope)
+    _check(kc[idx], vc[idx], refs)
 
 
 def test_bad_inputs():
-    ctx, kw, vw, knw, pos, cu, lens, cap = _case(2, 16, 1, 8, [2, 3], [0, 1], torch.float32)
-    kc = torch.zeros(2, 2, cap, 1, 8)
+    k, v, knw, cu, lens, cap = _case(0, 1, 8, [2, 3], [0, 1], torch.float32)
+    kc = torch.zeros(2, cap, 1, 8)
     vc = kc.clone()
     rope = dict(inv_freq=_inv_freq(8))
-    with pytest.raises(ValueError, match="positions"):
-        inject_context_kv(ctx, kw, vw, knw, pos[:-1], cu, lens, kc, vc, **rope)
     with pytest.raises(ValueError, match="cache_lens"):
-        inject_context_kv(ctx, kw, vw, knw, pos, cu, lens[:1], kc, vc, **rope)
-    with pytest.raises(ValueError, match="k_weight"):
-        inject_context_kv(ctx, kw[:, :, :5], vw, knw, pos, cu, lens, kc, vc, **rope)
+        inject_context_kv(k, v, knw, cu, lens[:1], kc, vc, **rope)
+    with pytest.raises(ValueError, match="v must have k's shape"):
+        inject_context_kv(k, v[:-1], knw, cu, lens, kc, vc, **rope)
+    with pytest.raises(TypeError, match="v has dtype"):
+        inject_context_kv(k, v.double(), knw, cu, lens, kc, vc, **rope)
     with pytest.raises(ValueError, match="k_norm_weight"):
-        inject_context_kv(ctx, kw, vw, knw[:, :4], pos, cu, lens, kc, vc, **rope)
+        inject_context_kv(k, v, knw[:4], cu, lens, kc, vc, **rope)
     with pytest.raises(ValueError, match="inv_freq"):
-        inject_context_kv(ctx, kw, vw, knw, pos, cu, lens, kc, vc, inv_freq=_inv_freq(16))
+        inject_context_kv(k, v, knw, cu, lens, kc, vc, inv_freq=_inv_freq(16))
     with pytest.raises(ValueError, match="k_cache"):
-        inject_context_kv(ctx, kw, vw, knw, pos, cu, lens, kc[0], vc[0], **rope)
+        inject_context_kv(k, v, knw, cu, lens, kc[None], vc[None], **rope)
     with pytest.raises(ValueError, match="v_cache"):
-        inject_context_kv(ctx, kw, vw, knw, pos, cu, lens, kc, vc[:, :1], **rope)
+        inject_context_kv(k, v, knw, cu, lens, kc, vc[:1], **rope)
     with pytest.raises(ValueError, match="block_table"):
-        inject_context_kv(ctx, kw, vw, knw, pos, cu, lens, kc, vc, block_table=torch.zeros(3, 2, dtype=torch.int32),
-                          **rope)
+        inject_context_kv(k, v, knw, cu, lens, kc, vc, block_table=torch.zeros(3, 2, dtype=torch.int32), **rope)
 
 
-def test_rows_past_capacity_are_dropped_not_wrapped():
-    ctx, kw, vw, knw, pos, cu, lens, cap = _case(1, 16, 1, 8, [6], [0], torch.float32)
-    kc = torch.full((1, 1, 4, 1, 8), float("nan"))        # capacity 4 < 6 new rows
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_past_capacity_are_dropped_not_wrapped(backend):
+    k, v, knw, cu, lens, cap = _case(0, 1, 8, [6], [0], torch.float32)
+    kc = torch.full((1, 4, 1, 8), float("nan"))        # capacity 4 < 6 new rows
     vc = kc.clone()
-    inject_context_kv(ctx, kw, vw, knw, pos, cu, lens, kc, vc, inv_freq=_inv_freq(8), backend="triton")
-    full_k = torch.full((1, 1, 6, 1, 8), float("nan"))
+    inject_context_kv(k, v, knw, cu, lens, kc, vc, inv_freq=_inv_freq(8), backend=backend)
+    full_k = torch.full((1, 6, 1, 8), float("nan"))
     full_v = full_k.clone()
-    inject_context_kv(ctx, kw, vw, knw, pos, cu, lens, full_k, full_v, inv_freq=_inv_freq(8), backend="triton")
-    assert torch.equal(kc, full_k[:, :, :4]) and torch.equal(vc, full_v[:, :, :4])
+    inject_context_kv(k, v, knw, cu, lens, full_k, full_v, inv_freq=_inv_freq(8), backend=backend)
+    assert torch.equal(kc, full_k[:, :4]) and torch.equal(vc, full_v[:, :4])

@@ -103,6 +103,17 @@ def test_bf16_triton_equals_torch(with_residual):
         assert (steps > 0).float().mean() <= 1e-3, "the kernel does not round where the reference rounds"
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_add_rms_norm_into_rows_of_a_buffer(backend):
+    """out=: the result lands in the given rows (the engine stacks them over other rows for one GEMM)."""
+    x, res, w = _norm_inputs((2, 3, 40), torch.bfloat16)
+    expected = _check_norm(x, w, res.clone(), backend)
+    buffer = torch.full((10, 40), float("nan"), dtype=torch.bfloat16)
+    out = buffer[:6].view(2, 3, 40)
+    assert add_rms_norm(x, w, residual=res, out=out, backend=backend) is out
+    assert torch.equal(out, expected) and torch.isnan(buffer[6:]).all()
+
+
 def test_fp16():
     x, res, w = _norm_inputs((4, 3, 40), torch.float16)
     _check_norm(x, w, res, "triton")
@@ -131,6 +142,10 @@ def test_bad_inputs():
         add_rms_norm(x, w, -1.0)
     with pytest.raises(ValueError, match="backend"):
         add_rms_norm(x, w, backend="ext")
+    with pytest.raises(ValueError, match="out must be a contiguous tensor of x's shape"):
+        add_rms_norm(x, w, residual=res, out=torch.empty(8, 4).t())
+    with pytest.raises(TypeError, match="out has dtype"):
+        add_rms_norm(x, w, residual=res, out=torch.empty(4, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match="2I"):
         silu_mul(torch.randn(4, 7))
     with pytest.raises(ValueError, match="gate_up must be contiguous in its last dim"):
@@ -153,6 +168,7 @@ def test_wrong_device():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_opcheck(backend):
     x, res, w = _norm_inputs((2, 3, 20), torch.bfloat16)
-    torch.library.opcheck(torch.ops.dflash.add_rms_norm.default, (x, w, 1e-6, res, backend))
-    torch.library.opcheck(torch.ops.dflash.add_rms_norm.default, (x, w.float(), 1e-5, None, backend))
+    torch.library.opcheck(torch.ops.dflash.add_rms_norm.default, (x, w, 1e-6, res, torch.empty_like(x), backend))
+    torch.library.opcheck(torch.ops.dflash.add_rms_norm.default, (x, w.float(), 1e-5, None, torch.empty_like(x),
+                                                                  backend))
     torch.library.opcheck(torch.ops.dflash.silu_mul.default, (torch.randn(2, 3, 40), backend))

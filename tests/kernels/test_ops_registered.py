@@ -12,10 +12,10 @@ import dflash_kernels
 from dflash_kernels import _ext
 
 OPS = ("fused_context", "inject_context_kv", "draft_attention", "verify_greedy", "verify_sample", "commit_round",
-       "verify_attention", "add_rms_norm", "silu_mul", "build_tree", "tree_ancestor_mask", "tree_accept_greedy",
-       "tree_accept_sample", "tree_compact")  # every registered op
+       "verify_attention", "add_rms_norm", "silu_mul", "draft_round_setup", "build_tree", "tree_ancestor_mask",
+       "tree_accept_greedy", "tree_accept_sample", "tree_compact")  # every registered op
 # The order _round calls them in (verify_attention twice: the chain, then a draft tree).
-CALLS = OPS[:9] + ("build_tree", "tree_ancestor_mask", "verify_attention") + OPS[11:]
+CALLS = OPS[:10] + ("build_tree", "tree_ancestor_mask", "verify_attention") + OPS[12:]
 EXT_OK = _ext.status("cpu")[0]
 
 
@@ -45,8 +45,7 @@ def _state(device=None):
     m = sum(ctx_lens)
     s = dict(
         taps=[torch.randn(m, h) for _ in range(2)], fc_weight=torch.randn(h, 2 * h) / 6, norm_weight=torch.rand(h) + 0.5,
-        k_weight=torch.randn(layers, kvh * d, h) / 4, v_weight=torch.randn(layers, kvh * d, h) / 4,
-        k_norm_weight=torch.rand(layers, d) + 0.5, positions=torch.tensor([3, 4, 5]),
+        ctx_k=torch.randn(m, kvh, d), ctx_v=torch.randn(m, kvh, d), k_norm_weight=torch.rand(layers, d) + 0.5,
         cu=torch.tensor([0, 2, 3]), cache_lens=torch.tensor([3, 5]),
         k_cache=torch.randn(layers, n, cap, kvh, d), v_cache=torch.randn(layers, n, cap, kvh, d),
         inv_freq=1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)),
@@ -77,8 +76,8 @@ def _round(s, backend):
     """One call of each public op, in engine order. Returns the new outputs (the caches and the commit
     state are updated in place)."""
     ctx = dflash_kernels.fused_context(s["taps"], s["fc_weight"], s["norm_weight"], 1e-6, backend=backend)
-    dflash_kernels.inject_context_kv(ctx, s["k_weight"], s["v_weight"], s["k_norm_weight"], s["positions"], s["cu"],
-                                     s["cache_lens"], s["k_cache"], s["v_cache"], inv_freq=s["inv_freq"],
+    dflash_kernels.inject_context_kv(s["ctx_k"], s["ctx_v"], s["k_norm_weight"][0], s["cu"], s["cache_lens"],
+                                     s["k_cache"][0], s["v_cache"][0], inv_freq=s["inv_freq"],
                                      attention_scaling=1.1, backend=backend)
     att = dflash_kernels.draft_attention(s["q"], s["k"], s["v"], s["k_cache"][0], s["v_cache"][0], s["cache_lens"],
                                          s["q_norm_weight"], s["k_norm_weight"][0], inv_freq=s["inv_freq"],
@@ -95,6 +94,9 @@ def _round(s, backend):
                                              s["cache_lens"], inv_freq=s["inv_freq"], scale=0.3, backend=backend)
     normed = dflash_kernels.add_rms_norm(ctx, s["norm_weight"], residual=s["residual"], backend=backend)
     act = dflash_kernels.silu_mul(s["gate_up"], backend=backend)
+    setup = (torch.full((2, 3), -1), torch.full((2,), -1), torch.full((2,), -1))
+    dflash_kernels.draft_round_setup(s["anchor"], s["pos"], num_new, s["max_lengths"], block=setup[0],
+                                     context_start=setup[1], block_lens=setup[2], backend=backend)
     tokens, parents, depths = dflash_kernels.build_tree(s["draft_logits"], s["anchor"], 4, vocab_ids=s["vocab_ids"],
                                                         backend=backend)
     mask = dflash_kernels.tree_ancestor_mask(parents, backend=backend)
@@ -108,8 +110,8 @@ def _round(s, backend):
                                                               top_p=s["top_p"], seed=s["seed"], offset=s["offset"],
                                                               backend=backend)
     dflash_kernels.tree_compact(s["tree_k_cache"], s["tree_v_cache"], path, tacc, s["cache_lens"], backend=backend)
-    return (ctx, att, target, acc, bonus, sacc, stok, num_new, normed, act, tokens, parents, depths, mask, tree_att,
-            path, tacc, tbonus, spath, sacc_t, sbonus)
+    return (ctx, att, target, acc, bonus, sacc, stok, num_new, normed, act, *setup, tokens, parents, depths, mask,
+            tree_att, path, tacc, tbonus, spath, sacc_t, sbonus)
 
 
 MUTATED = ("k_cache", "v_cache", "target_k_cache", "target_v_cache", "out_tokens", "lengths", "pos", "anchor", "done",
@@ -152,11 +154,13 @@ def test_schemas_and_mutations():
     schemas = {name: getattr(torch.ops.dflash, name).default._schema for name in OPS}
     mutated = {name: sorted(a.name for a in s.arguments if a.alias_info is not None and a.alias_info.is_write)
                for name, s in schemas.items()}
-    assert mutated == {"fused_context": [], "inject_context_kv": ["k_cache", "v_cache"], "draft_attention": [],
+    assert mutated == {"fused_context": ["out"], "inject_context_kv": ["k_cache", "v_cache"], "draft_attention": [],
                        "verify_attention": ["k_cache", "v_cache"], "verify_greedy": [], "verify_sample": [],
                        "commit_round": ["anchor", "done", "lengths", "out_tokens", "positions"],
-                       "add_rms_norm": ["residual"], "silu_mul": [], "build_tree": [], "tree_ancestor_mask": [],
-                       "tree_accept_greedy": [], "tree_accept_sample": [], "tree_compact": ["k_cache", "v_cache"]}
+                       "add_rms_norm": ["out", "residual"], "silu_mul": [],
+                       "draft_round_setup": ["block", "block_lens", "context_start"], "build_tree": [],
+                       "tree_ancestor_mask": [], "tree_accept_greedy": [], "tree_accept_sample": [],
+                       "tree_compact": ["k_cache", "v_cache"]}
     args = {a.name: str(a.type) for a in schemas["draft_attention"].arguments}
     assert args["block_lens"] == "Optional[Tensor]" and args["backend"] == "str"
     assert args["q_norm_weight"] == args["k_norm_weight"] == "Optional[Tensor]"

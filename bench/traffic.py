@@ -420,9 +420,9 @@ def check_args(args) -> None:
         raise SystemExit(f"--context {too_long}: exceeds --capacity {capacity[0]}")
 
 
-COLUMNS = ["model", "batch", "context", "tree_budget", "step", "launches", "launches_per_layer", "launches_outside_layers",
-           "bytes_GB", "floor_GB", "ratio", "GFLOP", "predicted_ms_h200", "floor_ms_h200", "goal_ratio",
-           "goal_per_layer", "goal_outside"]
+COLUMNS = ["model", "batch", "context", "tree_budget", "step", "launches", "launches_per_layer",
+           "launches_outside_layers", "bytes_GB", "floor_GB", "ratio", "GFLOP", "predicted_ms_h200", "floor_ms_h200",
+           "goal_ratio", "goal_per_layer", "goal_outside"]
 
 
 def row_of(s: dict) -> dict:

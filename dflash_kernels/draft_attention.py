@@ -4,6 +4,8 @@ block's own keys]. One kernel family (a split kernel and a merge kernel, constex
 * ``draft_attention``: a DFlash draft layer; the block's K/V stay in registers, nothing is written.
 * ``verify_attention``: a target layer of the verify step; causal inside the block, optional q/k norm, and
   the block's normed + rotated K rows and raw V rows are written into the cache at rows ``cache_lens[n] + i``.
+  With a draft tree (``tree_depths``, ``tree_mask``) the block rows sit at their depths and see their
+  ancestors only.
 
 Cost contract of one call (``bench/traffic.py`` models it; ``active_splits``, ``partial_slots`` and
 ``pick_max_splits`` are the split rule). Per request, ``live`` = context rows read: ``min(cache_lens[n],
@@ -15,7 +17,8 @@ capacity)``, and with a sliding window only the last ``W - 1`` of them; ``S`` = 
   the output written once (q's dtype); verify only: the B new K and V rows written, ``2 * B * kvH * D * c``
   (rows past the capacity are dropped); fp32 partials of ``P = partial_slots(live, S)`` splits (A, or none
   when A = 1: the one split writes the output) written once and read once, ``2 * P * B * nH * (D + 2) * 4``;
-  plus the small vectors (cache_lens, block_lens, norm weights, inv_freq, the table entries used).
+  plus the small vectors (cache_lens, block_lens, norm weights, inv_freq, the table entries used; a tree's
+  depths and ancestor mask).
 * FLOPs: ``4 * B * nH * D * (live + B)`` (QK^T and PV; the masked part of the block is counted in full).
 """
 from __future__ import annotations

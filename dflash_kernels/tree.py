@@ -83,6 +83,21 @@ def _validate_build(op, draft_logits, anchor, budget, vocab_ids):
                              f"{tuple(vocab_ids.shape)}")
 
 
+def _top_k_sorted(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values of each row of ``z`` and their indices, ordered by value desc then index asc (a
+    stable descending sort's first k), without sorting whole rows: the entries >= the k-th largest value
+    (ties at it included), then a stable sort of those few."""
+    kth = torch.topk(z, k, dim=-1).values[..., -1:]
+    flat, keep = z.reshape(-1, z.shape[-1]), (z >= kth).reshape(-1, z.shape[-1])
+    vals = torch.empty((flat.shape[0], k), dtype=z.dtype, device=z.device)
+    order = torch.empty((flat.shape[0], k), dtype=torch.int64, device=z.device)
+    for row in range(flat.shape[0]):
+        idx = keep[row].nonzero().flatten()                               # ascending indices
+        sel = torch.sort(flat[row, idx], descending=True, stable=True)
+        vals[row], order[row] = sel.values[:k], idx[sel.indices[:k]]
+    return vals.view(*z.shape[:-1], k), order.view(*z.shape[:-1], k)
+
+
 def build_tree_reference(draft_logits: torch.Tensor, anchor: torch.Tensor, budget: int, *,
                          vocab_ids: Optional[torch.Tensor] = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,9 +115,9 @@ def build_tree_reference(draft_logits: torch.Tensor, anchor: torch.Tensor, budge
     z = draft_logits.to(torch.float32)
     lse = draft_log_normalizer(draft_logits)
     k = min(budget, v)
-    vals, order = torch.sort(z, dim=-1, descending=True, stable=True)   # logit desc, then index asc
-    logp = (vals[..., :k] - lse[..., None]).cpu().numpy()                # fp32 [R, P, K]
-    order = order[..., :k].cpu()
+    vals, order = _top_k_sorted(z, k)                                     # logit desc, then index asc
+    logp = (vals - lse[..., None]).cpu().numpy()                         # fp32 [R, P, K]
+    order = order.cpu()
     tokens = torch.full((r, t), -1, dtype=torch.int64)
     parents = torch.full((r, t), -1, dtype=torch.int64)
     depths = torch.zeros((r, t), dtype=torch.int64)
@@ -311,14 +326,13 @@ def tree_ancestor_mask_reference(tree_parents: torch.Tensor) -> torch.Tensor:
     """Definition: ``[R, T, W]`` int64, W = ceil(T / 64): bit ``j % 64`` of word ``j // 64`` of row i is set
     iff node j is node i or one of its ancestors (follow ``tree_parents`` up to the root)."""
     r, t = tree_parents.shape
-    bits = torch.zeros((r, t, mask_words(t) * MASK_WORD_BITS), dtype=torch.bool)
+    bits = torch.zeros((r, t, mask_words(t) * MASK_WORD_BITS), dtype=torch.uint8)
     par = tree_parents.cpu()
-    for req in range(r):
-        for i in range(t):
-            j = i
-            while j >= 0:
-                bits[req, i, j] = True
-                j = int(par[req, j])
+    cur = torch.arange(t).expand(r, t)                   # every node's current ancestor, -1 past the root
+    while (cur >= 0).any():
+        live = cur >= 0
+        bits.scatter_reduce_(2, cur.clamp_min(0)[..., None], live[..., None].to(torch.uint8), reduce="amax")
+        cur = torch.where(live, par.gather(1, cur.clamp_min(0)), -1)
     weights = torch.ones(MASK_WORD_BITS, dtype=torch.int64) << torch.arange(MASK_WORD_BITS)  # bit 63: int64 min
     words = (bits.view(r, t, mask_words(t), MASK_WORD_BITS).to(torch.int64) * weights).sum(-1)
     return words.to(tree_parents.device)
@@ -399,19 +413,20 @@ def _validate_accept(op, logits, tree_tokens, tree_parents, block_size):
         raise ValueError(f"{op}: block_size must be an int >= 1 (B: the path holds depths 0..B-1), got {block_size!r}")
 
 
-def _walk_reference(choice: torch.Tensor, tree_tokens, tree_parents, block_size):
-    """From the root, descend to the (first) child whose token is the current node's ``choice`` while one
-    exists and the depth is below B - 1; the choice at the node where the walk stops is the bonus."""
+def _walk_reference(choose, tree_tokens, tree_parents, block_size):
+    """From the root, descend to the (first) child whose token is ``choose(request, node)`` at the current node
+    while one exists and the depth is below B - 1; that choice at the node where the walk stops is the bonus.
+    ``choose`` is called once per visited node, request by request, root first."""
     r, t = tree_tokens.shape
     path = torch.full((r, block_size), -1, dtype=torch.int64)
     accepted = torch.zeros(r, dtype=torch.int64)
     bonus = torch.zeros(r, dtype=torch.int64)
-    choice, tokens, parents = choice.cpu(), tree_tokens.cpu(), tree_parents.cpu()
+    tokens, parents = tree_tokens.cpu(), tree_parents.cpu()
     for req in range(r):
         cur, d = 0, 0
         path[req, 0] = 0
         while True:
-            x = int(choice[req, cur])
+            x = choose(req, cur)
             kids = ((parents[req] == cur) & (tokens[req] == x)).nonzero().flatten()
             if d + 1 >= block_size or kids.numel() == 0:
                 bonus[req] = x
@@ -525,9 +540,9 @@ def _tree_accept_sample_triton(logits, tree_tokens, tree_parents, block_size, te
 
 
 def tree_accept_greedy_reference(logits, tree_tokens, tree_parents, *, block_size: int):
-    """Definition: the walk (:func:`_walk_reference`) with ``choice = argmax(logits)`` (torch.argmax: first
+    """Definition: the walk (:func:`_walk_reference`) choosing ``argmax(logits)`` at each node (torch.argmax: first
     index among ties, NaN counts as the maximum)."""
-    return _walk_reference(logits.argmax(dim=-1), tree_tokens, tree_parents, block_size)
+    return _walk_reference(lambda req, node: int(logits[req, node].argmax()), tree_tokens, tree_parents, block_size)
 
 
 def tree_accept_greedy(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_parents: torch.Tensor, *,
@@ -580,16 +595,22 @@ def _tree_accept_greedy_fake(logits, tree_tokens, tree_parents, block_size, back
 def tree_accept_sample_reference(logits, tree_tokens, tree_parents, *, block_size: int, temperature, top_k=0,
                                  top_p=1.0, seed=0, offset=0):
     """Definition (reads seed/offset and the parameters on the host; torch.Generator, not the kernel's stream):
-    draw one token x_i ~ softmax(filter(logits[:, i] / temperature)) at every node (the ``verify_sample``
-    filter), then the walk (:func:`_walk_reference`) with ``choice = x``. Only the nodes on the walk matter,
-    each drawn independently, so the emitted tokens follow the target's distribution exactly (the proposals
-    are deterministic)."""
-    r, t, v = logits.shape
+    the walk (:func:`_walk_reference`) choosing, at each visited node i, a token x ~ softmax(filter(logits[:, i]
+    / temperature)) (the ``verify_sample`` filter; Gumbel-max with fresh noise per node). Each visited node's
+    draw is independent, so the emitted tokens follow the target's distribution exactly (the proposals are
+    deterministic). Parameters: scalars or ``[R]`` tensors."""
+    v = logits.shape[2]
     g = _rng_for(seed, offset, logits.device)
-    p = filter_logits_reference(logits, temperature, top_k, top_p).softmax(dim=-1)
-    u = torch.rand((r, t, v), generator=g, device=logits.device, dtype=torch.float64).clamp_min(1e-300)
-    x = (p.double().log() - torch.log(-torch.log(u))).argmax(dim=-1)
-    return _walk_reference(x, tree_tokens, tree_parents, block_size)
+
+    def at(x, req):
+        return x[req].item() if isinstance(x, torch.Tensor) else x
+
+    def choose(req, node):
+        z = filter_logits_reference(logits[req, node], at(temperature, req), int(at(top_k, req)), float(at(top_p, req)))
+        u = torch.rand(v, generator=g, device=logits.device, dtype=torch.float64).clamp_min(1e-300)
+        return int((z.softmax(-1).double().log() - torch.log(-torch.log(u))).argmax())
+
+    return _walk_reference(choose, tree_tokens, tree_parents, block_size)
 
 
 def tree_accept_sample(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_parents: torch.Tensor, *,
@@ -690,8 +711,9 @@ def tree_compact_reference(k_cache, v_cache, path, accepted, start, *, cache_bat
     for req, (a, s) in enumerate(zip(accepted.tolist(), start.tolist())):
         b = int(cache_batch_idx[req]) if cache_batch_idx is not None else req
         src = s + path[req, : a + 1].to(torch.int64)
-        keep = src < cap
-        src, dst = src[keep], (s + torch.arange(a + 1, device=path.device))[keep]
+        dst = s + torch.arange(a + 1, device=path.device)
+        keep = (src < cap) & (src != dst)
+        src, dst = src[keep], dst[keep]
         for cache in (k_cache, v_cache):
             cache[:, b, dst] = cache[:, b, src].clone()
 

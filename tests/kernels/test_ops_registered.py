@@ -110,8 +110,8 @@ def _round(s, backend):
                                                               top_p=s["top_p"], seed=s["seed"], offset=s["offset"],
                                                               backend=backend)
     dflash_kernels.tree_compact(s["tree_k_cache"], s["tree_v_cache"], path, tacc, s["cache_lens"], backend=backend)
-    return (ctx, att, target, acc, bonus, sacc, stok, num_new, normed, act, *setup, tokens, parents, depths, mask,
-            tree_att, path, tacc, tbonus, spath, sacc_t, sbonus)
+    return (ctx, att, target, acc, bonus, sacc, stok, num_new, normed, act, tokens, parents, depths, mask, tree_att,
+            path, tacc, tbonus, spath, sacc_t, sbonus, *setup)
 
 
 MUTATED = ("k_cache", "v_cache", "target_k_cache", "target_v_cache", "out_tokens", "lengths", "pos", "anchor", "done",

@@ -305,12 +305,12 @@ def test_greedy_walk_kernel_equals_reference(dtype):
 
 
 def test_cold_sampled_walk_kernel_is_the_greedy_walk():
-    """At temperature 1e-3 the Gumbel-max winner is the argmax: the sampled walk (two vocab splits per node row)
-    equals the greedy one."""
+    """At temperature 1e-6 the Gumbel-max winner is the argmax (unless two logits are within ~1e-5): the sampled
+    walk (two vocab splits per node row) equals the greedy one."""
     logits, tokens, parents = _walk_case(16, 13, 2500, 5, torch.float32)
     logits[1, :, 2100] = 50.0
     greedy = dk.tree_accept_greedy(logits, tokens, parents, block_size=6, backend="triton")
-    cold = dk.tree_accept_sample(logits, tokens, parents, block_size=6, temperature=1e-3, seed=9, offset=1,
+    cold = dk.tree_accept_sample(logits, tokens, parents, block_size=6, temperature=1e-6, seed=9, offset=1,
                                  backend="triton")
     for g, c in zip(greedy, cold):
         assert torch.equal(g, c)

@@ -100,20 +100,21 @@ def _gate_up_silu_kernel(out_ptr, x_ptr, w_ptr, M, K, I, stride_xm, stride_wn, s
              _round_to(act * up, dtype).to(dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _tile(m: int, k: int, i: int) -> tuple[dict, int]:
+def _tile(m: int, k: int, i: int, fp32: bool) -> tuple[dict, int]:
     """(BLOCK_M/N/K, num_warps) for ``m`` rows. GPU: one M tile covers all rows (the weight is read once);
     at m <= 16, 32 columns per program (384 programs at I = 12288: ~3 per SM on 132 SMs, enough weight bytes
-    in flight); at larger m, 64 columns, so that x, re-read by every column program (from L2), costs at most
-    as many bytes as the weight. Guesses to be measured on the GPU (bench/kernels.py). The interpreter takes
-    the largest tiles (fewer interpreted programs)."""
+    in flight); at larger 16-bit m, 64 columns, so that x, re-read by every column program (from L2), costs at
+    most as many bytes as the weight. fp32 operands (IEEE dots on FMA units, not tensor cores) hold more
+    registers: smaller K and column tiles keep them at 0 spills (tests/kernels/aot_compile_sm90.py). Guesses to
+    be measured on the GPU (bench/kernels.py). The interpreter takes the largest tiles (fewer programs)."""
     if interpreting():
         return dict(BLOCK_M=max(16, min(128, next_pow2(m))), BLOCK_N=max(16, min(128, next_pow2(i))),
                     BLOCK_K=max(16, min(128, next_pow2(k)))), 1
     if m <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128), 4
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64 if fp32 else 128), 4
     if m <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64), 4
-    return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64), 8
+        return dict(BLOCK_M=64, BLOCK_N=32 if fp32 else 64, BLOCK_K=32 if fp32 else 64), 4
+    return dict(BLOCK_M=128, BLOCK_N=32 if fp32 else 64, BLOCK_K=32 if fp32 else 64), 8
 
 
 def _gate_up_silu_triton(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
@@ -127,12 +128,13 @@ def _gate_up_silu_triton(x: torch.Tensor, weight: torch.Tensor, out: torch.Tenso
     if m > MAX_FUSED_ROWS:  # compute-bound: cuBLAS GEMM, then the silu_mul kernel
         _silu_mul_triton(F.linear(x2, weight), out=out2)
         return
-    tile, num_warps = _tile(m, k, i)
-    lowp_dot = x.dtype != torch.float32 and not interpreting()
+    fp32 = x.dtype == torch.float32
+    tile, num_warps = _tile(m, k, i, fp32)
+    lowp_dot = not fp32 and not interpreting()
     grid = (triton.cdiv(m, tile["BLOCK_M"]), triton.cdiv(i, tile["BLOCK_N"]))
     _gate_up_silu_kernel[grid](
         out_ptr=out2, x_ptr=x2, w_ptr=weight, M=m, K=k, I=i, stride_xm=x2.stride(0), stride_wn=weight.stride(0),
-        stride_om=out2.stride(0), LOWP_DOT=lowp_dot, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        stride_om=out2.stride(0), LOWP_DOT=lowp_dot, DOT_PREC="ieee" if fp32 else "tf32",
         num_warps=num_warps, **tile,
     )
 

@@ -18,7 +18,10 @@ Model, per recorded op (a model, not a measurement):
             (split + merge), add_rms_norm 1, silu_mul 1, gate_up_silu 1 (2 above
             ``MAX_FUSED_ROWS`` rows: cuBLAS + silu_mul), verify_greedy 2, verify_sample 2 (+ the
             radix-select threshold's launches with top-k/top-p, ``threshold_launches``),
-            commit_round 1 (the ext op), draft_round_setup 1.
+            commit_round 1 (the ext op), draft_round_setup 1. Draft trees (``--tree-budget``): build_tree 3 + ATen's
+            logsumexp of the fp32 draft logits (assumed 9 kernels: amax, abs, eq, masked_fill_, sub,
+            exp_, sum, log_, add_; +1 fp32 copy of 16-bit logits), tree_ancestor_mask 1,
+            tree_accept_greedy 2, tree_accept_sample 3 (+ threshold), tree_compact 1.
   bytes     every distinct tensor operand read once and every output written once (stride-0,
             broadcast dimensions count once); an in-place op's mutated operand is written once and
             also read, except pure overwrites (copy_, fill_, zero_). Gathers and scatters move only
@@ -35,6 +38,11 @@ Model, per recorded op (a model, not a measurement):
             projected K/V and writes only the injected rows; fused_context reads the taps and the fc
             weight once (+ fp32 split-K partials); the top-k/top-p threshold per
             ``threshold_bytes``. Split counts follow the kernels' own heuristics for an H200 (132 SMs).
+            Trees: build_tree reads the draft logits once plus the logsumexp's passes over their fp32
+            copy (read 4, read+write 2: 6 x 4 bytes per element, plus the copy) and the split top-K
+            candidates; a tree verify_attention also reads its depths and ancestor mask;
+            tree_compact moves every accepted depth's K/V rows in every layer (an upper bound: all
+            B - 1 depths accepted, none already in place).
   FLOPs     mm / bmm / addmm 2*M*N*K; the attention ops 4*B*nH*D*(context + B) per request;
             fused_context and gate_up_silu their GEMMs (+ 4 per gate_up_silu output); everything else
             one per output element.
@@ -47,11 +55,13 @@ Model, per recorded op (a model, not a measurement):
             the H200 copy bandwidth measured on this project's device runs, 790 TFLOP/s the bf16 dense rate.
 
 Usage: python bench/traffic.py [--model qwen3-8b] [--batch 1,8] [--context 2k,32k] [--capacity 32k]
-       [--block 16] [--eager] [--json] [--out DIR]     (``dflash bench traffic`` runs this file)
+       [--block 16] [--tree-budget 16,32,64] [--eager] [--json] [--out DIR]
+       (``dflash bench traffic`` runs this file)
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -133,13 +143,15 @@ def build_models(model: str, capacity: int, block: int, device, dtype: torch.dty
         torch.set_default_dtype(old)
 
 
-def build_engine(model: str, batch: int, capacity: int, block: int, graphs: bool):
-    """``DFlashEngine`` for ``model`` with every weight and buffer on the meta device."""
+def build_engine(model: str, batch: int, capacity: int, block: int, graphs: bool, tree_budget: int | None = None):
+    """``DFlashEngine`` for ``model`` with every weight and buffer on the meta device (tree rounds of
+    ``tree_budget`` + 1 nodes when given)."""
     from dflash.engine import DFlashEngine
 
     target, draft = build_models(model, capacity, block, "meta")
+    tree = {} if tree_budget is None else dict(tree_budget=tree_budget)
     return DFlashEngine(target, draft, batch=batch, capacity=capacity, block_size=block,
-                        use_cuda_graphs="emulate" if graphs else False)
+                        use_cuda_graphs="emulate" if graphs else False, **tree)
 
 
 # ---------------------------------------------------------------------------------- the cost model
@@ -227,7 +239,7 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
         partials = 2 * n * partial_slots(context, splits) * b * nh * (d + 2) * 4
         live = 2 * n * context * kvh * d * k_cache.element_size()  # live context K/V only, not the capacity
         written = 2 * n * b * kvh * d * k_cache.element_size() if name == "verify_attention" else 0
-        small = nbytes([q, k, v, *args[5:9]]) + (nbytes([args[15]]) if name == "draft_attention" else 0)
+        small = nbytes([q, k, v, *args[5:9]]) + nbytes([args[15]] if name == "draft_attention" else args[16:18])
         return 2, small + live + written + partials + distinct_bytes(out), 4 * n * b * nh * d * (context + b)
     if name == "add_rms_norm":  # x, weight (and the residual, read and written in place) -> out
         x, weight, residual, out = args[0], args[1], args[3], args[4]
@@ -254,6 +266,29 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
     if name == "commit_round":
         mutated = nbytes(args[3:8])
         return 1, nbytes(args) + mutated + distinct_bytes(out), 0
+    if name == "build_tree":  # logsumexp (ATen, assumed 9 kernels + a copy) + top-K partial, merge, enumeration
+        logits, budget = args[0], args[2]
+        rows, vocab = logits.numel() // logits.shape[-1], logits.shape[-1]
+        k = min(budget, vocab)
+        copy = logits.dtype != torch.float32
+        lse = rows * vocab * (4 * 6 + (logits.element_size() + 4 if copy else 0))
+        candidates = 2 * rows * math.ceil(vocab / 2048) * k * 8  # (value, index) per split, written and read
+        return 3 + 9 + int(copy), nbytes(args) + lse + candidates + 2 * rows * k * 8 + nbytes(out), 8 * rows * vocab
+    if name == "tree_ancestor_mask":
+        return 1, nbytes(args) + distinct_bytes(out), 0
+    if name == "tree_accept_greedy":
+        return 2, nbytes(args) + nbytes(out), args[0].numel()
+    if name == "tree_accept_sample":
+        logits, use_top_k, use_top_p = args[0], args[9], args[10]
+        rows, vocab = logits.numel() // logits.shape[-1], logits.shape[-1]
+        return (3 + threshold_launches(use_top_k, use_top_p),  # + the fill of the draft-token stand-in
+                nbytes(args) + nbytes(out) + threshold_bytes(rows, vocab, logits.element_size(), use_top_k, use_top_p),
+                logits.numel())
+    if name == "tree_compact":  # upper bound: every depth 1..B-1 accepted and moved, K and V, read and written
+        k_cache, path = args[0], args[2]
+        layers, _, _, kvh, d = k_cache.shape
+        moved = 2 * 2 * layers * path.shape[0] * (path.shape[1] - 1) * kvh * d * k_cache.element_size()
+        return 1, nbytes(args[2:5]) + moved, 0
     raise ValueError(f"traffic: no cost contract for torch.ops.dflash.{name}; add one to dflash_cost")
 
 
@@ -304,6 +339,8 @@ def floor_bytes(engine, step: str, context: int) -> int:
     """The bytes ``step`` cannot avoid moving (see the module docstring)."""
     elem = torch.finfo(DTYPE).bits // 8
     n, B = engine.batch, engine.block_size
+    if step == "verify" and getattr(engine, "tree_budget", None) is not None:
+        B = engine.tree_budget + 1  # the tree's T nodes are the verified rows
     target, draft = engine.target_model, engine.draft
     H = target.config.hidden_size
     V = target.lm_head.weight.shape[0]
@@ -363,13 +400,14 @@ def goal_text(step: str) -> str:
     return f"goal: bytes <= {g['ratio']:.2f} x floor, <= {g['per_layer']} launches per layer{extra}"
 
 
-def measure(model: str, batch: int, context: int, capacity: int, block: int, graphs: bool = True) -> list[dict]:
-    """Both steps' summaries for one configuration."""
-    engine = build_engine(model, batch, capacity, block, graphs)
+def measure(model: str, batch: int, context: int, capacity: int, block: int, graphs: bool = True,
+            tree_budget: int | None = None) -> list[dict]:
+    """Both steps' summaries for one configuration (tree rounds of ``tree_budget`` + 1 nodes when given)."""
+    engine = build_engine(model, batch, capacity, block, graphs, tree_budget)
     engine.set_context(context)
     launch_us = LAUNCH_US["graph" if graphs else "eager"]
     config = dict(model=model, batch=batch, context=context, capacity=capacity, block=block,
-                  mode="graph" if graphs else "eager", launch_us=launch_us)
+                  tree_budget=tree_budget or "", mode="graph" if graphs else "eager", launch_us=launch_us)
     return [{**config, **summarize(engine, step, context, account(engine, step, context), launch_us)}
             for step in ("draft", "verify")]
 
@@ -386,14 +424,16 @@ def check_args(args) -> None:
         raise SystemExit(f"--capacity {args.capacity!r}: give one positive integer (k = 1024)")
     if block < 2:
         raise SystemExit(f"--block {block}: the draft step needs a block of at least 2")
+    if args.tree_budget is not None and not all(1 <= t <= 64 for t in common.parse_ints(args.tree_budget) or [0]):
+        raise SystemExit(f"--tree-budget {args.tree_budget!r}: give budgets in [1, 64] (comma list)")
     too_long = [c for c in common.parse_ints(args.context) if c > capacity[0]]
     if too_long:
         raise SystemExit(f"--context {too_long}: exceeds --capacity {capacity[0]}")
 
 
-COLUMNS = ["model", "batch", "context", "step", "launches", "launches_per_layer", "launches_outside_layers",
-           "bytes_GB", "floor_GB", "ratio", "GFLOP", "predicted_ms_h200", "floor_ms_h200", "goal_ratio",
-           "goal_per_layer", "goal_outside"]
+COLUMNS = ["model", "batch", "context", "tree_budget", "step", "launches", "launches_per_layer",
+           "launches_outside_layers", "bytes_GB", "floor_GB", "ratio", "GFLOP", "predicted_ms_h200", "floor_ms_h200",
+           "goal_ratio", "goal_per_layer", "goal_outside"]
 
 
 def row_of(s: dict) -> dict:
@@ -404,8 +444,9 @@ def row_of(s: dict) -> dict:
 
 
 def print_human(s: dict, top: int) -> None:
-    print(f"\n== {s['model']} batch {s['batch']} context {s['context']} capacity {s['capacity']} block {s['block']} "
-          f"({s['mode']}): {s['step']} step")
+    tree = f" tree budget {s['tree_budget']}" if s["tree_budget"] else ""
+    print(f"\n== {s['model']} batch {s['batch']} context {s['context']} capacity {s['capacity']} block {s['block']}"
+          f"{tree} ({s['mode']}): {s['step']} step")
     print(f"launches {s['launches']} ({s['launches_per_layer']:.1f} per layer x {s['layers']}, "
           f"{s['launches_outside_layers']} outside layers); bytes {s['bytes'] / 1e9:.3f} GB vs floor "
           f"{s['floor_bytes'] / 1e9:.3f} GB = {s['ratio']:.2f}x; {s['flops'] / 1e9:.1f} GFLOP")
@@ -432,6 +473,8 @@ def main(argv=None) -> int:
     p.add_argument("--context", default="2k", help="cached rows per request, comma list, k = 1024 (default 2k)")
     p.add_argument("--capacity", default="32k", help="engine capacity in tokens (default 32k)")
     p.add_argument("--block", type=int, default=16, help="block size (default 16)")
+    p.add_argument("--tree-budget", default=None, help="tree rounds (DDTree) of these node budgets, comma list "
+                   "(1..64); default: chain rounds")
     p.add_argument("--eager", action="store_true", help="eager steps (attend up to context + block, 4 us per "
                    "launch); default: captured steps as on a GPU (attend over the whole capacity, 1.5 us per launch)")
     p.add_argument("--json", action="store_true", help="one JSON object per step, nothing else")
@@ -442,15 +485,16 @@ def main(argv=None) -> int:
     check_args(args)
     t0 = time.perf_counter()
     results = []
-    for batch in common.parse_ints(args.batch):
-        for context in common.parse_ints(args.context):
-            for s in measure(args.model, batch, context, common.parse_ints(args.capacity)[0], args.block,
-                             graphs=not args.eager):
-                results.append(s)
-                if args.json:
-                    print(json.dumps(s))
-                else:
-                    print_human(s, args.top)
+    budgets = [None] if args.tree_budget is None else common.parse_ints(args.tree_budget)
+    for batch, context, budget in itertools.product(common.parse_ints(args.batch), common.parse_ints(args.context),
+                                                    budgets):
+        for s in measure(args.model, batch, context, common.parse_ints(args.capacity)[0], args.block,
+                         graphs=not args.eager, tree_budget=budget):
+            results.append(s)
+            if args.json:
+                print(json.dumps(s))
+            else:
+                print_human(s, args.top)
     if not args.json:
         print(f"\n{common.table([row_of(s) for s in results], COLUMNS)}")
         print(f"# {time.perf_counter() - t0:.1f} s on this CPU (meta tensors: nothing computed or allocated)")

@@ -4,6 +4,8 @@ block's own keys]. One kernel family (a split kernel and a merge kernel, constex
 * ``draft_attention``: a DFlash draft layer; the block's K/V stay in registers, nothing is written.
 * ``verify_attention``: a target layer of the verify step; causal inside the block, optional q/k norm, and
   the block's normed + rotated K rows and raw V rows are written into the cache at rows ``cache_lens[n] + i``.
+  With a draft tree (``tree_depths``, ``tree_mask``) the block rows sit at their depths and see their
+  ancestors only.
 
 Cost contract of one call (``bench/traffic.py`` models it; ``active_splits``, ``partial_slots`` and
 ``pick_max_splits`` are the split rule). Per request, ``live`` = context rows read: ``min(cache_lens[n],
@@ -15,7 +17,8 @@ capacity)``, and with a sliding window only the last ``W - 1`` of them; ``S`` = 
   the output written once (q's dtype); verify only: the B new K and V rows written, ``2 * B * kvH * D * c``
   (rows past the capacity are dropped); fp32 partials of ``P = partial_slots(live, S)`` splits (A, or none
   when A = 1: the one split writes the output) written once and read once, ``2 * P * B * nH * (D + 2) * 4``;
-  plus the small vectors (cache_lens, block_lens, norm weights, inv_freq, the table entries used).
+  plus the small vectors (cache_lens, block_lens, norm weights, inv_freq, the table entries used; a tree's
+  depths and ancestor mask).
 * FLOPs: ``4 * B * nH * D * (live + B)`` (QK^T and PV; the masked part of the block is counted in full).
 """
 from __future__ import annotations
@@ -178,21 +181,57 @@ def draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weig
 
 def verify_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight=None, k_norm_weight=None, *,
                                inv_freq, attention_scaling: float = 1.0, eps: float = 1e-6,
-                               scale: Optional[float] = None, block_table=None, cache_batch_idx=None) -> torch.Tensor:
+                               scale: Optional[float] = None, block_table=None, cache_batch_idx=None,
+                               tree_depths=None, tree_mask=None) -> torch.Tensor:
     """Definition (host indexing): write request n's block K rows (normed + rotated, as the attention uses
     them) and raw V rows to cache rows ``cache_lens[n] + i`` (those below the capacity), then
-    ``draft_attention_reference`` with ``causal=True`` (the context [0, cache_lens[n]) plus block keys j <= i)."""
+    ``draft_attention_reference`` with ``causal=True`` (the context [0, cache_lens[n]) plus block keys j <= i).
+
+    Tree (``tree_depths`` [N, B] and ``tree_mask`` [N, B, ceil(B/64)] int64, both or neither): block row i is
+    at position ``cache_lens[n] + tree_depths[n, i]`` (q and k rotated there) but still written at cache row
+    ``cache_lens[n] + i``; query i sees the context and the block keys j whose bit ``j % 64`` of word
+    ``j // 64`` of ``tree_mask[n, i]`` is set (its ancestors and itself: ``tree_ancestor_mask``)."""
     b = q.shape[1]
     capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     for r, c in enumerate(cache_lens.tolist()):
         t = torch.arange(c, min(c + b, capacity), device=q.device)
-        cos, sin = rope_cos_sin_reference(t, inv_freq, attention_scaling, q.dtype)
+        pos = t if tree_depths is None else c + tree_depths[r, :len(t)]
+        cos, sin = rope_cos_sin_reference(pos, inv_freq, attention_scaling, q.dtype)
         rows = _cache_index(k_cache, r, t, block_table, cache_batch_idx)
         k_cache[rows] = _norm_rope_reference(k[r, :len(t)], k_norm_weight, cos, sin, eps).to(k_cache.dtype)
         v_cache[rows] = v[r, :len(t)].to(v_cache.dtype)
+    if tree_depths is not None:
+        return _tree_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
+                                         inv_freq, attention_scaling, eps, scale, block_table, cache_batch_idx,
+                                         tree_depths, tree_mask)
     return draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
                                      inv_freq=inv_freq, attention_scaling=attention_scaling, eps=eps, causal=True,
                                      block_table=block_table, cache_batch_idx=cache_batch_idx, scale=scale)
+
+
+def _tree_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
+                              attention_scaling, eps, scale, block_table, cache_batch_idx, tree_depths, tree_mask):
+    """Tree attention of ``verify_attention_reference`` (HF numerics in q's dtype, SDPA): block row i at
+    position ``cache_lens[n] + tree_depths[n, i]`` over the context rows and its ancestor block rows."""
+    n, b, nh, d = q.shape
+    kvh = k.shape[2]
+    out = torch.empty_like(q)
+    bit = torch.arange(b, device=q.device)
+    for r, c in enumerate(cache_lens.tolist()):
+        cos, sin = rope_cos_sin_reference(c + tree_depths[r], inv_freq, attention_scaling, q.dtype)
+        qn = _norm_rope_reference(q[r], q_norm_weight, cos, sin, eps)
+        kn = _norm_rope_reference(k[r], k_norm_weight, cos, sin, eps)
+        ctx = _cache_index(k_cache, r, torch.arange(c, device=q.device), block_table, cache_batch_idx)
+        keys = torch.cat([k_cache[ctx].to(q.dtype), kn], 0)
+        vals = torch.cat([v_cache[ctx].to(q.dtype), v[r]], 0)
+        words = tree_mask[r][:, bit // 64]                                       # [B, B]: word of key j, row i
+        block = ((words >> (bit % 64)[None, :]) & 1).bool()
+        mask = torch.cat([torch.ones(b, c, dtype=torch.bool, device=q.device), block], 1)
+        o = F.scaled_dot_product_attention(qn.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                           vals.transpose(0, 1)[None], attn_mask=mask[None, None],
+                                           scale=d ** -0.5 if scale is None else scale, enable_gqa=kvh != nh)[0]
+        out[r] = o.transpose(0, 1)
+    return out
 
 
 @triton.jit
@@ -232,12 +271,13 @@ def _online_softmax(s, m_i, l_i):
 @triton.jit
 def _attn_split_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, lens_ptr, blens_ptr, table_ptr, qw_ptr, kw_ptr, inv_freq_ptr, po_ptr, pm_ptr,
-    pl_ptr, out_ptr,
+    pl_ptr, out_ptr, depth_ptr, tmask_ptr,
     B, G, NH, HALF, page_size, CAP, window, attention_scaling, eps, qk_scale, NSPLIT,
     stride_qn, stride_qb, stride_qh, stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
-    stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch, stride_tn,
+    stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch, stride_tn, stride_dn, stride_mn, stride_mi,
     HAS_TABLE: tl.constexpr, SLIDING: tl.constexpr, CAUSAL: tl.constexpr, HAS_BLOCK_LENS: tl.constexpr,
-    HAS_QK_NORM: tl.constexpr, WRITE_KV: tl.constexpr, MIN_CHUNK: tl.constexpr, LOWP_DOT: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr, WRITE_KV: tl.constexpr, TREE: tl.constexpr, MIN_CHUNK: tl.constexpr,
+    LOWP_DOT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
@@ -259,7 +299,11 @@ def _attn_split_kernel(
     q_base = q_ptr + n * stride_qn + qi.to(tl.int64)[:, None] * stride_qb + head.to(tl.int64)[:, None] * stride_qh
     q_lo = tl.load(q_base + dh[None, :], mask=qmask, other=0.0).to(tl.float32)
     q_hi = tl.load(q_base + HALF + dh[None, :], mask=qmask, other=0.0).to(tl.float32)
-    qpos = ctx_len + qi
+    if TREE:
+        # A tree node sits at its depth past the context (its cache row, written below, is its node index).
+        qpos = ctx_len + tl.load(depth_ptr + n * stride_dn + qi, mask=r_ok, other=0)
+    else:
+        qpos = ctx_len + qi
     cos, sin = rope_cos_sin(qpos, inv_freq_ptr, dh, dh_ok, attention_scaling)
     q_lo, q_hi = norm_rope_halves(q_lo, q_hi, qw_ptr, dh, dh_ok, HALF, cos, sin, eps, HAS_QK_NORM)
     # LOWP_DOT: the dots take 16-bit operands (q, K, V and P in the cache's dtype) with fp32 accumulation:
@@ -308,7 +352,11 @@ def _attn_split_kernel(
         k_base = k_ptr + n * stride_kn + j.to(tl.int64)[:, None] * stride_kb + h * stride_kh
         k_lo = tl.load(k_base + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
         k_hi = tl.load(k_base + HALF + dh[None, :], mask=kmask, other=0.0).to(tl.float32)
-        kcos, ksin = rope_cos_sin(ctx_len + j, inv_freq_ptr, dh, dh_ok, attention_scaling)
+        if TREE:
+            kpos = ctx_len + tl.load(depth_ptr + n * stride_dn + j, mask=j_ok, other=0)
+        else:
+            kpos = ctx_len + j
+        kcos, ksin = rope_cos_sin(kpos, inv_freq_ptr, dh, dh_ok, attention_scaling)
         k_lo, k_hi = norm_rope_halves(k_lo, k_hi, kw_ptr, dh, dh_ok, HALF, kcos, ksin, eps, HAS_QK_NORM)
         v_base = v_ptr + n * stride_vn + j.to(tl.int64)[:, None] * stride_vb + h * stride_vh
         v_lo = tl.load(v_base + dh[None, :], mask=kmask, other=0.0)
@@ -329,6 +377,11 @@ def _attn_split_kernel(
         s = tl.dot(q_hi, tl.trans(k_hi.to(DOT_T)), s, input_precision=DOT_PREC)
         valid = r_ok[:, None] & j_ok[None, :]
         diff = qi[:, None] - j[None, :]
+        if TREE:
+            # Ancestor bitmask: query row i sees block key j iff bit j % 64 of word j // 64 of row i is set.
+            word = tl.load(tmask_ptr + n * stride_mn + qi.to(tl.int64)[:, None] * stride_mi + (j // 64)[None, :],
+                           mask=valid, other=0)
+            valid = valid & (((word >> (j % 64).to(tl.int64)[None, :]) & 1) != 0)
         if CAUSAL:
             valid = valid & (diff >= 0)
         if SLIDING:
@@ -415,7 +468,7 @@ def _partials(n: int, splits: int, b: int, nh: int, d: int, device: torch.device
 
 def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, attention_scaling,
                       eps, scale, sliding_window, causal, block_table, cache_batch_idx, block_lens, num_splits,
-                      max_context_len, write_kv):
+                      max_context_len, write_kv, tree_depths=None, tree_mask=None):
     n, b, nh, d = q.shape
     kvh = k.shape[2]
     g = nh // kvh
@@ -438,6 +491,7 @@ def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_no
     lowp_dot = q.dtype == k_cache.dtype != torch.float32 and not interpreting()
     has_norm = q_norm_weight is not None
     causal = (sliding_window is not None) if causal is None else causal
+    tree = tree_depths is not None
     tile, num_warps = _split_tile(b, g, d)
     if interpreting():
         tile["BLOCK_N"] = 64  # fewer interpreted loop steps
@@ -447,6 +501,7 @@ def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_no
         table_ptr=table if table is not None else cache_lens,
         qw_ptr=q_norm_weight if has_norm else inv_freq, kw_ptr=k_norm_weight if has_norm else inv_freq,
         inv_freq_ptr=inv_freq.to(torch.float32), po_ptr=po, pm_ptr=pm, pl_ptr=pl, out_ptr=out,
+        depth_ptr=tree_depths if tree else cache_lens, tmask_ptr=tree_mask if tree else cache_lens,
         B=b, G=g, NH=nh, HALF=half, page_size=page_size, CAP=capacity, window=sliding_window or 0,
         attention_scaling=float(attention_scaling), eps=float(eps),
         qk_scale=(d ** -0.5 if scale is None else float(scale)) * _LOG2E, NSPLIT=num_splits,
@@ -456,8 +511,11 @@ def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_no
         stride_kcp=k_cache.stride(0), stride_kcs=k_cache.stride(1), stride_kch=k_cache.stride(2),
         stride_vcp=v_cache.stride(0), stride_vcs=v_cache.stride(1), stride_vch=v_cache.stride(2),
         stride_tn=table.stride(0) if table is not None else 0,
-        HAS_TABLE=table is not None, SLIDING=sliding_window is not None, CAUSAL=causal,
-        HAS_BLOCK_LENS=block_lens is not None, HAS_QK_NORM=has_norm, WRITE_KV=write_kv, MIN_CHUNK=MIN_CHUNK,
+        stride_dn=tree_depths.stride(0) if tree else 0, stride_mn=tree_mask.stride(0) if tree else 0,
+        stride_mi=tree_mask.stride(1) if tree else 0,
+        HAS_TABLE=table is not None, SLIDING=sliding_window is not None, CAUSAL=causal and not tree,
+        HAS_BLOCK_LENS=block_lens is not None, HAS_QK_NORM=has_norm, WRITE_KV=write_kv, TREE=tree,
+        MIN_CHUNK=MIN_CHUNK,
         LOWP_DOT=lowp_dot, DOT_PREC=dot_prec, num_warps=num_warps, **tile,
     )
     rows = b * nh
@@ -565,6 +623,7 @@ def verify_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                      attention_scaling: float = 1.0, eps: float = 1e-6, scale: Optional[float] = None,
                      block_table: Optional[torch.Tensor] = None, cache_batch_idx: Optional[torch.Tensor] = None,
                      num_splits: Optional[int] = None, max_context_len: Optional[int] = None,
+                     tree_depths: Optional[torch.Tensor] = None, tree_mask: Optional[torch.Tensor] = None,
                      backend: str = "auto") -> torch.Tensor:
     """Attention of one target layer in the verify step, and the block's K/V appended to the cache.
 
@@ -590,6 +649,11 @@ def verify_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         block_table, cache_batch_idx: as in :func:`draft_attention`.
         num_splits, max_context_len: as in :func:`draft_attention` (``max_context_len`` bounds
             ``cache_lens``, the context read, not ``cache_lens + B``).
+        tree_depths, tree_mask: a draft tree instead of the chain (both or neither): ``[N, B]`` int64 node
+            depths (``dflash_kernels.build_tree``) and ``[N, B, ceil(B/64)]`` int64 ancestor bitmask
+            (``dflash_kernels.tree_ancestor_mask``; built once per round, passed to every layer). Block row i
+            then sits at position ``cache_lens[n] + tree_depths[n, i]`` (still written at cache row
+            ``cache_lens[n] + i``) and sees the context plus the block rows of its ancestors and itself.
         backend: ``"auto" | "triton" | "torch"``.
 
     Returns:
@@ -602,11 +666,28 @@ def verify_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                         f"(the block's K/V rows are stored as computed)")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
         raise ValueError(f"{VERIFY_OP}: scale must be None (D**-0.5) or a float > 0 (e.g. attn.scaling), got {scale!r}")
+    _validate_tree(q, tree_depths, tree_mask)
     chosen = resolve_backend(VERIFY_OP, backend, q.device, available=_BACKENDS)
     return torch.ops.dflash.verify_attention(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
                                              inv_freq, float(attention_scaling), float(eps),
                                              None if scale is None else float(scale), block_table, cache_batch_idx,
-                                             num_splits, max_context_len, chosen)
+                                             num_splits, max_context_len, tree_depths, tree_mask, chosen)
+
+
+def _validate_tree(q, tree_depths, tree_mask):
+    if (tree_depths is None) != (tree_mask is None):
+        raise ValueError(f"{VERIFY_OP}: pass both tree_depths and tree_mask (a draft tree: build_tree's depths and "
+                         f"tree_ancestor_mask(tree_parents)) or neither (the causal chain)")
+    if tree_depths is None:
+        return
+    n, b = q.shape[:2]
+    words = (b + 63) // 64
+    for name, t, shape in (("tree_depths", tree_depths, (n, b)), ("tree_mask", tree_mask, (n, b, words))):
+        check_tensor(VERIFY_OP, name, t, ndim=len(shape), dtypes=(torch.int64,), device=q.device)
+        check_last_dim_contiguous(VERIFY_OP, name, t)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{VERIFY_OP}: {name} must be {list(shape)} for q of shape {tuple(q.shape)} (B = {b} "
+                             f"tree nodes), got {tuple(t.shape)}")
 
 
 @torch.library.custom_op("dflash::verify_attention", mutates_args=("k_cache", "v_cache"))
@@ -615,20 +696,22 @@ def _verify_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ca
                          k_norm_weight: Optional[torch.Tensor], inv_freq: torch.Tensor, attention_scaling: float,
                          eps: float, scale: Optional[float], block_table: Optional[torch.Tensor],
                          cache_batch_idx: Optional[torch.Tensor], num_splits: Optional[int],
-                         max_context_len: Optional[int], backend: str) -> torch.Tensor:
+                         max_context_len: Optional[int], tree_depths: Optional[torch.Tensor],
+                         tree_mask: Optional[torch.Tensor], backend: str) -> torch.Tensor:
     """``torch.ops.dflash.verify_attention``: :func:`verify_attention` after validation (writes k_cache, v_cache)."""
     chosen = resolve_backend(VERIFY_OP, backend, q.device, available=_BACKENDS)
     if chosen == "torch":
         return verify_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
                                           inv_freq=inv_freq, attention_scaling=attention_scaling, eps=eps,
-                                          scale=scale, block_table=block_table, cache_batch_idx=cache_batch_idx)
+                                          scale=scale, block_table=block_table, cache_batch_idx=cache_batch_idx,
+                                          tree_depths=tree_depths, tree_mask=tree_mask)
     return _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
                              attention_scaling, eps, scale, None, True, block_table, cache_batch_idx, None,
-                             num_splits, max_context_len, write_kv=True)
+                             num_splits, max_context_len, write_kv=True, tree_depths=tree_depths, tree_mask=tree_mask)
 
 
 @_verify_attention_op.register_fake
 def _verify_attention_fake(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
                            attention_scaling, eps, scale, block_table, cache_batch_idx, num_splits, max_context_len,
-                           backend):
+                           tree_depths, tree_mask, backend):
     return q.new_empty(q.shape)

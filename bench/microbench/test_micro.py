@@ -82,3 +82,29 @@ def test_generate(benchmark, pair, path):
     ids = torch.randint(0, 2000, (64,))
     benchmark.pedantic(generate, args=(target, draft, ids, 32), kwargs=dict(block_size=8, backend=path),
                        rounds=5, warmup_rounds=1)
+
+
+@pytest.mark.parametrize("budget", [16, 64])
+@pytest.mark.parametrize("op", ["build_tree", "tree_ancestor_mask", "tree_accept_greedy", "tree_accept_sample",
+                                "tree_compact"])
+def test_tree_ops_torch(benchmark, op, budget):
+    """A draft tree's ops on the CPU path (backend torch) at SmolLM2-like shapes: a 2,361-id draft vocabulary,
+    B = 16, target vocabulary 49,152, 30 layers x 3 KV heads x D 64; the walk accepts one node."""
+    benchmark.group = f"tree ops (torch) budget {budget}"
+    torch.manual_seed(0)
+    b, vocab, ids = 16, 49152, torch.randperm(49152)[:2361]
+    draft_logits, anchor = torch.randn(1, b - 1, 2361) * 3, torch.zeros(1, dtype=torch.long)
+    tokens, parents, _ = dk.build_tree(draft_logits, anchor, budget, vocab_ids=ids, backend="torch")
+    logits = torch.randn(1, budget + 1, vocab)
+    logits[0, 0, tokens[0, 1]] = 30.0
+    path, accepted, _ = dk.tree_accept_greedy(logits, tokens, parents, block_size=b, backend="torch")
+    k_cache, v_cache = torch.randn(30, 1, 512, 3, 64), torch.randn(30, 1, 512, 3, 64)
+    calls = {
+        "build_tree": lambda: dk.build_tree(draft_logits, anchor, budget, vocab_ids=ids, backend="torch"),
+        "tree_ancestor_mask": lambda: dk.tree_ancestor_mask(parents, backend="torch"),
+        "tree_accept_greedy": lambda: dk.tree_accept_greedy(logits, tokens, parents, block_size=b, backend="torch"),
+        "tree_accept_sample": lambda: dk.tree_accept_sample(logits, tokens, parents, block_size=b, temperature=0.7,
+                                                            seed=1, offset=2, backend="torch"),
+        "tree_compact": lambda: dk.tree_compact(k_cache, v_cache, path, accepted, torch.tensor([100]), backend="torch"),
+    }
+    benchmark(calls[op])

@@ -124,3 +124,47 @@ def test_qwen3_8b_goals(batch):
     assert draft["launches_per_layer"] <= traffic.GOALS["draft"]["per_layer"], draft["launches_per_layer"]
     assert draft["launches_outside_layers"] <= traffic.GOALS["draft"]["outside"], draft["launches_outside_layers"]
     assert draft["ratio"] <= DRAFT_RATIO_LIMIT[batch], draft["ratio"]
+
+
+def test_tree_op_contracts_by_hand():
+    """The draft-tree ops' launches and bytes per their contracts (meta tensors: the ops' fakes run)."""
+    import dflash_kernels as dk
+
+    r, p, v, budget, bsz, layers, kvh, d = 2, 15, 4096, 31, 16, 3, 2, 8
+    meta = dict(device="meta")
+    logits = torch.empty(r, p, v, dtype=torch.bfloat16, **meta)
+    node_logits = torch.empty(r, budget + 1, v, dtype=torch.bfloat16, **meta)
+    kc, vc = (torch.empty(layers, r, 64, kvh, d, dtype=torch.bfloat16, **meta) for _ in range(2))
+    mode = traffic.Accountant(context=0)
+    with torch.no_grad(), mode:
+        tokens, parents, _ = dk.build_tree(logits, torch.empty(r, dtype=torch.int64, **meta), budget)
+        dk.tree_ancestor_mask(parents)
+        path, accepted, _ = dk.tree_accept_greedy(node_logits, tokens, parents, block_size=bsz)
+        dk.tree_compact(kc, vc, path, accepted, torch.empty(r, dtype=torch.int64, **meta))
+    got = {op: (la, by) for _, op, la, by, _ in mode.records if op.startswith("dflash.")}
+    rows, t = r * p, budget + 1
+    lse = rows * v * (6 * 4 + 2 + 4)                                 # fp32 copy of bf16 logits, then 6 passes
+    top_k = 2 * rows * 2 * budget * 8 + 2 * rows * budget * 8       # 2 splits of 2048: candidates, then the K best
+    assert got["dflash.build_tree"] == (13, rows * v * 2 + r * 8 + lse + top_k + 3 * r * t * 8)
+    assert got["dflash.tree_ancestor_mask"] == (1, r * t * 8 + r * t * 8)
+    assert got["dflash.tree_accept_greedy"] == (2, r * t * v * 2 + 2 * r * t * 8 + r * bsz * 8 + 2 * r * 8)
+    assert got["dflash.tree_compact"] == (1, r * bsz * 8 + 2 * r * 8 + 2 * 2 * layers * r * (bsz - 1) * kvh * d * 2)
+
+
+def _engine_has_trees() -> bool:
+    import inspect
+
+    from dflash.engine import DFlashEngine
+
+    return "tree_budget" in inspect.signature(DFlashEngine).parameters
+
+
+@pytest.mark.skipif(not _engine_has_trees(), reason="the engine's tree rounds (DFlashEngine tree_budget) are not here")
+def test_tree_budget_verify_step_on_tiny():
+    chain = traffic.measure("tiny", batch=1, context=32, capacity=128, block=16)[1]
+    [draft, verify] = traffic.measure("tiny", batch=1, context=32, capacity=128, block=16, tree_budget=31)
+    assert verify["tree_budget"] == 31 and {"dflash.build_tree", "dflash.tree_ancestor_mask",
+                                            "dflash.tree_compact"} <= verify["ops"].keys()
+    assert verify["floor_bytes"] > chain["floor_bytes"] and verify["bytes"] >= verify["floor_bytes"]
+    with pytest.raises(SystemExit, match="--tree-budget"):
+        traffic.main(["--model", "tiny", "--tree-budget", "65"])

@@ -33,6 +33,7 @@ gm = importlib.import_module("dflash_kernels.gated_mlp")
 ik = importlib.import_module("dflash_kernels.inject_context_kv")
 lo = importlib.import_module("dflash_kernels.layer_ops")
 vf = importlib.import_module("dflash_kernels.verify")
+tr = importlib.import_module("dflash_kernels.tree")
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -147,7 +148,8 @@ def configs():
 
     att = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, kc_ptr=bf, vc_ptr=bf, lens_ptr="*i64", blens_ptr="*i64",
                table_ptr="*i32", qw_ptr=bf, kw_ptr=bf, inv_freq_ptr=f32, po_ptr=f32, pm_ptr=f32, pl_ptr=f32,
-               out_ptr=bf, attention_scaling="fp32", eps="fp32", qk_scale="fp32", stride_kcp="i64", stride_vcp="i64")
+               out_ptr=bf, depth_ptr="*i64", tmask_ptr="*i64", attention_scaling="fp32", eps="fp32", qk_scale="fp32",
+               stride_kcp="i64", stride_vcp="i64")
     # The launcher's tiles (_split_tile): Qwen3-8B (nH 32, kvH 8, D 128, B 16: B*G = 64 rows, 8 warps) and the
     # SmolLM2-135M draft/target (nH 9, kvH 3, D 64, B 8: B*G = 24 -> 32 rows, 4 warps); bf16 -> 16-bit dots.
     (qwen, qwen_warps), (smol, smol_warps) = da._split_tile(16, 4, 128), da._split_tile(8, 3, 64)
@@ -171,19 +173,26 @@ def configs():
         add(f"draft_attention split Qwen3-8B table={table} sliding={sliding} causal={causal} block_lens={blens}",
             da._attn_split_kernel, att,
             dict(HAS_TABLE=table, SLIDING=sliding, CAUSAL=causal, HAS_BLOCK_LENS=blens, HAS_QK_NORM=True,
-                 WRITE_KV=False, **qwen), num_warps=qwen_warps, ints=qwen_ints)
+                 WRITE_KV=False, TREE=False, **qwen), num_warps=qwen_warps, ints=qwen_ints)
     add("draft_attention split Qwen3-8B fp32 operands (tf32)", da._attn_split_kernel, att,
         dict(HAS_TABLE=False, SLIDING=False, CAUSAL=False, HAS_BLOCK_LENS=False, HAS_QK_NORM=True, WRITE_KV=False,
-             **dict(qwen, LOWP_DOT=False)), num_warps=qwen_warps, ints=qwen_ints)
+             TREE=False, **dict(qwen, LOWP_DOT=False)), num_warps=qwen_warps, ints=qwen_ints)
     add("draft_attention split SmolLM2", da._attn_split_kernel, att,
         dict(HAS_TABLE=False, SLIDING=False, CAUSAL=False, HAS_BLOCK_LENS=False, HAS_QK_NORM=True, WRITE_KV=False,
-             **smol), num_warps=smol_warps, ints=smol_ints)
+             TREE=False, **smol), num_warps=smol_warps, ints=smol_ints)
     for name, tile, table, norm, warps, ints in (("Qwen3-8B", qwen, False, True, qwen_warps, qwen_ints),
                                                  ("Qwen3-8B", qwen, True, False, qwen_warps, qwen_ints),
                                                  ("SmolLM2", smol, False, False, smol_warps, smol_ints)):
         add(f"verify_attention split {name} table={table} qk_norm={norm}", da._attn_split_kernel, att,
             dict(HAS_TABLE=table, SLIDING=False, CAUSAL=True, HAS_BLOCK_LENS=False, HAS_QK_NORM=norm, WRITE_KV=True,
-                 **tile), num_warps=warps, ints=ints)
+                 TREE=False, **tile), num_warps=warps, ints=ints)
+    # Draft trees of T = 16 nodes (budget 15, the chain's tile) and T = 32 (budget 31: 128 packed rows).
+    for t in (16, 32):
+        tile, warps = da._split_tile(t, 4, 128)
+        tile.update(MIN_CHUNK=da.MIN_CHUNK, LOWP_DOT=True, DOT_PREC="tf32")
+        add(f"verify_attention split Qwen3-8B tree T={t}", da._attn_split_kernel, att,
+            dict(HAS_TABLE=False, SLIDING=False, CAUSAL=False, HAS_BLOCK_LENS=False, HAS_QK_NORM=True, WRITE_KV=True,
+                 TREE=True, **tile), num_warps=warps, ints=dict(shape_ints(32, 8, 128, t), stride_dn=t, stride_mi=1))
     for sliding, (nh, d, b) in ((False, (32, 128, 16)), (True, (32, 128, 16)), (False, (9, 64, 8))):
         add(f"attention merge D={d} sliding={sliding}", da._merge_splits_kernel,
             dict(po_ptr=f32, pm_ptr=f32, pl_ptr=f32, out_ptr=bf, lens_ptr="*i64"),
@@ -213,6 +222,25 @@ def configs():
             dict(out_ptr=ptr, x_ptr=ptr, w_ptr=ptr), dict(LOWP_DOT=not fp32, DOT_PREC="ieee" if fp32 else "tf32",
                                                           **tile), num_warps=warps,
             ints=dict(M=m, K=4096, I=12288, stride_xm=4096, stride_wn=4096, stride_om=12288))
+
+    # Draft trees at budget 64 (T = 65) over a full Qwen3 draft vocabulary (151,936 ids: 75 splits of 2048).
+    add("build_tree top-K partial", tr._topk_partial_kernel, dict(z_ptr=bf, pval_ptr=f32, pidx_ptr="*i32",
+                                                                  stride_r="i64", stride_p="i64"), dict(BLOCK_V=2048))
+    add("build_tree top-K merge", tr._topk_merge_kernel,
+        dict(pval_ptr=f32, pidx_ptr="*i32", lse_ptr=f32, lp_ptr=f32, ids_ptr="*i32"), dict(BLOCK_SK=8192))
+    add("build_tree enumerate", tr._tree_enumerate_kernel,
+        dict(lp_ptr=f32, ids_ptr="*i32", anchor_ptr="*i64", vocab_ptr="*i64", tok_ptr="*i64", par_ptr="*i64",
+             dep_ptr="*i64"), dict(HAS_VOCAB=True, BLOCK_T=128))
+    add("tree_ancestor_mask", tr._ancestor_mask_kernel, dict(par_ptr="*i64", mask_ptr="*i64", stride_pr="i64"),
+        dict(BLOCK_T=128, BLOCK_W=2))
+    for sample in (False, True):
+        add(f"tree walk sample={sample}", tr._tree_walk_kernel,
+            dict(pval_ptr=f32, pidx_ptr="*i32", tok_ptr="*i64", par_ptr="*i64", path_ptr="*i64", acc_ptr="*i64",
+                 bonus_ptr="*i64", stride_tr="i64", stride_pr="i64"),
+            dict(SAMPLE=sample, BLOCK_REQ=16, BLOCK_T=128, BLOCK_S=32))
+    add("tree_compact", tr._tree_compact_kernel,
+        dict(k_ptr=bf, v_ptr=bf, path_ptr="*i64", acc_ptr="*i64", start_ptr="*i64", bidx_ptr="*i64",
+             stride_l="i64", stride_b="i64"), dict(HAS_BATCH_IDX=True, BLOCK_B=16, BLOCK_D=128))
     return out
 
 

@@ -12,7 +12,10 @@ import dflash_kernels
 from dflash_kernels import _ext
 
 OPS = ("fused_context", "inject_context_kv", "draft_attention", "verify_greedy", "verify_sample", "commit_round",
-       "verify_attention", "add_rms_norm", "silu_mul", "draft_round_setup")  # the order _round calls them in
+       "verify_attention", "add_rms_norm", "silu_mul", "draft_round_setup", "build_tree", "tree_ancestor_mask",
+       "tree_accept_greedy", "tree_accept_sample", "tree_compact")  # every registered op
+# The order _round calls them in (verify_attention twice: the chain, then a draft tree).
+CALLS = OPS[:10] + ("build_tree", "tree_ancestor_mask", "verify_attention") + OPS[12:]
 EXT_OK = _ext.status("cpu")[0]
 
 
@@ -54,6 +57,11 @@ def _state(device=None):
         anchor=torch.tensor([1, 2]), done=torch.tensor([False, False]), max_lengths=torch.tensor([8, 3]),
         target_k_cache=torch.randn(n, cap, kvh, d), target_v_cache=torch.randn(n, cap, kvh, d),
         stop_tokens=torch.tensor([19, -1]), residual=torch.randn(m, h), gate_up=torch.randn(m, 2 * h),
+        # A draft tree of budget 4 (T = 5 nodes) from the B-1 draft rows over a 6-id draft vocabulary.
+        draft_logits=torch.randn(n, b - 1, 6), vocab_ids=torch.tensor([3, 9, 0, 14, 7, 19]),
+        tree_q=torch.randn(n, 5, nh, d), tree_k=torch.randn(n, 5, kvh, d), tree_v=torch.randn(n, 5, kvh, d),
+        tree_logits=torch.randn(n, 5, v), tree_k_cache=torch.randn(layers, n, cap, kvh, d),
+        tree_v_cache=torch.randn(layers, n, cap, kvh, d),
     )
     s["draft"] = s["logits"].argmax(-1)[:, :-1].clone()
     s["draft"][1, 0] = (s["draft"][1, 0] + 1) % v
@@ -89,11 +97,25 @@ def _round(s, backend):
     setup = (torch.full((2, 3), -1), torch.full((2,), -1), torch.full((2,), -1))
     dflash_kernels.draft_round_setup(s["anchor"], s["pos"], num_new, s["max_lengths"], block=setup[0],
                                      context_start=setup[1], block_lens=setup[2], backend=backend)
-    return ctx, att, target, acc, bonus, sacc, stok, num_new, normed, act, *setup
+    tokens, parents, depths = dflash_kernels.build_tree(s["draft_logits"], s["anchor"], 4, vocab_ids=s["vocab_ids"],
+                                                        backend=backend)
+    mask = dflash_kernels.tree_ancestor_mask(parents, backend=backend)
+    tree_att = dflash_kernels.verify_attention(s["tree_q"], s["tree_k"], s["tree_v"], s["target_k_cache"],
+                                               s["target_v_cache"], s["cache_lens"], inv_freq=s["inv_freq"],
+                                               tree_depths=depths, tree_mask=mask, backend=backend)
+    path, tacc, tbonus = dflash_kernels.tree_accept_greedy(s["tree_logits"], tokens, parents, block_size=3,
+                                                           backend=backend)
+    spath, sacc_t, sbonus = dflash_kernels.tree_accept_sample(s["tree_logits"], tokens, parents, block_size=3,
+                                                              temperature=s["temperature"], top_k=s["top_k"],
+                                                              top_p=s["top_p"], seed=s["seed"], offset=s["offset"],
+                                                              backend=backend)
+    dflash_kernels.tree_compact(s["tree_k_cache"], s["tree_v_cache"], path, tacc, s["cache_lens"], backend=backend)
+    return (ctx, att, target, acc, bonus, sacc, stok, num_new, normed, act, tokens, parents, depths, mask, tree_att,
+            path, tacc, tbonus, spath, sacc_t, sbonus, *setup)
 
 
 MUTATED = ("k_cache", "v_cache", "target_k_cache", "target_v_cache", "out_tokens", "lengths", "pos", "anchor", "done",
-           "residual")
+           "residual", "tree_k_cache", "tree_v_cache")
 
 
 def _assert_same(a, b):
@@ -136,12 +158,15 @@ def test_schemas_and_mutations():
                        "verify_attention": ["k_cache", "v_cache"], "verify_greedy": [], "verify_sample": [],
                        "commit_round": ["anchor", "done", "lengths", "out_tokens", "positions"],
                        "add_rms_norm": ["out", "residual"], "silu_mul": [],
-                       "draft_round_setup": ["block", "block_lens", "context_start"]}
+                       "draft_round_setup": ["block", "block_lens", "context_start"], "build_tree": [],
+                       "tree_ancestor_mask": [], "tree_accept_greedy": [], "tree_accept_sample": [],
+                       "tree_compact": ["k_cache", "v_cache"]}
     args = {a.name: str(a.type) for a in schemas["draft_attention"].arguments}
     assert args["block_lens"] == "Optional[Tensor]" and args["backend"] == "str"
     assert args["q_norm_weight"] == args["k_norm_weight"] == "Optional[Tensor]"
     verify = {a.name: str(a.type) for a in schemas["verify_attention"].arguments}
     assert verify["q_norm_weight"] == "Optional[Tensor]" and verify["scale"] == "Optional[float]"
+    assert verify["tree_depths"] == verify["tree_mask"] == "Optional[Tensor]"
     sample = {a.name: str(a.type) for a in schemas["verify_sample"].arguments}
     assert all(sample[x] == "Tensor" for x in ("temperature", "top_k", "top_p", "seed", "offset"))
     assert {a.name: str(a.type) for a in schemas["commit_round"].arguments}["stop_tokens"] == "Optional[Tensor]"
@@ -155,7 +180,7 @@ def test_each_public_call_is_one_registered_op(backend):
     expected = _round(plain, backend)
     with Recorder() as rec:
         got = _round(recorded, backend)
-    assert [f.__name__ for f, _, _ in rec.calls] == [f"{name}.default" for name in OPS]
+    assert [f.__name__ for f, _, _ in rec.calls] == [f"{name}.default" for name in CALLS]
     _assert_same(expected, got)
     for k in MUTATED:
         assert torch.equal(plain[k], recorded[k]), k
@@ -253,7 +278,7 @@ def test_inference_mode_and_no_grad(mode, backend):
 
 def test_compile_fullgraph_no_graph_breaks():
     """torch.compile(fullgraph=True) of a round through every public op (backend "torch"): one graph that
-    holds the nine torch.ops.dflash ops, run with aot_eager (functionalized mutations) and equal to eager."""
+    holds every torch.ops.dflash call of the round, run with aot_eager (functionalized mutations) and equal to eager."""
     seen = []
 
     def backend_fn(gm, example_inputs):
@@ -272,5 +297,5 @@ def test_compile_fullgraph_no_graph_breaks():
         assert torch.equal(eager[k], compiled[k]), k
     assert len(seen) == 1
     dflash_ops = [str(t).split(".")[1] for t in seen[0] if str(t).startswith("dflash.")]  # dflash.<op>[.default]
-    assert sorted(dflash_ops) == sorted(OPS)
+    assert sorted(dflash_ops) == sorted(CALLS)
     torch._dynamo.reset()

@@ -204,8 +204,8 @@ def test_opcheck(backend):
     inv = _inv_freq(8)
     table, num_pages = random_block_table(2, 12, 4)
     kp, vp = to_paged(kc, table, num_pages, 4), to_paged(vc, table, num_pages, 4)
-    for args in ((q, k, v, kc, vc, cl, qw, kw, inv, 1.0, 1e-6, None, None, None, None, None, backend),
-                 (q, k, v, kp, vp, cl, None, None, inv, 1.1, 1e-6, 0.25, table, None, 2, 8, backend)):
+    for args in ((q, k, v, kc, vc, cl, qw, kw, inv, 1.0, 1e-6, None, None, None, None, None, None, None, backend),
+                 (q, k, v, kp, vp, cl, None, None, inv, 1.1, 1e-6, 0.25, table, None, 2, 8, None, None, backend)):
         torch.library.opcheck(torch.ops.dflash.verify_attention.default, args)
 
 

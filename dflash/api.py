@@ -12,7 +12,7 @@ import torch
 
 from dflash.draft import DraftModel
 from dflash.engine import cached_engine, graph_mode_for, unsupported_reason
-from dflash.reference import reference_generate
+from dflash.reference import MAX_TREE_BUDGET, distinct_prefixes, reference_generate
 from dflash.results import BatchResult, GenerateResult
 from dflash.sampling import SamplingParams
 from dflash.target import TargetAdapter, check_target
@@ -76,6 +76,25 @@ def check_prompt(target: TargetAdapter, draft: DraftModel, input_ids, max_new_to
     return input_ids.to(target.device, torch.long), block_size
 
 
+def check_tree_budget(tree_budget, block_size: int, draft: DraftModel, target: TargetAdapter) -> None:
+    """``tree_budget``: None (chain DFlash) or the number of non-root tree nodes, 1..64, that the draft
+    can fill from its B-1 block positions."""
+    if tree_budget is None:
+        return
+    if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or not 1 <= tree_budget <= MAX_TREE_BUDGET:
+        raise ValueError(f"tree_budget must be None (chain DFlash) or an integer in [1, {MAX_TREE_BUDGET}] "
+                         f"(tree nodes besides the root), got {tree_budget!r}")
+    if block_size < 2:
+        raise ValueError("tree_budget needs block_size >= 2: the tree grows from the draft's block positions "
+                         "1..B-1 and block_size=1 drafts none; pass tree_budget=None")
+    vocab = draft.config.draft_vocab_size or target.embed_weight.shape[0]
+    most = distinct_prefixes(block_size - 1, vocab)
+    if tree_budget > most:
+        raise ValueError(f"tree_budget={tree_budget} exceeds the {most} distinct token sequences a {vocab}-token "
+                         f"draft can propose at block_size={block_size}; pass tree_budget <= {most} or a larger "
+                         "block_size")
+
+
 def stop_list(stop_token_ids, what: str = "stop_token_ids") -> list[int]:
     """None, an int or a sequence of ints -> a list of ints."""
     if stop_token_ids is None:
@@ -136,6 +155,7 @@ def generate(
     kernel_backend: str | None = None,
     use_cuda_graphs: bool | str | None = None,
     on_tokens: Callable[[int, list[int]], None] | None = None,
+    tree_budget: int | None = None,
 ):
     """Speculative generation with a DFlash draft.
 
@@ -161,6 +181,11 @@ def generate(
         on_tokens: called as tokens are committed, with (request index, the new token ids): the first
             token after the prefill, then each round's tokens (for streaming output; the engine then
             reads the new tokens back once per round).
+        tree_budget: None = chain DFlash (verify the draft's argmax block). An integer N in 1..64 = tree
+            mode (DDTree): each round verifies a tree of the anchor plus the N most likely continuations
+            (best-first by the product of the draft's per-position probabilities, depth <= B-1) in one
+            target pass and commits the longest accepted root-to-node path plus the target's next token.
+            Same losslessness as the chain; needs block_size >= 2.
     Returns:
         :class:`GenerateResult` with ``.sequences`` [1, P + n] and ``.acceptance_lengths``; for batched
         input, a :class:`BatchResult` whose fields are per-request lists.
@@ -181,10 +206,11 @@ def generate(
         if given:
             raise ValueError(f"options {given} need backend='fast'")
         input_ids, block = check_prompt(target, draft, input_ids, max_new_tokens, block_size)
+        check_tree_budget(tree_budget, block, draft, target)
         stops = stop_list(stop_token_ids)
         with torch.inference_mode():
             return reference_generate(target, draft, input_ids, max_new_tokens, stops, sampling, block, seed,
-                                      on_tokens=on_tokens)
+                                      on_tokens=on_tokens, tree_budget=tree_budget)
 
     if reason is not None:
         raise ValueError(f"backend='fast' cannot run this pair: {reason}; use backend='reference'")
@@ -203,6 +229,7 @@ def generate(
         ids, block = check_prompt(target, draft, p, limits[r], block_size, max_batch=None)
         checked.append(ids[0])
         stops.append(stop_list(stop_token_ids[r] if per_request_stops else stop_token_ids))
+    check_tree_budget(tree_budget, block, draft, target)
     needed = max(p.shape[0] + m for p, m in zip(checked, limits))
     if max_length is None:
         max_length = -(-needed // 64) * 64
@@ -213,6 +240,6 @@ def generate(
     if limit is not None and needed > limit:
         raise ValueError(f"prompt + max_new_tokens = {needed} exceeds the target's max_position_embeddings {limit}")
     engine = cached_engine(target.model, draft, batch=n, capacity=max_length, block_size=block,
-                           kernel_backend=kernel_backend, use_cuda_graphs=use_cuda_graphs)
+                           kernel_backend=kernel_backend, use_cuda_graphs=use_cuda_graphs, tree_budget=tree_budget)
     results: list[GenerateResult] = engine.generate(checked, limits, stops, sampling, seed, on_tokens=on_tokens)
     return BatchResult(results) if batched else results[0]

@@ -15,6 +15,7 @@ BENCHMARKS = {
     "e2e": "e2e.py",
     "traffic": "traffic.py",
     "step-latency": "step_latency.py",
+    "tree": "tree.py",
 }
 # name -> ("module:function" taking the remaining arguments, help)
 SUBCOMMANDS = {

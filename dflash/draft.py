@@ -360,17 +360,30 @@ class DraftModel(nn.Module):
             logits = cap * torch.tanh(logits / cap)
         return logits
 
-    def propose(self, hidden: torch.Tensor, output_head, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Greedy proposals as target token ids [b, q-1] from the final-normed hidden states of all q block
-        rows: rows 1..q-1 (z-lab: row i predicts position start+i), or rows 0..q-2 for
-        ``sample_from_anchor`` drafts (row i predicts position start+i+1). ``out``: an int64 [b, q-1]
-        tensor to write them into (no extra copy) and return."""
+    @property
+    def vocab_ids(self) -> torch.Tensor | None:
+        """Target token id of each draft logit ([V'] int64) for a draft vocabulary subset, else None."""
+        return getattr(self, DRAFT_TOKEN_IDS) if self.config.draft_vocab_size is not None else None
+
+    def block_logits(self, hidden: torch.Tensor, output_head) -> torch.Tensor:
+        """The draft's logits [b, q-1, V'] for block positions 1..q-1 from the final-normed hidden states of
+        all q block rows: rows 1..q-1 (z-lab: row i predicts position start+i), or rows 0..q-2 for
+        ``sample_from_anchor`` drafts (row i predicts position start+i+1). With a draft vocabulary subset,
+        logit j scores target token ``vocab_ids[j]``. Chain decoding takes their argmax (:meth:`propose`);
+        tree decoding builds its tree from all of them (``dflash_kernels.build_tree``)."""
         rows = hidden[:, :-1] if self.config.sample_from_anchor else hidden[:, 1:]
         if self.config.draft_vocab_size is None:
             rows = rows.to(output_head.weight.dtype)
-            return torch.argmax(self.compute_logits(rows, output_head), dim=-1, out=out)
-        ids = torch.argmax(self.compute_logits(rows, output_head), dim=-1)
-        table = getattr(self, DRAFT_TOKEN_IDS)
+        return self.compute_logits(rows, output_head)
+
+    def propose(self, hidden: torch.Tensor, output_head, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy proposals as target token ids [b, q-1]: the argmax of :meth:`block_logits`. ``out``: an
+        int64 [b, q-1] tensor to write them into (no extra copy) and return."""
+        logits = self.block_logits(hidden, output_head)
+        if self.config.draft_vocab_size is None:
+            return torch.argmax(logits, dim=-1, out=out)
+        ids = torch.argmax(logits, dim=-1)
+        table = self.vocab_ids
         if out is None:
             return table[ids]
         return torch.index_select(table, 0, ids.view(-1), out=out.view(-1)).view(out.shape)

@@ -26,6 +26,15 @@ q/k norm + RoPE fused (split + merge), o_proj, add_rms_norm, merged gate/up GEMM
                the block's K/V into the target cache; taps into a buffer), verify_greedy /
                verify_sample, commit_round (tokens, lengths, positions, anchor, stop and length
                limits, done flags).
+
+Tree mode (``tree_budget=N``, DDTree): the draft step keeps the block's logits instead of their argmax;
+the verify step builds each request's tree of T = N + 1 nodes from them (build_tree, then its ancestor
+bitmask), runs the lean target over the T nodes (node i at position positions[r] + depth, its K/V
+written at cache row positions[r] + i, attending to the live rows and its ancestors), walks it
+(tree_accept_greedy / tree_accept_sample), moves the accepted path's K/V rows to consecutive rows
+(tree_compact), gathers the path's tapped features for the draft, and commits the path's tokens with
+the same commit_round. All shapes stay static ([batch, T] trees, [batch, B] paths), nothing is read
+on the host.
 """
 from __future__ import annotations
 
@@ -42,8 +51,8 @@ from dflash.merged_linear import merged_weight
 from dflash.results import GenerateResult, device_clock
 from dflash.sampling import GREEDY_EPS, SamplingParams, sample
 from dflash_kernels import (
-    add_rms_norm, commit_round, draft_attention, draft_round_setup, fused_context, inject_context_kv, silu_mul,
-    verify_greedy, verify_sample,
+    add_rms_norm, build_tree, commit_round, draft_attention, draft_round_setup, fused_context, inject_context_kv,
+    silu_mul, tree_accept_greedy, tree_accept_sample, tree_ancestor_mask, tree_compact, verify_greedy, verify_sample,
 )
 
 
@@ -73,7 +82,7 @@ class DFlashEngine:
 
     def __init__(self, target_model, draft: DraftModel, *, batch: int, capacity: int, block_size: int,
                  kernel_backend: str | None = None, use_cuda_graphs: bool | str | None = None,
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = 512, tree_budget: int | None = None):
         check_lean_target(target_model)
         cfg = draft.config
         if cfg.attention_bias:
@@ -89,8 +98,11 @@ class DFlashEngine:
         self.commit_backend = "auto" if self.backend == "triton" else self.backend
         self.graph_mode = graph_mode_for(use_cuda_graphs, device)
         self.use_draft = block_size > 1
-        # Rows beyond a request's length are scratch for one block: capacity + B keeps them in bounds.
-        rows = capacity + block_size
+        self.tree_budget = tree_budget  # None: chain rounds; N: trees of N + 1 nodes (validated by generate)
+        # Rows beyond a request's length are scratch for one verified block (B rows, or a tree's T = N + 1)
+        # and one drafted block: capacity + that keeps them in bounds.
+        self.scratch_rows = block_size if tree_budget is None else max(block_size, tree_budget + 1)
+        rows = capacity + self.scratch_rows
         self.target = LeanTarget(target_model, cfg.target_layer_ids if self.use_draft else [],
                                  batch=batch, capacity=rows, backend=self.backend)
         dtype = draft.fc.weight.dtype
@@ -116,6 +128,10 @@ class DFlashEngine:
         self.context_start = torch.zeros(batch, **long)  # written by draft_round_setup at each draft step
         self.block_lens = torch.zeros(batch, **long)
         self.proposals = torch.zeros(batch, B - 1, **long)
+        if tree_budget is not None:  # the draft's block logits (the LM head's dtype, or the draft's for a subset)
+            vocab = cfg.draft_vocab_size or target_model.lm_head.weight.shape[0]
+            logits_dtype = dtype if cfg.draft_vocab_size else target_model.lm_head.weight.dtype
+            self.draft_logits = torch.zeros(batch, B - 1, vocab, dtype=logits_dtype, device=device)
         self.draft_block = torch.full((batch, B), cfg.mask_token_id if self.use_draft else 0, **long)  # [anchor, MASK...]
         self.features = torch.zeros(batch, B, cfg.num_taps * cfg.hidden_size, dtype=dtype, device=device)
         # Input rows of every draft layer's merged QKV GEMM: the block's normed rows (rows [0, batch*B), written
@@ -132,7 +148,7 @@ class DFlashEngine:
         # Host-side settings of the current call; each combination is its own captured step.
         self.sampling = SamplingParams()
         self.stop_width = 0
-        self.kv_bound = 0  # host-side bound on positions + B, grown by B per round (no sync)
+        self.kv_bound = 0  # host-side bound on positions + scratch rows, grown by B per round (no sync)
         self.graphs: dict[tuple, object] = {}
 
     # ------------------------------------------------------------------ setup per generation
@@ -208,8 +224,8 @@ class DFlashEngine:
 
     def _reset_kv_bound(self, longest: int) -> None:
         """Attention bound for the next round: captured steps need static shapes, so the whole cache;
-        eagerly, the longest request's rows plus a block (grown by B per round)."""
-        self.kv_bound = self.capacity + self.block_size if self.graph_mode else longest + self.block_size
+        eagerly, the longest request's rows plus the scratch rows (grown by B per round)."""
+        self.kv_bound = self.capacity + self.scratch_rows if self.graph_mode else longest + self.scratch_rows
 
     def _inject(self, li: int, kv: torch.Tensor, cu_lens, cache_lens, cache_batch_idx=None):
         """Layer ``li``'s context rows into its cache; ``kv`` [M, 2*kvH*D] holds their k_proj and v_proj columns."""
@@ -258,24 +274,47 @@ class DFlashEngine:
             x = add_rms_norm(delta, norm.weight, norm.eps, residual=h, backend=self.backend)
             delta = layer.mlp.down_proj(silu_mul(F.linear(x, self.gate_up[li]), backend=self.backend))
         x = add_rms_norm(delta, draft.norm.weight, draft.norm.eps, residual=h, backend=self.backend)
-        draft.propose(x, self.target_model.lm_head, out=self.proposals)
+        if self.tree_budget is None:
+            draft.propose(x, self.target_model.lm_head, out=self.proposals)
+        else:  # tree mode: the verify step builds the tree from all of the block's logits
+            self.draft_logits.copy_(draft.block_logits(x, self.target_model.lm_head))
 
     def verify_step(self) -> None:
-        """Target forward over [anchor, proposals], acceptance, commit."""
-        block = torch.cat([self.anchor[:, None], self.proposals], dim=1)
-        logits, feats = self.target.forward(block, self.positions, self.kv_bound)
-        if self.sampling.greedy:
-            accepted, bonus = verify_greedy(logits, self.proposals, backend=self.backend)
+        """Target forward over [anchor, proposals] (or the draft tree), acceptance, commit."""
+        filtered = self.sampling.filtered  # filters off: no threshold pass over the vocabulary
+        sample_args = dict(temperature=self.temperature, top_k=self.top_k if filtered else 0,
+                           top_p=self.top_p if filtered else 1.0, seed=self.seed, offset=self.offset,
+                           backend=self.backend)
+        if self.tree_budget is None:
+            block = torch.cat([self.anchor[:, None], self.proposals], dim=1)
+            logits, feats = self.target.forward(block, self.positions, self.kv_bound)
+            if self.sampling.greedy:
+                accepted, bonus = verify_greedy(logits, self.proposals, backend=self.backend)
+            else:
+                accepted, bonus = verify_sample(logits, self.proposals, **sample_args)
+            if feats is not None:
+                self.features.copy_(feats)
+            path_tokens = self.proposals
         else:
-            filtered = self.sampling.filtered  # filters off: no threshold pass over the vocabulary
-            accepted, bonus = verify_sample(logits, self.proposals, temperature=self.temperature,
-                                            top_k=self.top_k if filtered else 0,
-                                            top_p=self.top_p if filtered else 1.0,
-                                            seed=self.seed, offset=self.offset, backend=self.backend)
+            B = self.block_size
+            tokens, parents, depths = build_tree(self.draft_logits, self.anchor, self.tree_budget,
+                                                 vocab_ids=self.draft.vocab_ids, backend=self.backend)
+            ancestors = tree_ancestor_mask(parents, backend=self.backend)
+            logits, feats = self.target.forward(tokens, self.positions, self.kv_bound, tree=(depths, ancestors))
+            if self.sampling.greedy:
+                path, accepted, bonus = tree_accept_greedy(logits, tokens, parents, block_size=B,
+                                                           backend=self.backend)
+            else:
+                path, accepted, bonus = tree_accept_sample(logits, tokens, parents, block_size=B, **sample_args)
+            # The path's nodes (node i was written at row positions + i) move to rows positions + depth.
+            tree_compact(self.target.k_cache, self.target.v_cache, path, accepted, self.positions,
+                         backend=self.backend)
+            nodes = path.clamp(min=0)  # -1 past the accepted depth: any node, those rows are never committed
+            self.features.copy_(feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1])))
+            path_tokens = tokens.gather(1, nodes[:, 1:])
+        if not self.sampling.greedy:
             self.offset.add_(1)
-        if feats is not None:
-            self.features.copy_(feats)
-        self.num_new.copy_(commit_round(self.proposals, accepted, bonus, out_tokens=self.out_tokens,
+        self.num_new.copy_(commit_round(path_tokens, accepted, bonus, out_tokens=self.out_tokens,
                                         lengths=self.lengths, positions=self.positions, anchor=self.anchor,
                                         done=self.done, max_lengths=self.max_lengths,
                                         stop_tokens=self.stop_tables.get(self.stop_width),
@@ -310,13 +349,14 @@ class DFlashEngine:
         t1 = device_clock(self.device)
         self.run_step("verify")
         t2 = device_clock(self.device)
-        self.kv_bound = min(self.kv_bound + self.block_size, self.capacity + self.block_size)
+        self.kv_bound = min(self.kv_bound + self.block_size, self.capacity + self.scratch_rows)
         return t1 - t0, t2 - t1
 
     def mutable_state(self) -> list[torch.Tensor]:
         """The buffers a step writes (besides the caches' scratch rows beyond each request's length)."""
-        return [self.out_tokens, self.lengths, self.positions, self.anchor, self.done, self.num_new,
-                self.proposals, self.features, self.offset]
+        state = [self.out_tokens, self.lengths, self.positions, self.anchor, self.done, self.num_new,
+                 self.proposals, self.features, self.offset]
+        return state if self.tree_budget is None else state + [self.draft_logits]
 
     def generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: Sequence[int], stops: Sequence[list[int]],
                  sampling: SamplingParams, seed: int, on_tokens=None) -> list[GenerateResult]:

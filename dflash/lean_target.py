@@ -74,7 +74,8 @@ class LeanTarget:
         self.capacity = capacity
 
     def forward(self, input_ids: torch.Tensor, start: torch.Tensor, kv_bound: int,
-                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                rows: torch.Tensor | None = None, tree: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``q`` new tokens per request.
 
         Args:
@@ -82,6 +83,10 @@ class LeanTarget:
             start: [N] int64 on the device: cached tokens per request (= position of the first new token).
             kv_bound: host-side upper bound on ``start + q`` over requests (static per call site, no sync).
             rows: [N] int64 cache rows of the requests (default 0..N-1).
+            tree: None (the q tokens are a causal chain) or a draft tree ``(depths [N, q], ancestor bitmask
+                [N, q, ceil(q/64)])`` (``build_tree``, ``tree_ancestor_mask``): token i sits at position
+                ``start[n] + depths[n, i]``, its K/V at cache row ``start[n] + i``, and it attends to the
+                cached rows and its ancestors.
         Returns:
             logits [N, q, V] and the tapped features [N, q, T*H] (None when there are no taps).
         """
@@ -114,7 +119,9 @@ class LeanTarget:
                                  None if qn is None else qn.weight, None if kn is None else kn.weight,
                                  inv_freq=self.inv_freq, attention_scaling=self.attention_scaling,
                                  eps=qn.variance_epsilon if qn is not None else 1e-6, scale=attn.scaling,
-                                 cache_batch_idx=rows, max_context_len=kv_bound, backend=attn_backend)
+                                 cache_batch_idx=rows, max_context_len=kv_bound, backend=attn_backend,
+                                 tree_depths=None if tree is None else tree[0],
+                                 tree_mask=None if tree is None else tree[1])
             delta = attn.o_proj(o.view(n, q, nh * d))
             norm = layer.post_attention_layernorm
             x = add_rms_norm(delta, norm.weight, norm.variance_epsilon, residual=h, backend=self.backend)

@@ -13,6 +13,18 @@ loop. Per round (block size B, ``start`` = position of the anchor, the last comm
    lossless one-hot rule when sampling) and ``commit_round`` (stop tokens, length limit);
 4. the target cache is cropped to the committed tokens, the draft cache holds context rows only,
    and the features of the committed rows become the next round's new context.
+
+Tree rounds (``tree_budget=N``, DDTree) change steps 1-4 only where the block becomes a tree:
+
+1. the draft pass is the same; ``draft.block_logits`` (all v-1 rows, not their argmax) and the anchor
+   go to ``build_tree``: the root plus the N best continuations of depth <= v-1 (fewer when v-1
+   positions allow fewer distinct sequences; the root alone when v = 1);
+2. the target scores every node in one forward: node i at position ``start + depth[i]``, attending to
+   the cached rows and to its ancestors and itself only (a 4-D attention mask);
+3. ``tree_accept_greedy`` / ``tree_accept_sample`` walk the tree (the child equal to the target's token
+   while one exists) -> the accepted path and the bonus; ``commit_round`` gets the path's tokens;
+4. the target cache keeps exactly the committed path's K/V rows, now at consecutive positions, and the
+   path's features become the next round's new context.
 """
 from __future__ import annotations
 
@@ -23,14 +35,45 @@ from dflash.draft import DraftKVCache, DraftModel
 from dflash.results import GenerateResult, device_clock
 from dflash.sampling import SamplingParams, sample
 from dflash.target import TargetAdapter
-from dflash_kernels import commit_round, verify_greedy, verify_sample
+from dflash_kernels import (
+    build_tree, commit_round, tree_accept_greedy, tree_accept_sample, verify_greedy, verify_sample,
+)
+
+MAX_TREE_BUDGET = 64  # tree nodes besides the root: the verify kernels hold up to 65 block rows
+
+
+def distinct_prefixes(depth: int, vocab: int, cap: int = MAX_TREE_BUDGET + 1) -> int:
+    """How many token sequences of length 1..``depth`` a ``vocab``-token draft can propose, counted up to
+    ``cap``: the most non-root nodes a draft tree over ``depth`` block positions can have."""
+    total, level = 0, 1
+    for _ in range(depth):
+        level *= vocab
+        total += level
+        if total >= cap:
+            return cap
+    return total
+
+
+def tree_attention_mask(parents: torch.Tensor, cached: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [1, 1, T, cached + T] for one tree (``parents`` [T], parents before children): node i
+    sees the ``cached`` rows and the nodes on its root path, itself included."""
+    T = parents.shape[0]
+    sees = torch.zeros(T, T, dtype=torch.bool, device=parents.device)
+    for i, p in enumerate(parents.tolist()):
+        if p >= 0:
+            sees[i] = sees[p]
+        sees[i, i] = True
+    sees = torch.cat([sees.new_ones(T, cached), sees], dim=1)
+    mask = torch.zeros(sees.shape, dtype=dtype, device=parents.device)
+    return mask.masked_fill_(~sees, torch.finfo(dtype).min)[None, None]
 
 
 def reference_generate(target: TargetAdapter, draft: DraftModel, input_ids: torch.Tensor, max_new_tokens: int,
                        stops: list[int], sampling: SamplingParams, block_size: int, seed: int,
-                       on_tokens=None) -> GenerateResult:
+                       on_tokens=None, tree_budget: int | None = None) -> GenerateResult:
     """One request ``input_ids`` [1, P] (validated by :func:`dflash.generate`); ``seed`` keys every random draw;
-    ``on_tokens(0, ids)`` is called with each round's committed tokens (the first token included)."""
+    ``on_tokens(0, ids)`` is called with each round's committed tokens (the first token included);
+    ``tree_budget``: None = chain rounds, N = tree rounds of N nodes besides the root."""
     from transformers import DynamicCache
 
     device = target.device
@@ -72,6 +115,7 @@ def reference_generate(target: TargetAdapter, draft: DraftModel, input_ids: torc
         verify_len = min(block_size, max_length - start)
         block = torch.full((1, verify_len), mask_id, **long)
         block[0, 0] = anchor[0]
+        draft_logits = None
         if verify_len > 1:
             ta = device_clock(device)
             cached = draft_cache.get_seq_length()
@@ -83,26 +127,58 @@ def reference_generate(target: TargetAdapter, draft: DraftModel, input_ids: torc
                 past_key_values=draft_cache,
             )
             draft_cache.crop(start)
-            block[:, 1:] = draft.propose(hidden, target.lm_head)
+            if tree_budget is None:
+                block[:, 1:] = draft.propose(hidden, target.lm_head)
+            else:
+                draft_logits = draft.block_logits(hidden, target.lm_head)
             result.draft_time += device_clock(device) - ta
         tv = device_clock(device)
-        verify = target.forward(block, positions[:, start:start + verify_len], target_cache, with_features=use_draft)
-        proposals = block[:, 1:]
-        if sampling.greedy:
-            accepted, bonus = verify_greedy(verify.logits, proposals, backend="torch")
+        offset = len(result.acceptance_lengths)
+        if tree_budget is None:
+            verify = target.forward(block, positions[:, start:start + verify_len], target_cache,
+                                    with_features=use_draft)
+            proposals = block[:, 1:]
+            if sampling.greedy:
+                accepted, bonus = verify_greedy(verify.logits, proposals, backend="torch")
+            else:
+                accepted, bonus = verify_sample(verify.logits, proposals, temperature=sampling.temperature,
+                                                top_k=sampling.top_k, top_p=sampling.top_p, seed=seed,
+                                                offset=offset, backend="torch")
+            path = torch.arange(verify_len, **long)[None]  # the block is the path: row d at depth d
         else:
-            accepted, bonus = verify_sample(verify.logits, proposals, temperature=sampling.temperature,
-                                            top_k=sampling.top_k, top_p=sampling.top_p, seed=seed,
-                                            offset=len(result.acceptance_lengths), backend="torch")
+            if draft_logits is None:  # v = 1: the tree is the root alone
+                tokens, parents, depths = anchor[:, None], torch.full((1, 1), -1, **long), torch.zeros((1, 1), **long)
+            else:
+                budget = min(tree_budget, distinct_prefixes(verify_len - 1, draft_logits.shape[-1]))
+                tokens, parents, depths = build_tree(draft_logits, anchor, budget, vocab_ids=draft.vocab_ids,
+                                                     backend="torch")
+            mask = tree_attention_mask(parents[0], start, target.embed_weight.dtype)
+            verify = target.forward(tokens, start + depths, target_cache, with_features=use_draft,
+                                    attention_mask=mask)
+            if sampling.greedy:
+                path, accepted, bonus = tree_accept_greedy(verify.logits, tokens, parents, block_size=verify_len,
+                                                           backend="torch")
+            else:
+                path, accepted, bonus = tree_accept_sample(verify.logits, tokens, parents, block_size=verify_len,
+                                                           temperature=sampling.temperature, top_k=sampling.top_k,
+                                                           top_p=sampling.top_p, seed=seed, offset=offset,
+                                                           backend="torch")
+            proposals = tokens.gather(1, path[:, 1:].clamp(min=0))  # the path's tokens (padding beyond it)
         committed = int(commit_round(proposals, accepted, bonus, out_tokens=out_tokens, lengths=lengths,
                                      positions=position, anchor=anchor, done=done, max_lengths=max_lengths,
                                      stop_tokens=stop_table, backend="torch")[0])
-        # Keep the committed tokens' K/V (DynamicCache.crop(-n) drops the last n positions).
-        rejected = verify_len - committed
-        if rejected > 0:
-            target_cache.crop(-rejected)
+        # Keep the committed rows' K/V: the anchor's and the accepted path's, now at consecutive positions
+        # start .. start + committed - 1 (a chain block's rows already are).
+        kept = path[0, :committed]
+        if tree_budget is None:
+            if verify_len > committed:
+                target_cache.crop(-(verify_len - committed))
+        else:
+            rows = torch.cat([torch.arange(start, **long), start + kept])
+            for layer in target_cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, rows], layer.values[:, :, rows]
         if use_draft:
-            context = verify.features[:, :committed]
+            context = verify.features[:, kept]
         result.verify_time += device_clock(device) - tv
         result.acceptance_lengths.append(committed)
         if on_tokens is not None:

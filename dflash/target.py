@@ -76,10 +76,12 @@ class TargetAdapter:
         *,
         with_features: bool,
         logits_to_keep: int = 0,
+        attention_mask: torch.Tensor | None = None,
     ) -> TargetOutput:
         """input_ids/position_ids [b, n]; appends to ``past_key_values`` (a ``DynamicCache``).
 
-        ``logits_to_keep=0`` returns logits for every row, k > 0 for the last k rows."""
+        ``logits_to_keep=0`` returns logits for every row, k > 0 for the last k rows. ``attention_mask``:
+        None = causal, or an additive [b, 1, n, cached + n] mask (tree verification)."""
         captured: dict[int, torch.Tensor] = {}
         handles = []
         if with_features:
@@ -97,6 +99,7 @@ class TargetAdapter:
                 input_ids=input_ids,
                 position_ids=position_ids,
                 past_key_values=past_key_values,
+                attention_mask=attention_mask,
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
             )

@@ -1,0 +1,121 @@
+"""Chain vs tree DFlash (issue 14) on the SmolLM2 demo pair on this machine: τ and tokens/s, one run.
+
+Target SmolLM2-135M-Instruct and the shipped draft (dflash/assets/smollm2-135m-dflash, B = 8), fp32,
+greedy, ``dflash.generate`` with the default backend (the engine). Prompts: the held-out evaluation
+prompts of the generators that trained the draft (``dflash.train.prompts.eval_prompts``, the eval side
+of the hash split; the model card's τ is measured on them), chat template applied, the demo's stop tokens.
+
+Every configuration (the chain, then ``tree_budget`` = each budget) decodes every prompt once per rep;
+per prompt the configurations run back to back in an order rotated by prompt and rep, so a slow spell
+of a shared machine hits all of them alike. Reported per configuration: τ pooled over the prompts
+(generated tokens / rounds; greedy, so the same in every rep), tokens/s end to end (prefill included)
+over all prompts, median and range over reps, its ratio to the chain's, the per-round draft and verify
+milliseconds (medians over reps), and whether every output equals the chain's (it must: both are the
+target's greedy output). One warm-up call per configuration first.
+
+Usage: python bench/tree.py [--budgets 4,8,16,32,64] [--prompts 6] [--max-new-tokens 96] [--reps 2]
+       [--threads 2] [--out FILE.md]       (``dflash bench tree`` runs this file)
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import torch  # noqa: E402
+
+DRAFT = Path(__file__).resolve().parents[1] / "dflash" / "assets" / "smollm2-135m-dflash"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--budgets", default="4,8,16,32,64", help="tree budgets, comma-separated")
+    ap.add_argument("--prompts", type=int, default=6, help="held-out prompts (eval_prompts(n))")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=None, help="B (default: the draft's)")
+    ap.add_argument("--out", default=None, help="also write the markdown table to this file")
+    args = ap.parse_args(argv)
+
+    from dflash import generate, smollm2
+    from dflash.model import DFlashDraftModel
+    from dflash.train.prompts import eval_prompts
+
+    reason = smollm2.unavailable_reason()
+    if reason:
+        print(f"bench/tree.py: {reason}", file=sys.stderr)
+        return 1
+    torch.set_num_threads(args.threads)
+    target, tok = smollm2.load(verbose=False)
+    draft = DFlashDraftModel.from_pretrained(str(DRAFT), dtype=torch.float32)
+    stops = smollm2.stop_token_ids(tok)
+    prompts = eval_prompts(args.prompts)
+    inputs = [torch.tensor([tok(smollm2.chat_prompt(tok, p), add_special_tokens=False)["input_ids"]]) for p in prompts]
+    configs: list[int | None] = [None] + common.parse_ints(args.budgets)
+    name = {c: "chain" if c is None else f"tree {c}" for c in configs}
+
+    def run(ids, budget, max_new):
+        return generate(target, draft, ids, max_new, stop_token_ids=stops, block_size=args.block_size,
+                        tree_budget=budget)
+
+    for c in configs:  # warm-up: engine buffers, first-call costs
+        run(inputs[0], c, 8)
+    # stats[config][rep] = [tokens, rounds, total s, draft s, verify s]
+    stats = {c: [[0, 0, 0.0, 0.0, 0.0] for _ in range(args.reps)] for c in configs}
+    outputs: dict = {}
+    t_start = time.perf_counter()
+    for rep in range(args.reps):
+        for i, ids in enumerate(inputs):
+            shift = (rep + i) % len(configs)
+            for c in configs[shift:] + configs[:shift]:
+                res = run(ids, c, args.max_new_tokens)
+                s = stats[c][rep]
+                s[0] += res.num_generated_tokens
+                s[1] += len(res.acceptance_lengths)
+                s[2] += res.total_time
+                s[3] += res.draft_time
+                s[4] += res.verify_time
+                outputs.setdefault((c, i), res.sequences)
+                if not torch.equal(outputs[(c, i)], res.sequences):
+                    raise AssertionError(f"{name[c]}: prompt {i} decoded differently in rep {rep}")
+            print(f"[tree bench] rep {rep + 1}/{args.reps} prompt {i + 1}/{len(inputs)} "
+                  f"({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+
+    rows = []
+    chain_tps = None
+    for c in configs:
+        reps = stats[c]
+        tokens, rounds = reps[0][0], reps[0][1]
+        tps = [r[0] / r[2] for r in reps]
+        med = statistics.median(tps)
+        chain_tps = med if c is None else chain_tps
+        identical = all(torch.equal(outputs[(c, i)], outputs[(None, i)]) for i in range(len(inputs)))
+        rows.append({
+            "decoding": name[c], "tokens": tokens, "rounds": rounds, "tau": round(tokens / rounds, 3),
+            "tok_s": f"{med:.2f} ({min(tps):.2f}-{max(tps):.2f})", "vs_chain": f"{med / chain_tps:.2f}x",
+            "draft_ms_round": round(statistics.median(1e3 * r[3] / r[1] for r in reps), 1),
+            "verify_ms_round": round(statistics.median(1e3 * r[4] / r[1] for r in reps), 1),
+            "identical_to_chain": "yes" if identical else "NO",
+        })
+    columns = ["decoding", "tokens", "rounds", "tau", "tok_s", "vs_chain", "draft_ms_round", "verify_ms_round",
+               "identical_to_chain"]
+    env = common.environment(torch.device("cpu"))
+    head = (f"SmolLM2-135M + shipped draft (B = {args.block_size or draft.config.block_size}), greedy, "
+            f"{len(inputs)} held-out prompts, max {args.max_new_tokens} new tokens, {args.reps} reps, "
+            f"{args.threads} threads; {env['hardware']}, torch {env['torch']}, commit {env['commit']}, {env['date']}")
+    table = common.table(rows, columns, markdown=True)
+    print(head)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(head + "\n\n" + table + "\n", encoding="utf-8")
+    return 0 if all(r["identical_to_chain"] == "yes" for r in rows) else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

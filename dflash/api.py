@@ -12,10 +12,11 @@ import torch
 
 from dflash.draft import DraftModel
 from dflash.engine import cached_engine, graph_mode_for, unsupported_reason
-from dflash.reference import MAX_TREE_BUDGET, distinct_prefixes, reference_generate
+from dflash.reference import MAX_TREE_BUDGET, reference_generate
 from dflash.results import BatchResult, GenerateResult
 from dflash.sampling import SamplingParams
 from dflash.target import TargetAdapter, check_target
+from dflash_kernels import distinct_prefixes
 
 BACKENDS = ("auto", "fast", "reference")
 
@@ -88,7 +89,7 @@ def check_tree_budget(tree_budget, block_size: int, draft: DraftModel, target: T
         raise ValueError("tree_budget needs block_size >= 2: the tree grows from the draft's block positions "
                          "1..B-1 and block_size=1 drafts none; pass tree_budget=None")
     vocab = draft.config.draft_vocab_size or target.embed_weight.shape[0]
-    most = distinct_prefixes(block_size - 1, vocab)
+    most = distinct_prefixes(block_size - 1, vocab, MAX_TREE_BUDGET + 1)
     if tree_budget > most:
         raise ValueError(f"tree_budget={tree_budget} exceeds the {most} distinct token sequences a {vocab}-token "
                          f"draft can propose at block_size={block_size}; pass tree_budget <= {most} or a larger "

@@ -36,22 +36,11 @@ from dflash.results import GenerateResult, device_clock
 from dflash.sampling import SamplingParams, sample
 from dflash.target import TargetAdapter
 from dflash_kernels import (
-    build_tree, commit_round, tree_accept_greedy, tree_accept_sample, verify_greedy, verify_sample,
+    build_tree, commit_round, distinct_prefixes, tree_accept_greedy, tree_accept_sample, verify_greedy,
+    verify_sample,
 )
 
 MAX_TREE_BUDGET = 64  # tree nodes besides the root: the verify kernels hold up to 65 block rows
-
-
-def distinct_prefixes(depth: int, vocab: int, cap: int = MAX_TREE_BUDGET + 1) -> int:
-    """How many token sequences of length 1..``depth`` a ``vocab``-token draft can propose, counted up to
-    ``cap``: the most non-root nodes a draft tree over ``depth`` block positions can have."""
-    total, level = 0, 1
-    for _ in range(depth):
-        level *= vocab
-        total += level
-        if total >= cap:
-            return cap
-    return total
 
 
 def tree_attention_mask(parents: torch.Tensor, cached: int, dtype: torch.dtype) -> torch.Tensor:
@@ -149,7 +138,8 @@ def reference_generate(target: TargetAdapter, draft: DraftModel, input_ids: torc
             if draft_logits is None:  # v = 1: the tree is the root alone
                 tokens, parents, depths = anchor[:, None], torch.full((1, 1), -1, **long), torch.zeros((1, 1), **long)
             else:
-                budget = min(tree_budget, distinct_prefixes(verify_len - 1, draft_logits.shape[-1]))
+                budget = min(tree_budget, distinct_prefixes(verify_len - 1, draft_logits.shape[-1],
+                                                             MAX_TREE_BUDGET + 1))
                 tokens, parents, depths = build_tree(draft_logits, anchor, budget, vocab_ids=draft.vocab_ids,
                                                      backend="torch")
             mask = tree_attention_mask(parents[0], start, target.embed_weight.dtype)

@@ -34,7 +34,8 @@ from dflash_kernels.commit import commit_round, commit_round_reference, draft_ro
 __all__ += ["commit_round", "commit_round_reference", "draft_round_setup", "add_rms_norm", "silu_mul",
             "gate_up_silu"]
 from dflash_kernels.tree import (  # noqa: E402
-    build_tree, tree_accept_greedy, tree_accept_sample, tree_ancestor_mask, tree_compact,
+    build_tree, distinct_prefixes, tree_accept_greedy, tree_accept_sample, tree_ancestor_mask, tree_compact,
 )
 
-__all__ += ["build_tree", "tree_ancestor_mask", "tree_accept_greedy", "tree_accept_sample", "tree_compact"]
+__all__ += ["build_tree", "distinct_prefixes", "tree_ancestor_mask", "tree_accept_greedy", "tree_accept_sample",
+            "tree_compact"]

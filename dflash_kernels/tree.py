@@ -50,14 +50,16 @@ def draft_log_normalizer(draft_logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(draft_logits.to(torch.float32), dim=-1)
 
 
-def _distinct_prefixes_at_least(vocab: int, depth: int, budget: int) -> bool:
+def distinct_prefixes(depth: int, vocab: int, cap: int) -> int:
+    """How many token sequences of length 1..``depth`` a ``vocab``-token draft can propose, counted up to
+    ``cap``: the most non-root nodes a draft tree over ``depth`` block positions can have."""
     total, level = 0, 1
     for _ in range(depth):
         level *= vocab
         total += level
-        if total >= budget:
-            return True
-    return False
+        if total >= cap:
+            return cap
+    return total
 
 
 def _validate_build(op, draft_logits, anchor, budget, vocab_ids):
@@ -72,7 +74,7 @@ def _validate_build(op, draft_logits, anchor, budget, vocab_ids):
                          f"{tuple(anchor.shape)}")
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"{op}: budget must be an int >= 1 (non-root tree nodes), got {budget!r}")
-    if v < 1 or not _distinct_prefixes_at_least(v, p, budget):
+    if v < 1 or distinct_prefixes(p, v, budget) < budget:
         raise ValueError(f"{op}: budget={budget} exceeds the number of distinct prefixes of draft_logits "
                          f"{tuple(draft_logits.shape)} (sum of V'^d for d = 1..B-1); lower the budget")
     if vocab_ids is not None:

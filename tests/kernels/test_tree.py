@@ -371,6 +371,10 @@ def test_sampled_walk_is_the_targets_distribution(backend):
     tokens = torch.tensor([9, 2, 4, 1, 2, 5])
     parents = torch.tensor([-1, 0, 0, 1, 1, 2])             # root: children 2, 4; node 1: 1, 2; node 2: 5
     logits = torch.randn(6, v) * 0.7
+    # The second children (token 4 under the root, token 2 under node 1) made likely, whatever the random draw:
+    # the wrong rule differs from the right one only where those are drawn.
+    logits[0, 4] += 1.5
+    logits[1, 2] += 1.5
     p = torch.softmax(filter_logits_reference(logits, temp, top_k=5).double(), -1)
     path, acc, bonus = dk.tree_accept_sample(logits.expand(copies, 6, v).contiguous(),
                                              tokens.expand(copies, 6).contiguous(),

@@ -3,7 +3,9 @@ bandwidth measured in the same run, speedup over the torch backend.
 
 Backends per op: torch (the reference, the op's definition), triton (GPU only: on CPU the Triton
 interpreter runs kernels element by element in Python, so its timings say nothing about the
-kernel and are not taken), ext (the compiled C++/CUDA op, for verify_greedy and commit_round).
+kernel and are not taken), ext (the compiled C++/CUDA op, for verify_greedy and commit_round);
+gate_up_silu also times "unfused", the two launches it replaces (``F.linear`` = cuBLAS into
+[N, 2I], then the Triton ``silu_mul``), GPU only like triton.
 A backend that cannot run is listed with the reason, never skipped silently.
 
 Bytes counted per call = each input read once + each output written once (the floor; for the
@@ -31,13 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 import dflash_kernels as dk  # noqa: E402
 from dflash_kernels._dispatch import backend_status  # noqa: E402
 from dflash.graphs import capture  # noqa: E402
 
 OPS = ("fused_context", "inject_context_kv", "draft_attention", "verify_attention", "add_rms_norm", "silu_mul",
-       "verify_greedy", "verify_sample", "commit_round")
+       "gate_up_silu", "verify_greedy", "verify_sample", "commit_round")
 BACKENDS = {
     "fused_context": ("torch", "triton"),
     "inject_context_kv": ("torch", "triton"),
@@ -45,6 +48,7 @@ BACKENDS = {
     "verify_attention": ("torch", "triton"),
     "add_rms_norm": ("torch", "triton"),
     "silu_mul": ("torch", "triton"),
+    "gate_up_silu": ("torch", "unfused", "triton"),
     "verify_greedy": ("torch", "triton", "ext"),
     "verify_sample": ("torch", "triton"),
     "commit_round": ("torch", "ext"),
@@ -65,6 +69,7 @@ SWEEPS = {
                              dict(R=8, B=16, ctx=32768)],  # one target layer of the verify step
         "add_rms_norm": [dict(N=16), dict(N=128)],
         "silu_mul": [dict(N=16), dict(N=128)],
+        "gate_up_silu": [dict(N=16), dict(N=128)],  # decode rows at batch 1 and 8 (block 16)
         "verify_greedy": [dict(R=1, B=16), dict(R=4, B=16), dict(R=16, B=16)],
         "verify_sample": [dict(R=1, B=16, filt=False), dict(R=16, B=16, filt=False), dict(R=16, B=16, filt=True)],
         "commit_round": [dict(R=1, B=16), dict(R=16, B=16), dict(R=64, B=16)],
@@ -76,6 +81,7 @@ SWEEPS = {
         "verify_attention": [dict(R=1, B=16, ctx=512), dict(R=4, B=16, ctx=2048)],
         "add_rms_norm": [dict(N=16), dict(N=128)],
         "silu_mul": [dict(N=16), dict(N=128)],
+        "gate_up_silu": [dict(N=16), dict(N=128)],
         "verify_greedy": [dict(R=1, B=16), dict(R=4, B=16), dict(R=16, B=16)],
         "verify_sample": [dict(R=1, B=16, filt=False), dict(R=4, B=16, filt=True)],
         "commit_round": [dict(R=1, B=16), dict(R=16, B=16), dict(R=64, B=16)],
@@ -87,6 +93,7 @@ SWEEPS = {
         "verify_attention": [dict(R=2, B=4, ctx=32)],
         "add_rms_norm": [dict(N=8)],
         "silu_mul": [dict(N=8)],
+        "gate_up_silu": [dict(N=8)],
         "verify_greedy": [dict(R=2, B=4)],
         "verify_sample": [dict(R=2, B=4, filt=True)],
         "commit_round": [dict(R=4, B=4)],
@@ -139,6 +146,10 @@ class Case:
     def _bytes_silu_mul(self):  # [N, 2I] read, [N, I] written
         return 3 * self.shape["N"] * self.dims["I"] * self.elem
 
+    def _bytes_gate_up_silu(self):  # x [N, H] and the merged weight [2I, H] read, [N, I] written
+        N, H, I = self.shape["N"], self.dims["H"], self.dims["I"]
+        return (N * H + 2 * I * H + N * I) * self.elem
+
     def _bytes_verify_greedy(self):
         s = self.shape
         return s["R"] * s["B"] * self.dims["V"] * self.elem + s["R"] * (s["B"] - 1) * 8 + 2 * s["R"] * 8
@@ -189,6 +200,10 @@ class Case:
 
     def _make_silu_mul(self):
         return dict(gu=self.rnd(self.shape["N"], 2 * self.dims["I"]))
+
+    def _make_gate_up_silu(self):
+        H, I = self.dims["H"], self.dims["I"]
+        return dict(x=self.rnd(self.shape["N"], H), w=self.rnd(2 * I, H, scale=H ** -0.5))
 
     def _logits_and_drafts(self):
         R, B, V = self.shape["R"], self.shape["B"], self.dims["V"]
@@ -249,6 +264,10 @@ class Case:
             return dk.add_rms_norm(x["x"], x["w"], 1e-6, residual=x["res"], backend=backend), x["res"]
         if self.op == "silu_mul":
             return dk.silu_mul(x["gu"], backend=backend)
+        if self.op == "gate_up_silu":
+            if backend == "unfused":  # what the steps ran before: cuBLAS GEMM into [N, 2I], then silu_mul's kernel
+                return dk.silu_mul(F.linear(x["x"], x["w"]), backend="triton")
+            return dk.gate_up_silu(x["x"], x["w"], backend=backend)
         if self.op == "verify_greedy":
             return dk.verify_greedy(x["logits"], x["drafts"], backend=backend)
         if self.op == "verify_sample":
@@ -314,6 +333,7 @@ def run(args):
                  f"bandwidth ({bw['copy_bytes'] / 2**20:.0f} MiB, read+write)",
     })
     status = {b: backend_status(b, device) for b in ("torch", "triton", "ext")}
+    status["unfused"] = status["triton"]  # F.linear + the Triton silu_mul kernel
     for b, (ok, why) in status.items():
         print(f"# backend {b}: {'available' if ok else 'UNAVAILABLE'} ({why})")
     if device.type == "cpu":
@@ -337,7 +357,7 @@ def run(args):
                 torch_ms = torch_graph = None
                 for backend in BACKENDS[op]:
                     ok, why = status[backend]
-                    if backend == "triton" and device.type == "cpu":
+                    if backend in ("triton", "unfused") and device.type == "cpu":
                         rows.append({**base, "backend": backend, "status": "not timed on CPU (interpreter)"})
                         continue
                     if not ok:

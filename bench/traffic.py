@@ -15,7 +15,8 @@ Model, per recorded op (a model, not a measurement):
             contracts in dflash_kernels/README.md, on the Triton/ext GPU path:
             fused_context 1 GEMM + 1 RMSNorm unless the norm fuses into the epilogue (one split and
             one column tile covers H), inject_context_kv 1, draft_attention / verify_attention 2
-            (split + merge), add_rms_norm 1, silu_mul 1, verify_greedy 2, verify_sample 2 (+ the
+            (split + merge), add_rms_norm 1, silu_mul 1, gate_up_silu 1 (2 above
+            ``MAX_FUSED_ROWS`` rows: cuBLAS + silu_mul), verify_greedy 2, verify_sample 2 (+ the
             radix-select threshold's launches with top-k/top-p, ``threshold_launches``),
             commit_round 1 (the ext op), draft_round_setup 1. Draft trees (``--tree-budget``): build_tree 3 + ATen's
             logsumexp of the fp32 draft logits (assumed 9 kernels: amax, abs, eq, masked_fill_, sub,
@@ -30,7 +31,9 @@ Model, per recorded op (a model, not a measurement):
             (``context`` per request, not the capacity) plus the fp32 partials of their active splits
             (the kernels' own rule), written and read once; verify_attention also writes the block's
             K/V rows; add_rms_norm reads x, the weight and the residual and writes the output and the
-            residual; silu_mul reads [.., 2I] and writes [.., I]; draft_round_setup reads four and
+            residual; silu_mul reads [.., 2I] and writes [.., I]; gate_up_silu reads x and the [2I, K]
+            weight and writes [.., I] (+ the [.., 2I] GEMM output written and read above
+            ``MAX_FUSED_ROWS``: ``gate_up_silu_cost``); draft_round_setup reads four and
             writes three [N] int64 vectors (block[:, 0] is one); inject_context_kv reads the rows'
             projected K/V and writes only the injected rows; fused_context reads the taps and the fc
             weight once (+ fp32 split-K partials); the top-k/top-p threshold per
@@ -41,7 +44,8 @@ Model, per recorded op (a model, not a measurement):
             tree_compact moves every accepted depth's K/V rows in every layer (an upper bound: all
             B - 1 depths accepted, none already in place).
   FLOPs     mm / bmm / addmm 2*M*N*K; the attention ops 4*B*nH*D*(context + B) per request;
-            fused_context its GEMM; everything else one per output element.
+            fused_context and gate_up_silu their GEMMs (+ 4 per gate_up_silu output); everything else
+            one per output element.
   floor     what the step cannot avoid moving: every weight it uses once (the embedding table only
             as the rows looked up; the LM head in full), the live K/V once, the new K/V rows
             written once, the step's inputs and outputs (draft: fused-context features; verify:
@@ -72,6 +76,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from dflash_kernels.draft_attention import partial_slots, pick_max_splits  # noqa: E402
+from dflash_kernels.gated_mlp import gate_up_silu_cost  # noqa: E402
 from dflash_kernels.verify import threshold_bytes, threshold_launches  # noqa: E402
 
 H200_BYTES_PER_S = 4.3e12
@@ -241,6 +246,12 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
         return 1, nbytes([x, weight]) + 2 * nbytes([residual]) + distinct_bytes(out), 4 * x.numel()
     if name == "silu_mul":
         return 1, distinct_bytes(args[0]) + distinct_bytes(out), 4 * out.numel()
+    if name == "gate_up_silu":  # (x, weight, out, backend): the kernel module's own launch/byte rule
+        x, weight = args[0], args[1]
+        k, i = x.shape[-1], weight.shape[0] // 2
+        m = x.numel() // k if k else 0
+        launches, moved = gate_up_silu_cost(m, k, i, x.element_size())
+        return launches, moved, 2 * m * k * 2 * i + 4 * m * i
     if name == "verify_greedy":
         return 2, nbytes(args) + nbytes(out), args[0].numel()
     if name == "verify_sample":  # the sampling pass + acceptance, plus the radix-select threshold when filtering

@@ -24,13 +24,15 @@ from dflash_kernels.draft_attention import draft_attention, verify_attention  # 
 from dflash_kernels.fused_context import fused_context  # noqa: E402
 from dflash_kernels.inject_context_kv import inject_context_kv  # noqa: E402
 from dflash_kernels.layer_ops import add_rms_norm, silu_mul  # noqa: E402
+from dflash_kernels.gated_mlp import gate_up_silu  # noqa: E402
 from dflash_kernels.verify import verify_greedy, verify_sample  # noqa: E402
 
 __all__ += ["fused_context", "inject_context_kv", "draft_attention", "verify_attention", "verify_greedy",
             "verify_sample"]
 from dflash_kernels.commit import commit_round, commit_round_reference, draft_round_setup  # noqa: E402
 
-__all__ += ["commit_round", "commit_round_reference", "draft_round_setup", "add_rms_norm", "silu_mul"]
+__all__ += ["commit_round", "commit_round_reference", "draft_round_setup", "add_rms_norm", "silu_mul",
+            "gate_up_silu"]
 from dflash_kernels.tree import (  # noqa: E402
     build_tree, distinct_prefixes, tree_accept_greedy, tree_accept_sample, tree_ancestor_mask, tree_compact,
 )

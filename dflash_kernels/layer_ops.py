@@ -198,9 +198,11 @@ def _silu_mul_kernel(out_ptr, gu_ptr, I, stride_gu, BLOCK_I: tl.constexpr):
     tl.store(out_ptr + row * I + cols, _round_to(act * u, dtype).to(dtype), mask=m)
 
 
-def _silu_mul_triton(gate_up) -> torch.Tensor:
+def _silu_mul_triton(gate_up, out=None) -> torch.Tensor:
+    """``out`` (None: a new tensor): contiguous, gate_up's shape with the last dim halved."""
     i = gate_up.shape[-1] // 2
-    out = gate_up.new_empty((*gate_up.shape[:-1], i))
+    if out is None:
+        out = gate_up.new_empty((*gate_up.shape[:-1], i))
     if out.numel() == 0:
         return out
     gu = gate_up.reshape(-1, 2 * i)

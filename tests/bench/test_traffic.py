@@ -14,6 +14,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import traffic  # noqa: E402
 
+from dflash_kernels import gate_up_silu  # noqa: E402
+from dflash_kernels.gated_mlp import MAX_FUSED_ROWS  # noqa: E402
+
 
 def test_linear_bytes_and_flops_by_hand():
     x = torch.empty(16, 64, dtype=torch.bfloat16, device="meta")
@@ -27,6 +30,22 @@ def test_linear_bytes_and_flops_by_hand():
     assert launches == 1
     assert nbytes == (16 * 64 + 128 * 64 + 16 * 128) * 2  # x, W read once, y written once (bf16)
     assert flops == 2 * 16 * 64 * 128
+
+
+@pytest.mark.parametrize("rows", [MAX_FUSED_ROWS, MAX_FUSED_ROWS + 1])
+def test_gate_up_silu_contract_by_hand(rows):
+    """One launch reading x and the merged weight and writing [rows, I]; above MAX_FUSED_ROWS cuBLAS + silu_mul:
+    two launches and the [rows, 2I] GEMM output written and read back."""
+    x = torch.empty(rows, 64, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(2 * 96, 64, dtype=torch.bfloat16, device="meta")
+    mode = traffic.Accountant(context=0)
+    with torch.no_grad(), mode:
+        gate_up_silu(x, w)
+    [(_, op, launches, nbytes, flops)] = [r for r in mode.records if r[2]]
+    fused = rows <= MAX_FUSED_ROWS
+    assert op == "dflash.gate_up_silu" and launches == (1 if fused else 2)
+    assert nbytes == (rows * 64 + 192 * 64 + rows * 96 + (0 if fused else 2 * rows * 192)) * 2
+    assert flops == 2 * rows * 64 * 192 + 4 * rows * 96
 
 
 def test_broadcast_operand_counts_once():

@@ -23,11 +23,13 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import importlib  # noqa: E402
+import itertools  # noqa: E402
 
 # The package re-exports functions under the module names, so import the modules explicitly.
 cm = importlib.import_module("dflash_kernels.commit")
 da = importlib.import_module("dflash_kernels.draft_attention")
 fc = importlib.import_module("dflash_kernels.fused_context")
+gm = importlib.import_module("dflash_kernels.gated_mlp")
 ik = importlib.import_module("dflash_kernels.inject_context_kv")
 lo = importlib.import_module("dflash_kernels.layer_ops")
 vf = importlib.import_module("dflash_kernels.verify")
@@ -212,6 +214,14 @@ def configs():
          for name in ("anchor_ptr", "pos_ptr", "new_ptr", "maxl_ptr", "block_ptr", "start_ptr", "lens_ptr")},
         dict(BLOCK_N=16))
     add("silu_mul", lo._silu_mul_kernel, dict(out_ptr=bf, gu_ptr=bf, stride_gu="i64"), dict(BLOCK_I=1024))
+    # The launcher's tiles (_tile) at the decode rows: batch 1 and 8 x block 16 (M = 16, 128) and 64; Qwen3-8B
+    # target and z-lab draft share K = 4096, I = 12288 (so do their 16-aligned strides). fp32: IEEE dots.
+    for (ptr, fp32), m in itertools.product(((bf, False), (f32, True)), (16, 64, 128)):
+        tile, warps = gm._tile(m, 4096, 12288, fp32)
+        add(f"gate_up_silu M={m} Qwen3-8B {'fp32 ieee' if fp32 else 'bf16'}", gm._gate_up_silu_kernel,
+            dict(out_ptr=ptr, x_ptr=ptr, w_ptr=ptr), dict(LOWP_DOT=not fp32, DOT_PREC="ieee" if fp32 else "tf32",
+                                                          **tile), num_warps=warps,
+            ints=dict(M=m, K=4096, I=12288, stride_xm=4096, stride_wn=4096, stride_om=12288))
 
     # Draft trees at budget 64 (T = 65) over a full Qwen3 draft vocabulary (151,936 ids: 75 splits of 2048).
     add("build_tree top-K partial", tr._topk_partial_kernel, dict(z_ptr=bf, pval_ptr=f32, pidx_ptr="*i32",

@@ -13,8 +13,9 @@ the target cache and the draft context cache both hold exactly ``positions[r]`` 
 tokens before the anchor. Rolling back a rejected block costs nothing: its rows lie beyond
 ``positions`` and are overwritten next round.
 
-Round (each layer of either model is nine kernels: add_rms_norm, merged QKV GEMM, attention with
-q/k norm + RoPE fused (split + merge), o_proj, add_rms_norm, merged gate/up GEMM, silu_mul, down_proj):
+Round (each layer of either model is eight kernels on the GPU: add_rms_norm, merged QKV GEMM, attention
+with q/k norm + RoPE fused (split + merge), o_proj, add_rms_norm, merged gate/up GEMM with silu·mul in its
+epilogue (gate_up_silu), down_proj; the draft adds the context rows' K/V write):
   draft step   fused_context of the previous round's rows, then every draft layer over [context cache ++
                block] (draft_attention; block rows at or beyond ``v = min(B, max_length - position)`` are
                masked, as the reference drafts a v-row block at the tail), final norm, ``draft.propose``
@@ -44,23 +45,25 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from dflash import cpu_linear
 from dflash.draft import DraftModel, rope_inv_freq
 from dflash.graphs import capture
-from dflash.lean_target import LeanTarget, check_lean_target
+from dflash.lean_target import LeanTarget, check_lean_target, gate_up_act, linear_for
 from dflash.merged_linear import merged_weight
 from dflash.results import GenerateResult, device_clock
 from dflash.sampling import GREEDY_EPS, SamplingParams, sample
 from dflash_kernels import (
     add_rms_norm, build_tree, commit_round, draft_attention, draft_round_setup, fused_context, inject_context_kv,
-    silu_mul, tree_accept_greedy, tree_accept_sample, tree_ancestor_mask, tree_compact, verify_greedy, verify_sample,
+    tree_accept_greedy, tree_accept_sample, tree_ancestor_mask, tree_compact, verify_greedy, verify_sample,
 )
 
 
 def default_kernel_backend(device: torch.device) -> str:
     """``"auto"`` on GPU; on CPU the ops' eager CPU implementations (``"cpu"``: an op without one runs its
-    reference), never the Triton interpreter, which is for tests only."""
-    return "auto" if device.type == "cuda" else "cpu"
+    reference), never the Triton interpreter, which is for tests only; elsewhere (meta tensors: the traffic
+    accountant, which models the GPU steps) the references."""
+    if device.type == "cuda":
+        return "auto"
+    return "cpu" if device.type == "cpu" else "torch"
 
 
 def graph_mode_for(use_cuda_graphs, device: torch.device) -> str | None:
@@ -96,7 +99,7 @@ class DFlashEngine:
         device = target_model.lm_head.weight.device
         self.device = device
         self.backend = kernel_backend or default_kernel_backend(device)
-        self.linear = cpu_linear.linear if self.backend == "cpu" else F.linear  # as LeanTarget's
+        self.linear = linear_for(self.backend)
         # commit_round has no Triton kernel: with "triton" it takes the compiled op or its reference.
         self.commit_backend = "auto" if self.backend == "triton" else self.backend
         self.graph_mode = graph_mode_for(use_cuda_graphs, device)
@@ -275,8 +278,8 @@ class DFlashEngine:
             delta = self.linear(o.reshape(n, B, -1), attn.o_proj.weight)
             norm = layer.post_attention_layernorm
             x = add_rms_norm(delta, norm.weight, norm.eps, residual=h, backend=self.backend)
-            delta = self.linear(silu_mul(self.linear(x, self.gate_up[li]), backend=self.backend),
-                                layer.mlp.down_proj.weight)
+            act = gate_up_act(x, self.gate_up[li], None, backend=self.backend, linear=self.linear)
+            delta = self.linear(act, layer.mlp.down_proj.weight)
         x = add_rms_norm(delta, draft.norm.weight, draft.norm.eps, residual=h, backend=self.backend)
         if self.tree_budget is None:
             draft.propose(x, self.target_model.lm_head, out=self.proposals)

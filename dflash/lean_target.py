@@ -4,11 +4,14 @@ static, preallocated KV cache and per-request lengths read from device memory.
 Why not HF's forward: a ragged batch whose requests accept different numbers of tokens needs
 per-request cache lengths, rollback by simply not advancing a length, static shapes for CUDA-graph
 capture, and the tapped layers written straight into a buffer. And the verify step must run at its
-memory floor, so each layer is nine kernels:
+memory floor, so each layer is eight kernels on the GPU:
 
   add_rms_norm (previous residual add + input norm) -> merged QKV GEMM -> verify_attention (q/k norm,
   RoPE, cache write, attention over the live rows; split + merge) -> o_proj -> add_rms_norm ->
-  merged gate/up GEMM -> silu_mul -> down_proj
+  gate_up_silu (merged gate/up GEMM, silu·mul in its epilogue) -> down_proj
+
+On the "cpu" backend the projections take ``cpu_linear`` and the activation stays a ``silu_mul`` after
+the gate/up GEMM (``gate_up_act``).
 
 The residual add of each sub-block is fused into the next norm; ``merged_weight`` re-points the HF
 modules' q/k/v and gate/up parameters at views of one buffer per layer, so the model itself keeps
@@ -24,7 +27,7 @@ import torch.nn.functional as F
 from dflash import cpu_linear
 from dflash.merged_linear import merged_weight
 from dflash.target import check_target
-from dflash_kernels import add_rms_norm, silu_mul, verify_attention
+from dflash_kernels import add_rms_norm, gate_up_silu, silu_mul, verify_attention
 
 LEAN_MODEL_TYPES = ("llama", "qwen3")
 # Blocks of more rows (prefill chunks) take the attention reference on the Triton backend: the kernel's tile holds
@@ -49,6 +52,21 @@ def check_lean_target(model) -> None:
                         f"supports {STATIC_ROPE_TYPES}; use backend='reference'")
 
 
+def linear_for(backend: str):
+    """The linear layer of the lean steps for a kernel backend: the CPU skinny-GEMM kernel with "cpu", else
+    ``F.linear`` (the references' own, so compiled and eager steps stay bit-equal)."""
+    return cpu_linear.linear if backend == "cpu" else F.linear
+
+
+def gate_up_act(x, weight, bias, *, backend: str, linear) -> torch.Tensor:
+    """``silu(gate) * up`` of a merged ``[gate; up]`` projection: one ``gate_up_silu`` launch (GEMM with the
+    activation in its epilogue) where it applies, else the GEMM (``linear``) then ``silu_mul``: with a bias,
+    and on the "cpu" backend, whose GEMM is ``cpu_linear``."""
+    if backend == "cpu" or bias is not None:
+        return silu_mul(linear(x, weight, bias), backend=backend)
+    return gate_up_silu(x, weight, backend=backend)
+
+
 class LeanTarget:
     """Static-cache forward of a causal LM for ``batch`` requests of at most ``capacity`` tokens."""
 
@@ -57,8 +75,7 @@ class LeanTarget:
         self.model = model
         self.layer_ids = list(layer_ids)
         self.backend = backend
-        # The "cpu" kernel backend also takes the CPU linear kernel; "torch" keeps F.linear (the references).
-        self.linear = cpu_linear.linear if backend == "cpu" else F.linear
+        self.linear = linear_for(backend)
         cfg = model.config
         first = model.model.layers[0].self_attn
         self.num_heads = cfg.num_attention_heads
@@ -131,7 +148,7 @@ class LeanTarget:
             x = add_rms_norm(delta, norm.weight, norm.variance_epsilon, residual=h, backend=self.backend)
             w, b = self.gate_up[li]
             down = layer.mlp.down_proj
-            delta = linear(silu_mul(linear(x, w, b), backend=self.backend), down.weight, down.bias)
+            delta = linear(gate_up_act(x, w, b, backend=self.backend, linear=linear), down.weight, down.bias)
         norm = model.model.norm
         x = add_rms_norm(delta, norm.weight, norm.variance_epsilon, residual=h, backend=self.backend)
         self._tap(features, taps, len(layers) - 1, h)

@@ -213,16 +213,19 @@ def verify_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_wei
 _rope_memo: list = [None]
 
 
-def _rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, dtype):
+def _rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, dtype, depths=None):
     """cos and ``sin_signed`` ([N*B, D], rows = block rows of every request) of the block positions, with the
     first half of sin negated so that ``rotate_half(x) * sin == x.roll(D/2, -1) * sin_signed`` exactly (a sign
     flip rounds nothing). The layers of one forward share their positions: the last tables are kept and reused
-    while the positions, inv_freq's values, the scaling and the dtype are the same."""
-    key = (tuple(lens), b, float(attention_scaling), dtype, inv_freq.shape, inv_freq.dtype)
+    while the positions, inv_freq's values, the scaling and the dtype are the same. A tree (``depths`` [N, B])
+    puts block row i at ``cache_lens + depths[:, i]`` instead of ``cache_lens + i``."""
+    tree = None if depths is None else tuple(depths.reshape(-1).tolist())
+    key = (tuple(lens), b, tree, float(attention_scaling), dtype, inv_freq.shape, inv_freq.dtype)
     last = _rope_memo[0]
     if last is not None and last[0] == key and torch.equal(last[1], inv_freq):
         return last[2], last[3]
-    positions = cache_lens.to(torch.int64)[:, None] + torch.arange(b, device=cache_lens.device)
+    rows = torch.arange(b, device=cache_lens.device) if depths is None else depths.to(torch.int64)
+    positions = cache_lens.to(torch.int64)[:, None] + rows
     cos, sin = rope_cos_sin_reference(positions, inv_freq, attention_scaling, dtype)
     half = sin.shape[-1] // 2
     sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)
@@ -239,11 +242,14 @@ def _norm_rope_cpu(x, weight, cos, sin_signed, eps):
 
 
 def _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, attention_scaling,
-                   eps, scale, sliding_window, causal, cache_batch_idx, block_lens, write_kv):
+                   eps, scale, sliding_window, causal, cache_batch_idx, block_lens, write_kv, tree_depths=None,
+                   tree_mask=None):
     """The ``"cpu"`` backend of both ops on a contiguous cache: the references' formula (same ops, same SDPA
     call, so the same bits), with the per-request Python cut: one RoPE table and one q/k norm + RoPE for all
     requests, the cache rows written by slicing, the block keys read from the cache rows just written (no
-    concatenation), and no mask where every key is visible. Reads the lengths on the host."""
+    concatenation), and no mask where every key is visible. A tree (``verify_attention``'s ``tree_depths`` and
+    ``tree_mask``) takes its positions from the depths and its block mask from the ancestor bits, unpacked once
+    for all requests. Reads the lengths on the host."""
     causal = (sliding_window is not None) if causal is None else causal
     n, b, nh, d = q.shape
     kvh = k.shape[2]
@@ -254,13 +260,16 @@ def _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_
     cache_rows = cache_batch_idx.tolist() if cache_batch_idx is not None else range(n)
     valid = block_lens.tolist() if block_lens is not None else [b] * n
     offsets = torch.arange(b, device=q.device)
-    cos, sin_signed = _rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, q.dtype)
+    cos, sin_signed = _rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, q.dtype, tree_depths)
     qn = _norm_rope_cpu(q.reshape(n * b, nh, d), q_norm_weight, cos, sin_signed, eps).view(n, b, nh, d)
     kn = _norm_rope_cpu(k.reshape(n * b, kvh, d), k_norm_weight, cos, sin_signed, eps).view(n, b, kvh, d)
     capacity = k_cache.shape[1]
     # Every query sees a key unless a window can hide them all (the reference's masked_fill); with one block
     # row, or neither causality nor a window, no key is hidden at all and SDPA takes no mask.
-    unmasked = sliding_window is None and (not causal or b == 1)
+    unmasked = sliding_window is None and (not causal or b == 1) and tree_mask is None
+    if tree_mask is not None:  # [N, B, B]: query i sees block key j (bit j % 64 of word j // 64)
+        bit = offsets
+        tree_block = ((tree_mask[:, :, bit // 64] >> (bit % 64)) & 1).bool()
     scale = d ** -0.5 if scale is None else scale
     for r in range(n):
         c, nb, row = min(int(lens[r]), capacity), int(valid[r]), int(cache_rows[r])
@@ -274,7 +283,9 @@ def _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_
             keys = torch.cat([k_cache[row, :c].to(q.dtype), kn[r, :nb]], 0)
             vals = torch.cat([v_cache[row, :c].to(q.dtype), v[r, :nb]], 0)
         mask = None
-        if not unmasked:
+        if tree_mask is not None:
+            mask = torch.cat([torch.ones(b, c, dtype=torch.bool, device=q.device), tree_block[r, :, :nb]], 1)
+        elif not unmasked:
             qpos = c + offsets[:, None]
             kpos = torch.arange(c + nb, device=q.device)[None, :]
             mask = torch.ones(b, c + nb, dtype=torch.bool, device=q.device)
@@ -789,10 +800,11 @@ def _verify_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ca
                          tree_mask: Optional[torch.Tensor], backend: str) -> torch.Tensor:
     """``torch.ops.dflash.verify_attention``: :func:`verify_attention` after validation (writes k_cache, v_cache)."""
     chosen = resolve_backend(VERIFY_OP, backend, q.device, available=_BACKENDS)
-    if chosen == "cpu" and block_table is None and tree_depths is None:
+    if chosen == "cpu" and block_table is None:
         return _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq,
-                              attention_scaling, eps, scale, None, True, cache_batch_idx, None, write_kv=True)
-    if chosen in ("torch", "cpu"):  # "cpu" on a paged cache or a tree: the reference
+                              attention_scaling, eps, scale, None, True, cache_batch_idx, None, write_kv=True,
+                              tree_depths=tree_depths, tree_mask=tree_mask)
+    if chosen in ("torch", "cpu"):  # "cpu" on a paged cache: the reference
         return verify_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
                                           inv_freq=inv_freq, attention_scaling=attention_scaling, eps=eps,
                                           scale=scale, block_table=block_table, cache_batch_idx=cache_batch_idx,

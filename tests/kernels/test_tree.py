@@ -232,6 +232,26 @@ def test_verify_attention_tree_kernel(monkeypatch, dtype, case):
         assert torch.equal(got_k[keep], kc[r][keep]) and torch.equal(got_v[keep], vc[r][keep])
 
 
+@pytest.mark.skipif(torch.get_default_device().type != "cpu" or torch.cuda.is_available(), reason="CPU tensors only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_attention_tree_cpu_backend_is_the_reference_bit_for_bit(dtype):
+    """backend="cpu" with a tree (positions from the depths, the block mask from the ancestor bits; two trees in a
+    row so the memoised RoPE tables must follow the depths): output and caches identical to the reference's."""
+    n, t, nh, kvh, d, lens, cap = 3, 9, 4, 2, 16, [0, 5, 70], 96
+    q, k, v, kc, vc, cl, qw, kw, inv = _attn_inputs(n, t, nh, kvh, d, lens, cap, dtype)
+    for _ in range(2):
+        parents, depths = _random_tree(n, t, 5)
+        tree = dict(tree_depths=depths, tree_mask=tree_ancestor_mask_reference(parents), inv_freq=inv,
+                    attention_scaling=1.1, scale=0.8 * d ** -0.5)
+        got, want = [], []
+        for backend, res in (("cpu", got), ("torch", want)):
+            kc_b, vc_b = kc.clone(), vc.clone()
+            res += [dk.verify_attention(q, k, v, kc_b, vc_b, cl, qw, kw, backend=backend, **tree), kc_b, vc_b]
+        for a, b in zip(got, want):  # bit for bit (NaN-safe: compare the raw bits)
+            assert torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+                               b.view(torch.int16 if b.element_size() == 2 else torch.int32))
+
+
 # ------------------------------------------------------------------------------------------------------------
 # kernels equal to the references
 # ------------------------------------------------------------------------------------------------------------

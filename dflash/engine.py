@@ -236,7 +236,9 @@ class DFlashEngine:
     def _inject(self, li: int, kv: torch.Tensor, cu_lens, cache_lens, cache_batch_idx=None):
         """Layer ``li``'s context rows into its cache; ``kv`` [M, 2*kvH*D] holds their k_proj and v_proj columns."""
         attn = self.draft.layers[li].self_attn
-        k, v = kv.unflatten(-1, (2, attn.num_kv_heads, attn.head_dim)).unbind(-3)
+        # view, not unflatten: Tensor.unflatten calls super() in Python, which torch.compile cannot trace under
+        # a torch function mode such as torch.set_default_device's
+        k, v = kv.view(*kv.shape[:-1], 2, attn.num_kv_heads, attn.head_dim).unbind(-3)
         inject_context_kv(k, v, attn.k_norm.weight, cu_lens, cache_lens, self.k_cache[li], self.v_cache[li],
                           inv_freq=self.inv_freq, attention_scaling=self.attention_scaling,
                           eps=self.draft.config.rms_norm_eps, cache_batch_idx=cache_batch_idx, backend=self.backend)

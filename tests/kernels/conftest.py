@@ -13,4 +13,5 @@ def _kernel_test_device():
     previous = torch.get_default_device()
     torch.set_default_device(DEVICE)
     yield
-    torch.set_default_device(previous)
+    # CPU is also the default without any device mode: drop the mode rather than leave one pushed for later tests
+    torch.set_default_device(None if previous.type == "cpu" else previous)

@@ -134,6 +134,19 @@ def _norm_rope_reference(x, weight, cos, sin, eps):
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
 
+def _block_mask(c: int, b: int, keys: int, causal: bool, sliding_window, device) -> torch.Tensor:
+    """[b, keys] bool: which keys (positions 0..keys-1) the block rows at positions c..c+b-1 see (the
+    definition's causal and sliding-window rule; every key without either)."""
+    qpos = c + torch.arange(b, device=device)[:, None]
+    kpos = torch.arange(keys, device=device)[None, :]
+    mask = torch.ones(b, keys, dtype=torch.bool, device=device)
+    if causal:
+        mask &= kpos <= qpos
+    if sliding_window is not None:
+        mask &= (qpos - kpos < sliding_window) & (kpos - qpos < sliding_window)
+    return mask
+
+
 def draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, *, inv_freq,
                               attention_scaling: float = 1.0, eps: float = 1e-6, sliding_window: Optional[int] = None,
                               causal: Optional[bool] = None, block_table=None, cache_batch_idx=None,
@@ -163,13 +176,7 @@ def draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weig
         ctx = _cache_index(k_cache, r, torch.arange(c, device=q.device), block_table, cache_batch_idx)
         keys = torch.cat([k_cache[ctx].to(q.dtype), kn[:nb]], 0)
         vals = torch.cat([v_cache[ctx].to(q.dtype), v[r, :nb]], 0)
-        qpos = pos[:, None]
-        kpos = torch.arange(c + nb, device=q.device)[None, :]
-        mask = torch.ones(b, c + nb, dtype=torch.bool, device=q.device)
-        if causal:
-            mask &= kpos <= qpos
-        if sliding_window is not None:
-            mask &= (qpos - kpos < sliding_window) & (kpos - qpos < sliding_window)
+        mask = _block_mask(c, b, c + nb, causal, sliding_window, q.device)
         # 4-D [1, heads, rows, D] like HF's attention modules: CPU SDPA rounds 3-D inputs differently.
         o = F.scaled_dot_product_attention(qn.transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                            vals.transpose(0, 1)[None], attn_mask=mask[None, None],
@@ -259,7 +266,6 @@ def _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_
     lens = cache_lens.tolist()
     cache_rows = cache_batch_idx.tolist() if cache_batch_idx is not None else range(n)
     valid = block_lens.tolist() if block_lens is not None else [b] * n
-    offsets = torch.arange(b, device=q.device)
     cos, sin_signed = _rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, q.dtype, tree_depths)
     qn = _norm_rope_cpu(q.reshape(n * b, nh, d), q_norm_weight, cos, sin_signed, eps).view(n, b, nh, d)
     kn = _norm_rope_cpu(k.reshape(n * b, kvh, d), k_norm_weight, cos, sin_signed, eps).view(n, b, kvh, d)
@@ -268,7 +274,7 @@ def _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_
     # row, or neither causality nor a window, no key is hidden at all and SDPA takes no mask.
     unmasked = sliding_window is None and (not causal or b == 1) and tree_mask is None
     if tree_mask is not None:  # [N, B, B]: query i sees block key j (bit j % 64 of word j // 64)
-        bit = offsets
+        bit = torch.arange(b, device=q.device)
         tree_block = ((tree_mask[:, :, bit // 64] >> (bit % 64)) & 1).bool()
     scale = d ** -0.5 if scale is None else scale
     for r in range(n):
@@ -286,13 +292,7 @@ def _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_
         if tree_mask is not None:
             mask = torch.cat([torch.ones(b, c, dtype=torch.bool, device=q.device), tree_block[r, :, :nb]], 1)
         elif not unmasked:
-            qpos = c + offsets[:, None]
-            kpos = torch.arange(c + nb, device=q.device)[None, :]
-            mask = torch.ones(b, c + nb, dtype=torch.bool, device=q.device)
-            if causal:
-                mask &= kpos <= qpos
-            if sliding_window is not None:
-                mask &= (qpos - kpos < sliding_window) & (kpos - qpos < sliding_window)
+            mask = _block_mask(c, b, c + nb, causal, sliding_window, q.device)
         o = F.scaled_dot_product_attention(qn[r].transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                            vals.transpose(0, 1)[None],
                                            attn_mask=None if mask is None else mask[None, None], scale=scale,

@@ -23,11 +23,11 @@ import triton.language as tl
 
 from dflash_kernels._dispatch import resolve_backend
 from dflash_kernels._triton_utils import (
-    FLOAT_DTYPES, as_index_tensor, check_last_dim_contiguous, check_tensor, interpreting, next_pow2,
+    FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2,
 )
 from dflash_kernels.verify import (
     _argmax_partial_kernel, _filter_threshold, _merge_argmax, _rng_for, _rows_per_program, _sample_partial_kernel,
-    _sampling_params, _vocab_split, filter_logits_reference,
+    _vocab_split, filter_logits_reference, sampling_op_args,
 )
 
 _INDEX_DTYPES = (torch.int64,)
@@ -634,15 +634,9 @@ def tree_accept_sample(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_par
     """
     op = "tree_accept_sample"
     _validate_accept(op, logits, tree_tokens, tree_parents, block_size)
-    temp_t, topk_t, topp_t = _sampling_params(op, logits.shape[0], temperature, top_k, top_p, logits.device)
-    seed_t = as_index_tensor(op, "seed", seed, logits.device)
-    offset_t = as_index_tensor(op, "offset", offset, logits.device)
-    v = logits.shape[2]
-    use_top_k = isinstance(top_k, torch.Tensor) or 0 < top_k < v
-    use_top_p = isinstance(top_p, torch.Tensor) or top_p < 1.0
+    args = sampling_op_args(op, logits, temperature, top_k, top_p, seed, offset)
     chosen = resolve_backend(op, backend, logits.device, available=_BACKENDS)
-    return torch.ops.dflash.tree_accept_sample(logits, tree_tokens, tree_parents, block_size, temp_t, topk_t, topp_t,
-                                               seed_t, offset_t, use_top_k, use_top_p, chosen)
+    return torch.ops.dflash.tree_accept_sample(logits, tree_tokens, tree_parents, block_size, *args, chosen)
 
 
 @torch.library.custom_op("dflash::tree_accept_sample", mutates_args=())

@@ -658,6 +658,20 @@ def _sampling_params(op: str, n: int, temperature, top_k, top_p, device):
     return temp_t, topk_t, topp_t
 
 
+def sampling_op_args(op: str, logits: torch.Tensor, temperature, top_k, top_p, seed, offset) -> tuple:
+    """The sampling ops' packed arguments ``(temperature, top_k, top_p, seed, offset, use_top_k, use_top_p)``
+    for ``logits`` [N, ..., V] (validated; tensors passed on as they are)."""
+    temp_t, topk_t, topp_t = _sampling_params(op, logits.shape[0], temperature, top_k, top_p, logits.device)
+    seed_t = as_index_tensor(op, "seed", seed, logits.device)
+    offset_t = as_index_tensor(op, "offset", offset, logits.device)
+    # Which filters run is fixed per call site: a per-request tensor always filters (its rows disable
+    # themselves on the device); a scalar filters iff its value does something.
+    v = logits.shape[-1]
+    use_top_k = isinstance(top_k, torch.Tensor) or 0 < top_k < v
+    use_top_p = isinstance(top_p, torch.Tensor) or top_p < 1.0
+    return temp_t, topk_t, topp_t, seed_t, offset_t, use_top_k, use_top_p
+
+
 def _verify_sample_triton(logits, draft_tokens, temp_t, topk_t, topp_t, seed_t, offset_t, use_top_k, use_top_p):
     n, b, v = logits.shape
     dev = logits.device
@@ -719,17 +733,9 @@ def verify_sample(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperatu
     """
     op = "verify_sample"
     _validate(op, logits, draft_tokens)
-    temp_t, topk_t, topp_t = _sampling_params(op, logits.shape[0], temperature, top_k, top_p, logits.device)
-    seed_t = as_index_tensor(op, "seed", seed, logits.device)
-    offset_t = as_index_tensor(op, "offset", offset, logits.device)
-    # Which filters run is fixed per call site: a per-request tensor always filters (its rows disable
-    # themselves on the device); a scalar filters iff its value does something.
-    v = logits.shape[2]
-    use_top_k = isinstance(top_k, torch.Tensor) or 0 < top_k < v
-    use_top_p = isinstance(top_p, torch.Tensor) or top_p < 1.0
+    args = sampling_op_args(op, logits, temperature, top_k, top_p, seed, offset)
     chosen = resolve_backend(op, backend, logits.device, available=_SAMPLE_BACKENDS)
-    return torch.ops.dflash.verify_sample(logits, draft_tokens, temp_t, topk_t, topp_t, seed_t, offset_t,
-                                          use_top_k, use_top_p, chosen)
+    return torch.ops.dflash.verify_sample(logits, draft_tokens, *args, chosen)
 
 
 @torch.library.custom_op("dflash::verify_sample", mutates_args=())

@@ -11,6 +11,8 @@ same low precision, plus a small floor:
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -33,3 +35,17 @@ def assert_within_rule(out: torch.Tensor, ref64: torch.Tensor, lowp: torch.Tenso
     bad = err > allowed
     assert not bad.any(), (f"{what}: kernel error {err.max().item():.3e} exceeds 2 x torch {out.dtype} error "
                            f"{baseline.item():.3e} + 1 ulp at {int(bad.sum())} of {err.numel()} elements")
+
+
+def chi2(counts: torch.Tensor, probs: torch.Tensor, n: int) -> tuple[float, float]:
+    """(statistic, critical value at p ~ 1e-6); a sample in a zero-probability cell is an automatic fail."""
+    exp = probs.flatten() * n
+    obs = counts.flatten().double()
+    if (obs[exp == 0] > 0).any():
+        return math.inf, 0.0
+    live = exp > 0
+    stat = float(((obs[live] - exp[live]) ** 2 / exp[live]).sum())
+    df = int(live.sum()) - 1
+    z = 4.75  # Wilson-Hilferty upper quantile, one-sided p ~ 1e-6
+    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat, crit

@@ -2,13 +2,13 @@
 arguments of verify_attention. References against independent brute-force definitions; kernels equal to the
 references (integers exactly); sampling by chi-square with a wrong rule shown to fail."""
 import itertools
-import math
 
 import numpy as np
 import pytest
 import torch
 
 import dflash_kernels as dk
+from _tol import chi2
 from dflash_kernels.draft_attention import verify_attention_reference
 from dflash_kernels.verify import filter_logits_reference
 from dflash_kernels.tree import (
@@ -349,18 +349,6 @@ def test_compact_kernel_equals_reference():
         assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
 
 
-def _chi2(counts, probs, n):
-    """(statistic, critical value at p ~ 1e-6); a sample in a zero-probability cell is an automatic fail."""
-    exp, obs = probs.flatten() * n, counts.flatten().double()
-    if (obs[exp == 0] > 0).any():
-        return math.inf, 0.0
-    live = exp > 0
-    stat = float(((obs[live] - exp[live]) ** 2 / exp[live]).sum())
-    df = int(live.sum()) - 1
-    z = 4.75  # Wilson-Hilferty upper quantile, one-sided p ~ 1e-6
-    return stat, df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
 def _walk_distribution(p, tokens, parents, bsz, first_child_only=False):
     """P[end node, bonus] of the walk with x ~ p[node] at each node. ``first_child_only``: a deliberately wrong
     rule, the chain rule on the tree (only each node's first child can be accepted; other children's tokens
@@ -403,9 +391,9 @@ def test_sampled_walk_is_the_targets_distribution(backend):
     end = path.gather(1, acc[:, None]).squeeze(1)
     assert (path[:, 0] == 0).all() and ((acc >= 0) & (acc <= bsz - 1)).all()
     counts = torch.bincount(end * v + bonus, minlength=6 * v).view(6, v)
-    stat, crit = _chi2(counts, _walk_distribution(p, tokens, parents, bsz), copies)
+    stat, crit = chi2(counts, _walk_distribution(p, tokens, parents, bsz), copies)
     assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f}\n{counts}"
-    wrong, wrong_crit = _chi2(counts, _walk_distribution(p, tokens, parents, bsz, first_child_only=True), copies)
+    wrong, wrong_crit = chi2(counts, _walk_distribution(p, tokens, parents, bsz, first_child_only=True), copies)
     assert wrong > wrong_crit, "the test cannot tell the chain rule on the tree apart"
 
 

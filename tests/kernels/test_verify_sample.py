@@ -1,8 +1,7 @@
-import math
-
 import pytest
 import torch
 
+from _tol import chi2
 from dflash_kernels.verify import filter_logits_reference, verify_sample
 
 BACKENDS = ["torch", "triton"]
@@ -33,20 +32,6 @@ def _exact(p: torch.Tensor, draft: torch.Tensor, remove_draft: bool = True) -> t
         reach = reach * p[a, d]
     out[b - 1] = reach * p[b - 1]
     return out
-
-
-def _chi2(counts: torch.Tensor, probs: torch.Tensor, n: int) -> tuple[float, float]:
-    """(statistic, critical value at p ~ 1e-6); a sample in a zero-probability cell is an automatic fail."""
-    exp = probs.flatten() * n
-    obs = counts.flatten().double()
-    if (obs[exp == 0] > 0).any():
-        return math.inf, 0.0
-    live = exp > 0
-    stat = float(((obs[live] - exp[live]) ** 2 / exp[live]).sum())
-    df = int(live.sum()) - 1
-    z = 4.75  # Wilson-Hilferty upper quantile, one-sided p ~ 1e-6
-    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-    return stat, crit
 
 
 def _sample_counts(logits_one, draft_one, backend, **kw):
@@ -80,10 +65,10 @@ def test_distribution_matches_rule(backend):
     logits = (temp * p.log()).float()
     counts = _sample_counts(logits, draft, backend, temperature=temp, seed=1234, offset=int(torch.randint(0, 2**40, ())))
     exact = _exact(p, draft)
-    stat, crit = _chi2(counts, exact, N_SAMPLES)
+    stat, crit = chi2(counts, exact, N_SAMPLES)
     assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f} vs the exact distribution\n{counts}\n{exact * N_SAMPLES}"
     # The same samples must reject a wrong residual rule (keeping the rejected draft token in the residual).
-    wrong_stat, wrong_crit = _chi2(counts, _exact(p, draft, remove_draft=False), N_SAMPLES)
+    wrong_stat, wrong_crit = chi2(counts, _exact(p, draft, remove_draft=False), N_SAMPLES)
     assert wrong_stat > wrong_crit, "the test cannot tell the wrong residual rule apart"
 
 
@@ -102,11 +87,11 @@ def test_top_k_top_p_distribution(backend):
     filtered = torch.softmax(z.double(), -1)
     draft = torch.tensor([int(where[0])])
     counts = _sample_counts(logits, draft, backend, temperature=1.0, top_k=4, top_p=0.7, seed=7, offset=3)
-    stat, crit = _chi2(counts, _exact(filtered, draft), N_SAMPLES)
+    stat, crit = chi2(counts, _exact(filtered, draft), N_SAMPLES)
     assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f}\n{counts}"
     # The same samples must reject a wrong filter (top-k only, top-p ignored).
     top_k_only = torch.softmax(filter_logits_reference(logits, 1.0, top_k=4).double(), -1)
-    wrong_stat, wrong_crit = _chi2(counts, _exact(top_k_only, draft), N_SAMPLES)
+    wrong_stat, wrong_crit = chi2(counts, _exact(top_k_only, draft), N_SAMPLES)
     assert wrong_stat > wrong_crit, "the test cannot tell a filter without top-p apart"
 
 
@@ -139,7 +124,7 @@ def test_block_size_one_is_plain_sampling(backend):
     p = torch.tensor([[0.1, 0.2, 0.3, 0.15, 0.25]], dtype=torch.float64)
     counts = _sample_counts(p.log().float(), torch.zeros(0, dtype=torch.int64), backend, temperature=1.0, seed=3,
                             offset=0)
-    stat, crit = _chi2(counts, p, N_SAMPLES)
+    stat, crit = chi2(counts, p, N_SAMPLES)
     assert stat < crit and counts.shape == (1, v)
 
 
@@ -223,7 +208,7 @@ def test_per_request_parameters(backend):
         sel = rows == i
         counts = torch.bincount(acc[sel] * v + tok[sel], minlength=b * v).view(b, v)
         z = filter_logits_reference(p.log().float()[None], float(temps[i]), int(ks[i]), float(ps[i]))[0]
-        stat, crit = _chi2(counts, _exact(torch.softmax(z.double(), -1), draft), per)
+        stat, crit = chi2(counts, _exact(torch.softmax(z.double(), -1), draft), per)
         assert stat < crit, f"request group {i}: chi2 {stat:.1f} >= {crit:.1f}\n{counts}"
 
 
@@ -256,7 +241,7 @@ def test_distribution_across_vocab_splits(backend):
     other = torch.ones(v, dtype=torch.bool)
     other[main] = False
     probs = torch.cat([torch.cat([exact[a, main], exact[a, other].sum()[None]]) for a in range(b)])
-    stat, crit = _chi2(counts, probs, n)
+    stat, crit = chi2(counts, probs, n)
     assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f}\n{counts}\n{probs * n}"
 
 

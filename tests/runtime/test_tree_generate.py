@@ -24,23 +24,12 @@ from dflash import generate
 from dflash.engine import DFlashEngine
 from dflash.sampling import sampling_probs
 from test_draft_vocab import SEED, subset_draft
+from test_fast_vs_reference import VOCAB, make_pair
 from test_sampling import chi2_rejects, exact_target_distribution
 from tiny_models import make_draft, make_target
 
-VOCAB = 6
 # (block size, budget): budgets 1..64 (each at most the distinct sequences a 6-token draft has), blocks 2..64.
 CASES = [(2, 1), (2, 6), (3, 17), (4, 64), (5, 8), (8, 64), (16, 32), (64, 40)]
-
-
-def make_pair(block: int, seed: int):
-    torch.manual_seed(seed)
-    arch = "qwen3" if block % 2 else "llama"
-    target = make_target(arch, vocab=VOCAB)
-    sliding = block % 3 == 0
-    draft = make_draft(target, layers=2, block_size=block, mask_token_id=VOCAB - 1,
-                       layer_types=["sliding_attention", "full_attention"] if sliding else None,
-                       sliding_window=3 if sliding else None)
-    return target, draft
 
 
 def target_greedy(target, prompt, max_new, stops=None):

@@ -31,7 +31,8 @@ def _fmt_time(s: float) -> str:
 @torch.inference_mode()
 def generate_batch(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: Sequence[int],
                    capture_layers: Sequence[int], pad_id: int = 0):
-    """Greedy generation for a left-padded batch; returns records (see module docstring)."""
+    """Greedy generation for a left-padded batch; returns records (see module docstring). With no
+    ``capture_layers`` the records' ``features`` are None."""
     b = len(prompt_ids)
     plen = [len(p) for p in prompt_ids]
     P = max(plen)
@@ -78,7 +79,8 @@ def generate_batch(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: i
         for h in handles:
             h.remove()
     gen_t = torch.stack(gen, dim=1)  # [b, n_gen]
-    feats = torch.cat([torch.cat(captured[l], dim=1) for l in capture_layers], dim=-1)  # [b, P+n_fed, T*H]
+    feats = (torch.cat([torch.cat(captured[l], dim=1) for l in capture_layers], dim=-1)  # [b, P+n_fed, T*H]
+             if capture_layers else None)
     records = []
     for i in range(b):
         row = gen_t[i].tolist()
@@ -89,9 +91,103 @@ def generate_batch(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: i
                 break
         resp = row[:n]
         full = list(prompt_ids[i]) + resp
-        f = feats[i, P - plen[i]: P - plen[i] + len(full) - 1].contiguous().clone()
+        f = None if feats is None else feats[i, P - plen[i]: P - plen[i] + len(full) - 1].contiguous().clone()
         records.append({"ids": torch.tensor(full, dtype=torch.int32), "prompt_len": plen[i], "features": f,
                         "layer_ids": list(capture_layers), "finished": bool(resp and resp[-1] in stop_ids)})
+    return records
+
+
+@torch.inference_mode()
+def forced_pass(model, seqs: Sequence[Sequence[int]], first: Sequence[int], capture_layers: Sequence[int],
+                pad_id: int = 0) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """One forward of ``model`` over the right-padded batch ``seqs`` (causal: a row never sees the padding
+    after it). Returns per row the features (bf16 [len, T*H], the hooked layer outputs at every position)
+    and the greedy next token at each position ``first[i] .. len - 1`` (the LM head runs on those rows only)."""
+    b, L = len(seqs), max(len(q) for q in seqs)
+    device = model.lm_head.weight.device
+    ids = torch.full((b, L), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((b, L), dtype=torch.long, device=device)
+    for i, q in enumerate(seqs):
+        ids[i, :len(q)] = torch.tensor(list(q), dtype=torch.long)
+        mask[i, :len(q)] = 1
+    captured: dict[int, torch.Tensor] = {}
+    layers = model.model.layers
+
+    def hook(idx):
+        def fn(_m, _a, out):
+            captured[idx] = (out[0] if isinstance(out, tuple) else out).to(torch.bfloat16)
+        return fn
+
+    handles = [layers[l].register_forward_hook(hook(l)) for l in capture_layers]
+    try:
+        h = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    finally:
+        for hd in handles:
+            hd.remove()
+    feats = torch.cat([captured[l] for l in capture_layers], dim=-1)
+    out_f, out_g = [], []
+    for i, q in enumerate(seqs):
+        out_f.append(feats[i, :len(q)].contiguous().clone())
+        out_g.append(model.lm_head(h[i, first[i]:len(q)]).argmax(-1).tolist())  # per row: [n, vocab] stays small
+    return out_f, out_g
+
+
+def generate_batch_checked(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: Sequence[int],
+                           capture_layers: Sequence[int], *, draft_model=None, candidates=None, rounds: int = 3,
+                           pad_id: int = 0) -> list[dict]:
+    """Exactly :func:`generate_batch`'s records (``model``'s greedy responses, features of ``model``),
+    made cheaper by guessing: candidate responses come from ``candidates`` (known responses, e.g. from a
+    responses file) in the first round and from ``draft_model``'s greedy decoding (``model`` in bf16) in
+    every round; one teacher-forced pass of ``model`` (:func:`forced_pass`) checks a whole candidate and
+    yields its features. A row keeps the candidate up to its first disagreement plus ``model``'s own token
+    there (or the token after a fully accepted candidate): every kept token is ``model``'s greedy choice.
+    After ``rounds`` rounds, unfinished rows are completed by plain :func:`generate_batch` with ``model``.
+    ``rounds=0`` without ``candidates`` is :func:`generate_batch`."""
+    stops = set(stop_ids)
+    b = len(prompt_ids)
+    resp: list[list[int]] = [[] for _ in range(b)]
+    feats: list[torch.Tensor | None] = [None] * b
+    todo = list(range(b))
+    n_rounds = rounds + (candidates is not None)
+    for rnd in range(n_rounds):
+        if not todo:
+            break
+        if rnd == 0 and candidates is not None:
+            cands = [list(candidates[i])[:max_new_tokens] for i in todo]
+        else:
+            budget = max(max_new_tokens - len(resp[i]) for i in todo)
+            guessed = generate_batch(draft_model, [list(prompt_ids[i]) + resp[i] for i in todo], budget, stop_ids, (),
+                                     pad_id=pad_id)
+            cands = [r["ids"][len(prompt_ids[i]) + len(resp[i]):].tolist()[:max_new_tokens - len(resp[i])]
+                     for i, r in zip(todo, guessed)]
+        seqs = [list(prompt_ids[i]) + resp[i] + c for i, c in zip(todo, cands)]
+        first = [len(prompt_ids[i]) + len(resp[i]) - 1 for i in todo]
+        f_rows, greedy = forced_pass(model, seqs, first, capture_layers, pad_id=pad_id)
+        still = []
+        for i, c, f, g in zip(todo, cands, f_rows, greedy):
+            for j, t in enumerate(g):  # g[j]: model's token at response position len(resp[i]) + j
+                resp[i].append(t)
+                if t in stops or len(resp[i]) == max_new_tokens or j == len(c) or c[j] != t:
+                    break
+            feats[i] = f[:len(prompt_ids[i]) + len(resp[i]) - 1]  # prompt + response[:-1]: all on the checked path
+            if resp[i][-1] not in stops and len(resp[i]) < max_new_tokens:
+                still.append(i)
+        todo = still
+    records: list[dict | None] = [None] * b
+    for i in range(b):
+        if i not in todo:
+            full = list(prompt_ids[i]) + resp[i]
+            records[i] = {"ids": torch.tensor(full, dtype=torch.int32), "prompt_len": len(prompt_ids[i]),
+                          "features": feats[i], "layer_ids": list(capture_layers), "finished": resp[i][-1] in stops}
+    if todo:  # the rest with plain greedy decoding of the checked prefixes (features of the whole sequence)
+        budget = max(max_new_tokens - len(resp[i]) for i in todo)
+        rest = generate_batch(model, [list(prompt_ids[i]) + resp[i] for i in todo], budget, stop_ids, capture_layers,
+                              pad_id=pad_id)
+        for i, r in zip(todo, rest):
+            keep = min(len(r["ids"]), len(prompt_ids[i]) + max_new_tokens)
+            full = r["ids"][:keep]
+            records[i] = {"ids": full.clone(), "prompt_len": len(prompt_ids[i]), "features": r["features"][:keep - 1].clone(),
+                          "layer_ids": list(capture_layers), "finished": int(full[-1]) in stops}
     return records
 
 

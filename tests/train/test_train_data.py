@@ -157,3 +157,34 @@ def test_generate_dataset_max_shards_then_resume(tmp_path):
     every = generate_dataset(str(tmp_path), prompts, **kw)
     assert len(every) == 3 and os.path.getmtime(first[0]) == before
     assert len(load_dataset(str(tmp_path))) == 5
+
+
+def test_responses_file_round_trip_and_reuse(tmp_path):
+    """`generate_dataset(responses_path=...)` records every response in the file; a second run from the
+    file (one of its responses deliberately corrupted) checks instead of generating and writes the same
+    data, and the corrupted response is corrected in the file."""
+    from dflash.train.data import generate_dataset
+    from dflash.train.responses import load_responses, prompt_key, save_responses
+
+    torch.manual_seed(4)
+    target = tiny_target(layers=2)
+    with torch.no_grad():
+        for name, w in target.named_parameters():
+            if "norm" not in name:
+                w.mul_(5.0)  # varied responses
+    prompts = [f"q{i}?" for i in range(5)]
+    path = str(tmp_path / "responses.xz")
+    kw = dict(model=target, tokenizer=_CharTokenizer(), max_new_tokens=6, batch_size=2, shard_size=3,
+              capture_layers=(1,), responses_path=path, log=lambda m: None)
+    generate_dataset(str(tmp_path / "a"), prompts, **kw)
+    first = load_dataset(str(tmp_path / "a"))
+    stored = load_responses(path)
+    assert stored == {prompt_key(p): r["ids"][r["prompt_len"]:].tolist() for p, r in zip(prompts, first)}
+    key = prompt_key(prompts[3])
+    stored[key] = stored[key][:2] + [(stored[key][2] + 1) % V] + stored[key][3:]
+    save_responses(path, stored)
+    generate_dataset(str(tmp_path / "b"), prompts, **kw)
+    for r, want in zip(load_dataset(str(tmp_path / "b")), first):
+        assert torch.equal(r["ids"], want["ids"]) and r["finished"] == want["finished"]
+        assert (r["features"].float() - want["features"].float()).abs().max() <= 2 ** -7 * want["features"].float().abs().max()
+    assert load_responses(path)[key] == first[3]["ids"][first[3]["prompt_len"]:].tolist()

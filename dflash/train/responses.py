@@ -1,0 +1,73 @@
+"""Known target responses, small enough to keep in the repository: the greedy response token ids of
+SmolLM2-135M-Instruct (fp32) to the offline prompts, keyed by the prompt text.
+
+Generating responses is the slow part of ``dflash train data``; with a responses file, a later run
+feeds each known response to :func:`dflash.train.data.generate_batch_checked` as its first guess, so a
+prompt already answered costs one teacher-forced pass (which also recomputes the features and checks
+every stored token against the target's own greedy choice: a stale or wrong response is corrected,
+never trusted). ``dflash train data --responses FILE`` reads the file and adds every new shard's
+responses to it.
+
+File format (lzma-compressed): one JSON header line ``{"format": "dflash-responses-v1", "count": N,
+"tokens": T}``, then N 8-byte prompt keys (first 8 bytes of the SHA-1 of the user prompt text), N
+little-endian uint16 response lengths, T little-endian uint16 token ids (SmolLM2's vocabulary has
+49,152 ids), responses concatenated in key order.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import lzma
+import os
+import struct
+
+FORMAT = "dflash-responses-v1"
+_U16_MAX = 0xFFFF
+
+
+def prompt_key(text: str) -> bytes:
+    """The 8-byte key of a user prompt text."""
+    return hashlib.sha1(text.encode("utf-8")).digest()[:8]
+
+
+def load_responses(path: str) -> dict[bytes, list[int]]:
+    """Prompt key -> response token ids; empty when ``path`` does not exist."""
+    if not os.path.exists(path):
+        return {}
+    with lzma.open(path, "rb") as f:
+        raw = f.read()
+    nl = raw.index(b"\n")
+    head = json.loads(raw[:nl])
+    if head.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a responses file (format {head.get('format')!r}, expected {FORMAT!r})")
+    n, t = int(head["count"]), int(head["tokens"])
+    body = raw[nl + 1:]
+    if len(body) != 8 * n + 2 * n + 2 * t:
+        raise ValueError(f"{path}: truncated or corrupt ({len(body)} bytes after the header, "
+                         f"expected {8 * n + 2 * n + 2 * t})")
+    keys = [body[8 * i: 8 * i + 8] for i in range(n)]
+    lengths = struct.unpack(f"<{n}H", body[8 * n: 10 * n])
+    tokens = struct.unpack(f"<{t}H", body[10 * n:])
+    out, pos = {}, 0
+    for k, length in zip(keys, lengths):
+        out[k] = list(tokens[pos:pos + length])
+        pos += length
+    return out
+
+
+def save_responses(path: str, responses: dict[bytes, list[int]]) -> None:
+    """Write ``responses`` (prompt key -> token ids) atomically, keys sorted (same content, same bytes)."""
+    keys = sorted(responses)
+    for k in keys:
+        r = responses[k]
+        if len(k) != 8 or len(r) > _U16_MAX or any(not 0 <= t <= _U16_MAX for t in r):
+            raise ValueError(f"response for key {k.hex()}: keys are 8 bytes, responses at most {_U16_MAX} ids "
+                             f"in [0, {_U16_MAX}]")
+    tokens = [t for k in keys for t in responses[k]]
+    head = json.dumps({"format": FORMAT, "count": len(keys), "tokens": len(tokens)}).encode() + b"\n"
+    body = b"".join(keys) + struct.pack(f"<{len(keys)}H", *(len(responses[k]) for k in keys)) \
+        + struct.pack(f"<{len(tokens)}H", *tokens)
+    tmp = path + ".tmp"
+    with lzma.open(tmp, "wb", preset=9 | lzma.PRESET_EXTREME) as f:
+        f.write(head + body)
+    os.replace(tmp, path)

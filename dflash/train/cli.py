@@ -27,7 +27,8 @@ def _cmd_data(args) -> int:
         ev = build_prompts(args.num_eval, "eval", seed=args.seed + 1000)
         generate_dataset(os.path.join(args.out, "eval"), ev, **common)
     tr = build_prompts(args.num_prompts, "train", seed=args.seed)
-    generate_dataset(os.path.join(args.out, "train"), tr, max_shards=args.max_shards, **common)
+    generate_dataset(os.path.join(args.out, "train"), tr, max_shards=args.max_shards, first_shard=args.first_shard,
+                     **common)
     return 0
 
 
@@ -45,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--max-shards", type=int, default=None,
                    help="generate only the first N train shards of the prompt set (rerun with more to continue)")
+    d.add_argument("--first-shard", type=int, default=0,
+                   help="start at this train shard (e.g. new prompts first; earlier shards can be generated later)")
     d.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, i.e. all cores)")
     d.add_argument("--guess", choices=["bf16", "none"], default="none",
                    help="bf16: guess responses with the target in bfloat16 and check them with one fp32 pass per "

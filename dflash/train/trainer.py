@@ -84,6 +84,23 @@ def init_from_target(draft: DFlashDraftModel, target, layer_ids) -> None:
     draft.fc.weight[:, -H:].copy_(torch.eye(H))
 
 
+@torch.no_grad()
+def init_from_draft(draft: DFlashDraftModel, folder: str) -> None:
+    """Warm start from a trained z-lab draft folder of the same architecture (its network weights; a
+    draft vocabulary subset, if it has one, is not part of training and is dropped)."""
+    from safetensors.torch import load_file
+
+    from dflash.config import DRAFT_TOKEN_IDS
+
+    state = load_file(os.path.join(folder, "model.safetensors"))
+    state.pop(DRAFT_TOKEN_IDS, None)
+    own = draft.state_dict()
+    if set(state) != set(own) or any(state[k].shape != own[k].shape for k in own):
+        raise ValueError(f"--init {folder}: its weights do not match the draft being trained (same --layers, "
+                         f"--block-size and taps needed)")
+    draft.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
+
+
 class Trainer:
     def __init__(self, draft: DFlashDraftModel, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, *,
                  lr: float = 6e-4, weight_decay: float = 0.0, warmup_ratio: float = 0.04, grad_clip: float = 1.0,
@@ -200,8 +217,9 @@ def add_fit_args(sub) -> None:
     f.add_argument("--gamma", type=float, default=None, help="loss decay γ (default: 7 for B=16, 5 for B=10, 4 for B=8)")
     f.add_argument("--target-layer-ids", default=None, help="comma list of tapped target layers (default rule if unset)")
     f.add_argument("--mask-token-id", type=int, default=SMOLLM2_MASK_TOKEN_ID)
-    f.add_argument("--init", choices=["target", "random"], default="target",
-                   help="draft init: copy the target's last layers + final norm (default) or random")
+    f.add_argument("--init", default="target",
+                   help="draft init: 'target' (copy the target's last layers + final norm; default), 'random', or "
+                        "a trained z-lab draft folder of the same architecture (warm start from its weights)")
     f.add_argument("--steps", type=int, default=4000, help="total optimizer steps (cosine schedule length)")
     f.add_argument("--batch-seqs", type=int, default=8, help="sequences per step")
     f.add_argument("--anchors", type=int, default=16, help="anchors (blocks) per sequence per visit")
@@ -276,6 +294,8 @@ def fit_main(args) -> int:
     if args.init == "target":
         n = target.config.num_hidden_layers
         init_from_target(draft, target, list(range(n - args.layers, n)))
+    elif args.init != "random":
+        init_from_draft(draft, args.init)
     draft.to(args.device)
     embed = target.get_input_embeddings().weight.detach().float().to(args.device)
     head = target.lm_head.weight.detach().float().to(args.device)

@@ -183,3 +183,24 @@ def test_training_overfits_tiny_batch_and_freezes_target():
     assert not tr.embed_weight.requires_grad and not tr.lm_head_weight.requires_grad
     ev = tr.evaluate(recs, stride=1)
     assert ev["tau_est"] > 1.5
+
+
+def test_init_from_draft_copies_weights_and_drops_vocab_subset(tmp_path):
+    """`fit --init FOLDER` warm start: a saved draft's weights (with a draft vocabulary subset, which is
+    dropped) load into a fresh draft of the same shape; a draft of another shape is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from dflash.train.trainer import init_from_draft
+
+    target = tiny_target()
+    torch.manual_seed(1)
+    src = tiny_draft(target)
+    src.save_pretrained(str(tmp_path / "src"))
+    path = tmp_path / "src" / "model.safetensors"
+    save_file({**load_file(str(path)), "draft_token_ids": torch.arange(10)}, str(path))
+    fresh = tiny_draft(target)
+    init_from_draft(fresh, str(tmp_path / "src"))
+    for name, w in src.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], w), name
+    with pytest.raises(ValueError, match="same --layers"):
+        init_from_draft(tiny_draft(target, layers=2), str(tmp_path / "src"))

@@ -8,6 +8,11 @@ layer outputs of the prefill plus every decode step are the features of the clea
 This saves the separate feature pass; :func:`compute_features` does that pass for data without
 stored features (and the tests use it to check both agree).
 
+:func:`generate_batch_checked` produces the same records with fewer fp32 decode steps: responses are
+guessed (by the target in bf16, or taken from a responses file, :mod:`dflash.train.responses`) and
+checked by one teacher-forced fp32 pass, which keeps each guess up to its first disagreement with the
+fp32 greedy choice and also yields the features (``dflash train data --guess bf16 / --responses``).
+
 On disk (``out_dir``): ``shard_XXXXX.pt`` files, each a list of records
 ``{"ids": int32 [L], "prompt_len": int, "features": bf16 [L-1, T*H], "layer_ids": [...]}``, plus
 ``prompts.json``. Generation is resumable: existing shards are skipped.

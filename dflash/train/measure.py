@@ -1,8 +1,11 @@
 """Measure a SmolLM2 draft end to end with :func:`dflash.generate`: τ (mean acceptance
 length), decode tokens/s of DFlash vs autoregressive decoding through the same machinery
-(``block_size=1``), and greedy equality, on the held-out evaluation prompts.
+(``block_size=1``), and greedy equality, on the held-out evaluation prompts. ``--against OTHER_DRAFT``
+measures other drafts in the same run, each prompt's runs back to back (draft, others, autoregressive),
+so a new and an old draft see the same machine state.
 
-    python -m dflash.train.measure DRAFT_DIR [--num-prompts 8] [--max-new-tokens 128] [--json out.json]
+    python -m dflash.train.measure DRAFT_DIR [--against OLD_DIR] [--num-prompts 8] [--prompt TEXT]
+        [--max-new-tokens 128] [--json out.json]
 """
 from __future__ import annotations
 
@@ -12,7 +15,10 @@ import sys
 
 
 def measure(draft_dir: str, prompts, *, max_new_tokens: int = 128, block_size: int | None = None,
-            backend: str = "auto", baseline: bool = True, target=None, tokenizer=None, log=None) -> dict:
+            backend: str = "auto", baseline: bool = True, target=None, tokenizer=None, log=None,
+            against=()) -> dict:
+    """Summary + per-prompt rows for ``draft_dir``; with ``against`` (other draft folders) also
+    ``out["against"][folder]``, the same summary for each, measured prompt by prompt in the same loop."""
     import torch
 
     from dflash import smollm2
@@ -21,22 +27,34 @@ def measure(draft_dir: str, prompts, *, max_new_tokens: int = 128, block_size: i
 
     if target is None:
         target, tokenizer = smollm2.load(verbose=False)
-    draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32)
+    dirs = [draft_dir, *against]
+    drafts = [DFlashDraftModel.from_pretrained(d, dtype=torch.float32) for d in dirs]
     stops = smollm2.stop_token_ids(tokenizer)
-    rows = []
+    rows: list[list[dict]] = [[] for _ in dirs]
     for i, p in enumerate(prompts):
         ids = torch.tensor([tokenizer(smollm2.chat_prompt(tokenizer, p), add_special_tokens=False)["input_ids"]])
-        r = generate(target, draft, ids, max_new_tokens, stop_token_ids=stops, block_size=block_size, backend=backend)
-        row = {"prompt": p[:80], "tokens": r.num_generated_tokens, "tau": r.tau, "rounds": len(r.acceptance_lengths),
-               "dflash_decode_s": r.decode_time, "dflash_total_s": r.total_time}
-        if baseline:
-            b = generate(target, draft, ids, max_new_tokens, stop_token_ids=stops, block_size=1, backend=backend)
-            row.update({"ar_tokens": b.num_generated_tokens, "ar_decode_s": b.decode_time, "ar_total_s": b.total_time,
-                        "identical": bool(torch.equal(r.sequences, b.sequences))})
-        rows.append(row)
+        runs = [generate(target, d, ids, max_new_tokens, stop_token_ids=stops, block_size=block_size, backend=backend)
+                for d in drafts]
+        b = (generate(target, drafts[0], ids, max_new_tokens, stop_token_ids=stops, block_size=1, backend=backend)
+             if baseline else None)
+        for k, r in enumerate(runs):
+            row = {"prompt": p[:80], "tokens": r.num_generated_tokens, "tau": r.tau, "rounds": len(r.acceptance_lengths),
+                   "dflash_decode_s": r.decode_time, "dflash_total_s": r.total_time}
+            if b is not None:
+                row.update({"ar_tokens": b.num_generated_tokens, "ar_decode_s": b.decode_time, "ar_total_s": b.total_time,
+                            "identical": bool(torch.equal(r.sequences, b.sequences))})
+            rows[k].append(row)
         if log:
-            log(f"[measure] {i + 1}/{len(prompts)} τ={row['tau']:.2f} tokens={row['tokens']}"
-                + (f" identical={row['identical']}" if baseline else ""))
+            log(f"[measure] {i + 1}/{len(prompts)} "
+                + " ".join(f"τ={row[-1]['tau']:.2f}" for row in rows) + f" tokens={rows[0][-1]['tokens']}"
+                + (f" identical={all(row[-1]['identical'] for row in rows)}" if baseline else ""))
+    out = _summary(draft_dir, rows[0], max_new_tokens, baseline)
+    if against:
+        out["against"] = {d: _summary(d, r, max_new_tokens, baseline) for d, r in zip(dirs[1:], rows[1:])}
+    return out
+
+
+def _summary(draft_dir: str, rows: list[dict], max_new_tokens: int, baseline: bool) -> dict:
     tok = sum(r["tokens"] for r in rows)
     rounds = sum(r["rounds"] for r in rows)
     out = {"draft": draft_dir, "max_new_tokens": max_new_tokens, "num_prompts": len(rows),
@@ -55,7 +73,9 @@ def measure(draft_dir: str, prompts, *, max_new_tokens: int = 128, block_size: i
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash.train.measure")
     ap.add_argument("draft")
+    ap.add_argument("--against", action="append", default=[], help="another draft folder to measure in the same run")
     ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--prompt", action="append", default=[], help="an extra user prompt (after the eval prompts)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--backend", default="auto")
@@ -69,10 +89,12 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    res = measure(args.draft, eval_prompts(args.num_prompts), max_new_tokens=args.max_new_tokens,
+    res = measure(args.draft, eval_prompts(args.num_prompts) + args.prompt, max_new_tokens=args.max_new_tokens,
                   block_size=args.block_size, backend=args.backend, baseline=not args.no_baseline,
-                  log=lambda m: print(m, file=sys.stderr, flush=True))
-    summary = {k: v for k, v in res.items() if k != "rows"}
+                  log=lambda m: print(m, file=sys.stderr, flush=True), against=args.against)
+    summary = {k: v for k, v in res.items() if k not in ("rows", "against")}
+    if args.against:
+        summary["against"] = {d: {k: v for k, v in r.items() if k != "rows"} for d, r in res["against"].items()}
     print(json.dumps(summary, indent=2))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

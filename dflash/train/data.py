@@ -177,7 +177,8 @@ def generate_batch_checked(model, prompt_ids: Sequence[Sequence[int]], max_new_t
                 resp[i].append(t)
                 if t in stops or len(resp[i]) == max_new_tokens or j == len(c) or c[j] != t:
                     break
-            feats[i] = f[:len(prompt_ids[i]) + len(resp[i]) - 1]  # prompt + response[:-1]: all on the checked path
+            # prompt + response[:-1], all on the checked path; a copy, so a saved record holds no guessed tail
+            feats[i] = f[:len(prompt_ids[i]) + len(resp[i]) - 1].clone()
             if resp[i][-1] not in stops and len(resp[i]) < max_new_tokens:
                 still.append(i)
         todo = still

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dflash_kernels._dispatch import lean_version_bump, resolve_backend
+from dflash_kernels._dispatch import call_op, lean_version_bump, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_cache_pair, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, norm_rope_halves,
     page_table, rms_norm_reference, rope_cos_sin, rope_cos_sin_reference, rotate_half,
@@ -679,10 +679,10 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     _validate(OP, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, sliding_window,
               block_table, cache_batch_idx, num_splits, causal, block_lens)
     chosen = resolve_backend(OP, backend, q.device, available=_BACKENDS)
-    return torch.ops.dflash.draft_attention(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
-                                            inv_freq, float(attention_scaling), float(eps), sliding_window, causal,
-                                            block_table, cache_batch_idx, block_lens, num_splits, max_context_len,
-                                            chosen)
+    return call_op(_draft_attention_op, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
+                   inv_freq, float(attention_scaling), float(eps), sliding_window, causal,
+                   block_table, cache_batch_idx, block_lens, num_splits, max_context_len,
+                   chosen, device=q.device)
 
 
 @torch.library.custom_op("dflash::draft_attention", mutates_args=())
@@ -768,10 +768,10 @@ def verify_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         raise ValueError(f"{VERIFY_OP}: scale must be None (D**-0.5) or a float > 0 (e.g. attn.scaling), got {scale!r}")
     _validate_tree(q, tree_depths, tree_mask)
     chosen = resolve_backend(VERIFY_OP, backend, q.device, available=_BACKENDS)
-    return torch.ops.dflash.verify_attention(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
-                                             inv_freq, float(attention_scaling), float(eps),
-                                             None if scale is None else float(scale), block_table, cache_batch_idx,
-                                             num_splits, max_context_len, tree_depths, tree_mask, chosen)
+    return call_op(_verify_attention_op, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
+                   inv_freq, float(attention_scaling), float(eps),
+                   None if scale is None else float(scale), block_table, cache_batch_idx,
+                   num_splits, max_context_len, tree_depths, tree_mask, chosen, device=q.device)
 
 
 def _validate_tree(q, tree_depths, tree_mask):

@@ -52,8 +52,9 @@ from dflash.merged_linear import merged_weight
 from dflash.results import GenerateResult, device_clock
 from dflash.sampling import GREEDY_EPS, SamplingParams, sample
 from dflash_kernels import (
-    add_rms_norm, build_tree, commit_round, draft_attention, draft_round_setup, fused_context, inject_context_kv,
-    tree_accept_greedy, tree_accept_sample, tree_ancestor_mask, tree_compact, verify_greedy, verify_sample,
+    add_rms_norm, build_tree, commit_round, draft_attention, draft_round_setup, first_token_done, fused_context,
+    inject_context_kv, tree_accept_greedy, tree_accept_sample, tree_ancestor_mask, tree_compact, verify_greedy,
+    verify_sample,
 )
 
 
@@ -205,7 +206,7 @@ class DFlashEngine:
             self.positions[r] = p
             self.anchor[r] = first
             self.max_lengths[r] = p + max_new_tokens[r]
-            self.done[r] = bool(first in stops[r] or max_new_tokens[r] <= 1)
+            self.done[r] = first_token_done(first, stops[r], max_new_tokens[r])
         self._reset_kv_bound(longest)
 
     def fill_random_context(self, context: int, generator: torch.Generator | None = None) -> None:

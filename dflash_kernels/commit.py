@@ -46,7 +46,7 @@ from dflash_kernels._dispatch import call_op, resolve_backend
 from dflash_kernels._triton_utils import check_tensor, next_pow2
 
 __all__ = ["commit_round", "commit_round_reference", "CommitRoundInputError", "draft_round_setup",
-           "draft_round_setup_reference"]
+           "draft_round_setup_reference", "first_token_done"]
 
 _OP = "commit_round"
 _BACKENDS = ("ext", "torch")
@@ -109,6 +109,12 @@ def _check_values(draft_tokens, accepted, lengths, done, max_lengths, capacity):
             r = int(bad.nonzero()[0, 0])
             val = {"accepted": accepted, "lengths": lengths, "max_lengths": max_lengths}[name][r]
             _fail(f"{name}[{r}] = {int(val)} is {rng}")
+
+
+def first_token_done(first: int, stop_tokens, max_new_tokens: int) -> bool:
+    """:func:`commit_round`'s finishing rule for the token a request's prefill produced (committed outside any
+    round): done when it is one of ``stop_tokens`` or ``max_new_tokens`` allows no more than it."""
+    return first in stop_tokens or max_new_tokens <= 1
 
 
 def commit_round_reference(draft_tokens: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor,

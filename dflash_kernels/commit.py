@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_kernels._dispatch import resolve_backend
+from dflash_kernels._dispatch import call_op, resolve_backend
 from dflash_kernels._triton_utils import check_tensor, next_pow2
 
 __all__ = ["commit_round", "commit_round_reference", "CommitRoundInputError", "draft_round_setup",
@@ -207,8 +207,8 @@ def commit_round(draft_tokens: torch.Tensor, accepted: torch.Tensor, bonus: torc
     if check:
         _check_values(draft_tokens, accepted, lengths, done, max_lengths, out_tokens.shape[1])
     chosen = resolve_backend(_OP, backend, dev, available=_BACKENDS)
-    return torch.ops.dflash.commit_round(draft_tokens, accepted, bonus, out_tokens, lengths, positions, anchor,
-                                         done, max_lengths, stop_tokens, chosen)
+    return call_op(_commit_round_op, draft_tokens, accepted, bonus, out_tokens, lengths, positions, anchor,
+                   done, max_lengths, stop_tokens, chosen, device=dev)
 
 
 @torch.library.custom_op("dflash::commit_round",
@@ -291,8 +291,8 @@ def draft_round_setup(anchor: torch.Tensor, positions: torch.Tensor, num_new: to
             raise ValueError(f"{_SETUP}: {name} must be a contiguous [N={n}] tensor (N = block.shape[0]), "
                              f"got shape {tuple(t.shape)}")
     chosen = resolve_backend(_SETUP, backend, dev, available=_SETUP_BACKENDS)
-    torch.ops.dflash.draft_round_setup(anchor, positions, num_new, max_lengths, block, context_start, block_lens,
-                                       chosen)
+    call_op(_draft_round_setup_op, anchor, positions, num_new, max_lengths, block, context_start, block_lens,
+            chosen, device=dev)
 
 
 @torch.library.custom_op("dflash::draft_round_setup", mutates_args=("block", "context_start", "block_lens"))

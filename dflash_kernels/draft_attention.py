@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dflash_kernels._dispatch import lean_version_bump, resolve_backend
+from dflash_kernels._dispatch import call_op, lean_version_bump, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_cache_pair, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, norm_rope_halves,
     page_table, rms_norm_reference, rope_cos_sin, rope_cos_sin_reference, rotate_half,
@@ -217,7 +217,7 @@ def verify_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_wei
                                      block_table=block_table, cache_batch_idx=cache_batch_idx, scale=scale)
 
 
-# (key, inv_freq copy, cos, signed sin) of the last _rope_tables_cpu call, replaced whole (thread-safe reads).
+# (key, inv_freq, cos, signed sin) of the last _rope_tables_cpu call, replaced whole (thread-safe reads).
 _rope_memo: list = [None]
 
 
@@ -228,9 +228,11 @@ def _rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, dtype, de
     while the positions, inv_freq's values, the scaling and the dtype are the same. A tree (``depths`` [N, B])
     puts block row i at ``cache_lens + depths[:, i]`` instead of ``cache_lens + i``."""
     tree = None if depths is None else tuple(depths.reshape(-1).tolist())
-    key = (tuple(lens), b, tree, float(attention_scaling), dtype, inv_freq.shape, inv_freq.dtype)
+    # inv_freq by identity and version counter (an in-place change bumps it); the memo holds the tensor, so
+    # its identity cannot pass to another tensor.
+    key = (tuple(lens), b, tree, float(attention_scaling), dtype, inv_freq._version)
     last = _rope_memo[0]
-    if last is not None and last[0] == key and torch.equal(last[1], inv_freq):
+    if last is not None and last[0] == key and last[1] is inv_freq:
         return last[2], last[3]
     rows = torch.arange(b, device=cache_lens.device) if depths is None else depths.to(torch.int64)
     positions = cache_lens.to(torch.int64)[:, None] + rows
@@ -238,14 +240,19 @@ def _rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, dtype, de
     half = sin.shape[-1] // 2
     sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)
     d = cos.shape[-1]
-    _rope_memo[0] = (key, inv_freq.clone(), cos.view(-1, d), sin.view(-1, d))
+    _rope_memo[0] = (key, inv_freq, cos.view(-1, d), sin.view(-1, d))
     return cos.view(-1, d), sin.view(-1, d)
 
 
-def _norm_rope_cpu(x, weight, cos, sin_signed, eps):
-    """``_norm_rope_reference`` with rotate_half as one roll (the same values); x [R, heads, D], tables [R, D]."""
-    if weight is not None:
-        x = rms_norm_reference(x, weight, eps)
+def _norm_rope_qk_cpu(q, k, q_weight, k_weight, cos, sin_signed, eps):
+    """``_norm_rope_reference`` of q and k (each with its own norm weight, or none) with their heads side by
+    side, so the RoPE is one pass (the same values per element; rotate_half as one roll); q [R, nH, D],
+    k [R, kvH, D], tables [R, D] -> [R, nH + kvH, D]."""
+    if q_weight is not None:
+        q = rms_norm_reference(q, q_weight, eps)
+    if k_weight is not None:
+        k = rms_norm_reference(k, k_weight, eps)
+    x = torch.cat([q, k], 1)
     return x * cos[:, None, :] + x.roll(x.shape[-1] // 2, -1) * sin_signed[:, None, :]
 
 
@@ -268,8 +275,9 @@ def _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_
     cache_rows = cache_batch_idx.tolist() if cache_batch_idx is not None else range(n)
     valid = block_lens.tolist() if block_lens is not None else [b] * n
     cos, sin_signed = _rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, q.dtype, tree_depths)
-    qn = _norm_rope_cpu(q.reshape(n * b, nh, d), q_norm_weight, cos, sin_signed, eps).view(n, b, nh, d)
-    kn = _norm_rope_cpu(k.reshape(n * b, kvh, d), k_norm_weight, cos, sin_signed, eps).view(n, b, kvh, d)
+    qk = _norm_rope_qk_cpu(q.reshape(n * b, nh, d), k.reshape(n * b, kvh, d), q_norm_weight, k_norm_weight, cos,
+                           sin_signed, eps).view(n, b, nh + kvh, d)
+    qn, kn = qk[:, :, :nh], qk[:, :, nh:]
     capacity = k_cache.shape[1]
     # Every query sees a key unless a window can hide them all (the reference's masked_fill); with one block
     # row, or neither causality nor a window, no key is hidden at all and SDPA takes no mask.
@@ -730,10 +738,10 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     _validate(OP, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, sliding_window,
               block_table, cache_batch_idx, num_splits, causal, block_lens)
     chosen = resolve_backend(OP, backend, q.device, available=_BACKENDS)
-    return torch.ops.dflash.draft_attention(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
-                                            inv_freq, float(attention_scaling), float(eps), sliding_window, causal,
-                                            block_table, cache_batch_idx, block_lens, num_splits, max_context_len,
-                                            chosen)
+    return call_op(_draft_attention_op, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
+                   inv_freq, float(attention_scaling), float(eps), sliding_window, causal,
+                   block_table, cache_batch_idx, block_lens, num_splits, max_context_len,
+                   chosen, device=q.device)
 
 
 @torch.library.custom_op("dflash::draft_attention", mutates_args=())
@@ -819,10 +827,10 @@ def verify_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         raise ValueError(f"{VERIFY_OP}: scale must be None (D**-0.5) or a float > 0 (e.g. attn.scaling), got {scale!r}")
     _validate_tree(q, tree_depths, tree_mask)
     chosen = resolve_backend(VERIFY_OP, backend, q.device, available=_BACKENDS)
-    return torch.ops.dflash.verify_attention(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
-                                             inv_freq, float(attention_scaling), float(eps),
-                                             None if scale is None else float(scale), block_table, cache_batch_idx,
-                                             num_splits, max_context_len, tree_depths, tree_mask, chosen)
+    return call_op(_verify_attention_op, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
+                   inv_freq, float(attention_scaling), float(eps),
+                   None if scale is None else float(scale), block_table, cache_batch_idx,
+                   num_splits, max_context_len, tree_depths, tree_mask, chosen, device=q.device)
 
 
 def _validate_tree(q, tree_depths, tree_mask):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dflash_kernels._dispatch import lean_version_bump, resolve_backend
+from dflash_kernels._dispatch import call_op, lean_version_bump, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, rms_norm_reference,
 )
@@ -148,7 +148,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     chosen = resolve_backend(ADD_RMS_NORM, backend, x.device, available=_NORM_BACKENDS)
     if out is None:
         out = x.new_empty(x.shape)
-    torch.ops.dflash.add_rms_norm(x, weight, float(eps), residual, out, chosen)
+    call_op(_add_rms_norm_op, x, weight, float(eps), residual, out, chosen, device=x.device)
     return out
 
 
@@ -231,7 +231,7 @@ def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
                          f"got shape {tuple(gate_up.shape)}")
     check_last_dim_contiguous(SILU_MUL, "gate_up", gate_up)
     chosen = resolve_backend(SILU_MUL, backend, gate_up.device, available=_BACKENDS)
-    return torch.ops.dflash.silu_mul(gate_up, chosen)
+    return call_op(_silu_mul_op, gate_up, chosen, device=gate_up.device)
 
 
 @torch.library.custom_op("dflash::silu_mul", mutates_args=())

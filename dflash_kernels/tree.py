@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_kernels._dispatch import resolve_backend
+from dflash_kernels._dispatch import call_op, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2,
 )
@@ -290,7 +290,7 @@ def build_tree(draft_logits: torch.Tensor, anchor: torch.Tensor, budget: int, *,
     op = "build_tree"
     _validate_build(op, draft_logits, anchor, budget, vocab_ids)
     chosen = resolve_backend(op, backend, draft_logits.device, available=_BACKENDS)
-    return torch.ops.dflash.build_tree(draft_logits, anchor, budget, vocab_ids, chosen)
+    return call_op(_build_tree_op, draft_logits, anchor, budget, vocab_ids, chosen, device=draft_logits.device)
 
 
 
@@ -374,7 +374,7 @@ def tree_ancestor_mask(tree_parents: torch.Tensor, *, backend: str = "auto") -> 
     op = "tree_ancestor_mask"
     _validate_nodes(op, "tree_parents", tree_parents)
     chosen = resolve_backend(op, backend, tree_parents.device, available=_BACKENDS)
-    return torch.ops.dflash.tree_ancestor_mask(tree_parents, chosen)
+    return call_op(_tree_ancestor_mask_op, tree_parents, chosen, device=tree_parents.device)
 
 
 
@@ -569,7 +569,7 @@ def tree_accept_greedy(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_par
     op = "tree_accept_greedy"
     _validate_accept(op, logits, tree_tokens, tree_parents, block_size)
     chosen = resolve_backend(op, backend, logits.device, available=_BACKENDS)
-    return torch.ops.dflash.tree_accept_greedy(logits, tree_tokens, tree_parents, block_size, chosen)
+    return call_op(_tree_accept_greedy_op, logits, tree_tokens, tree_parents, block_size, chosen, device=logits.device)
 
 
 
@@ -636,7 +636,7 @@ def tree_accept_sample(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_par
     _validate_accept(op, logits, tree_tokens, tree_parents, block_size)
     args = sampling_op_args(op, logits, temperature, top_k, top_p, seed, offset)
     chosen = resolve_backend(op, backend, logits.device, available=_BACKENDS)
-    return torch.ops.dflash.tree_accept_sample(logits, tree_tokens, tree_parents, block_size, *args, chosen)
+    return call_op(_tree_accept_sample_op, logits, tree_tokens, tree_parents, block_size, *args, chosen, device=logits.device)
 
 
 @torch.library.custom_op("dflash::tree_accept_sample", mutates_args=())
@@ -765,7 +765,7 @@ def tree_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, path: torch.Tenso
     op = "tree_compact"
     _validate_compact(op, k_cache, v_cache, path, accepted, start, cache_batch_idx)
     chosen = resolve_backend(op, backend, k_cache.device, available=_BACKENDS)
-    torch.ops.dflash.tree_compact(k_cache, v_cache, path, accepted, start, cache_batch_idx, chosen)
+    call_op(_tree_compact_op, k_cache, v_cache, path, accepted, start, cache_batch_idx, chosen, device=k_cache.device)
 
 
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_kernels._dispatch import resolve_backend
+from dflash_kernels._dispatch import call_op, resolve_backend
 from dflash_kernels._triton_utils import FLOAT_DTYPES, as_index_tensor, check_tensor, interpreting, next_pow2
 
 _BIG = 2**31 - 1
@@ -192,7 +192,7 @@ def verify_greedy(logits: torch.Tensor, draft_tokens: torch.Tensor, *, backend: 
     """
     _validate("verify_greedy", logits, draft_tokens)
     chosen = resolve_backend("verify_greedy", backend, logits.device, available=_GREEDY_BACKENDS)
-    return torch.ops.dflash.verify_greedy(logits, draft_tokens, chosen)
+    return call_op(_verify_greedy_op, logits, draft_tokens, chosen, device=logits.device)
 
 
 @torch.library.custom_op("dflash::verify_greedy", mutates_args=())
@@ -735,7 +735,7 @@ def verify_sample(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperatu
     _validate(op, logits, draft_tokens)
     args = sampling_op_args(op, logits, temperature, top_k, top_p, seed, offset)
     chosen = resolve_backend(op, backend, logits.device, available=_SAMPLE_BACKENDS)
-    return torch.ops.dflash.verify_sample(logits, draft_tokens, *args, chosen)
+    return call_op(_verify_sample_op, logits, draft_tokens, *args, chosen, device=logits.device)
 
 
 @torch.library.custom_op("dflash::verify_sample", mutates_args=())

@@ -248,3 +248,17 @@ def test_cpu_backend_is_the_reference_bit_for_bit(dtype, case):
             results.append((out, *buffers))
         for got, want in zip(results[1], results[0]):
             assert torch.equal(_bits(got), _bits(want))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only")
+def test_cpu_backend_sees_inv_freq_changed_in_place():
+    """The "cpu" path keeps the last RoPE tables; changing inv_freq in place (same tensor, same positions)
+    must not reuse them."""
+    n, b, nh, kvh, d, lens, cap, _ = CASES[0]
+    q, k, v, kc, vc, cl, qw, kw = _case(n, b, nh, kvh, d, lens, cap, torch.float32, True)
+    inv_freq = _inv_freq(d)
+    for _ in range(2):
+        outs = [verify_attention(q, k, v, kc.clone(), vc.clone(), cl, qw, kw, inv_freq=inv_freq, backend=backend)
+                for backend in ("cpu", "torch")]
+        assert torch.equal(outs[0], outs[1])
+        inv_freq.mul_(1.7)

@@ -29,11 +29,11 @@ Model, per recorded op (a model, not a measurement):
             ``index_put_`` reads the values and writes the same number of bytes. dflash ops per
             contract: draft_attention / verify_attention read the live context rows only
             (``context`` per request, not the capacity) plus the fp32 partials of all active splits but
-            the merging one (the kernels' own rule), written and read once, and their merge counters; verify_attention also writes the block's
-            K/V rows; add_rms_norm reads x, the weight and the residual and writes the output and the
-            residual; silu_mul reads [.., 2I] and writes [.., I]; gate_up_silu reads x and the [2I, K]
-            weight and writes [.., I] (+ the [.., 2I] GEMM output written and read above
-            ``MAX_FUSED_ROWS``: ``gate_up_silu_cost``); draft_round_setup reads four and
+            the merging one (the kernels' own rule), written and read once, and their merge counters;
+            verify_attention also writes the block's K/V rows; add_rms_norm reads x, the weight and the
+            residual and writes the output and the residual; silu_mul reads [.., 2I] and writes
+            [.., I]; gate_up_silu reads x and the [2I, K] weight and writes [.., I] (+ the [.., 2I] GEMM
+            output written and read above ``MAX_FUSED_ROWS``: ``gate_up_silu_cost``); draft_round_setup reads four and
             writes three [N] int64 vectors (block[:, 0] is one); inject_context_kv reads the rows'
             projected K/V and writes only the injected rows; fused_context reads the taps and the fc
             weight once (+ fp32 split-K partials); the top-k/top-p threshold per

@@ -285,9 +285,9 @@ class DFlashEngine:
             delta = self.linear(act, layer.mlp.down_proj.weight)
         x = add_rms_norm(delta, draft.norm.weight, draft.norm.eps, residual=h, backend=self.backend)
         if self.tree_budget is None:
-            draft.propose(x, self.target_model.lm_head, out=self.proposals)
+            draft.propose(x, self.target_model.lm_head, out=self.proposals, linear=self.linear)
         else:  # tree mode: the verify step builds the tree from all of the block's logits
-            self.draft_logits.copy_(draft.block_logits(x, self.target_model.lm_head))
+            self.draft_logits.copy_(draft.block_logits(x, self.target_model.lm_head, self.linear))
 
     def verify_step(self) -> None:
         """Target forward over [anchor, proposals] (or the draft tree), acceptance, commit."""

@@ -217,7 +217,7 @@ def verify_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_wei
                                      block_table=block_table, cache_batch_idx=cache_batch_idx, scale=scale)
 
 
-# (key, inv_freq, cos, signed sin) of the last _rope_tables_cpu call, replaced whole (thread-safe reads).
+# (key, inv_freq, its values for an inference tensor, cos, signed sin) of the last _rope_tables_cpu call, replaced whole (thread-safe reads).
 _rope_memo: list = [None]
 
 
@@ -228,20 +228,29 @@ def _rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, dtype, de
     while the positions, inv_freq's values, the scaling and the dtype are the same. A tree (``depths`` [N, B])
     puts block row i at ``cache_lens + depths[:, i]`` instead of ``cache_lens + i``."""
     tree = None if depths is None else tuple(depths.reshape(-1).tolist())
-    # inv_freq by identity and version counter (an in-place change bumps it); the memo holds the tensor, so
-    # its identity cannot pass to another tensor.
-    key = (tuple(lens), b, tree, float(attention_scaling), dtype, inv_freq._version)
+    # inv_freq by identity (the memo holds the tensor, so its identity cannot pass to another) and its version
+    # counter, which an in-place change bumps; an inference tensor has none: its values are compared instead.
+    version = None if inv_freq.is_inference() else inv_freq._version
+    key = (tuple(lens), b, tree, float(attention_scaling), dtype, version)
     last = _rope_memo[0]
-    if last is not None and last[0] == key and last[1] is inv_freq:
-        return last[2], last[3]
+    if (last is not None and last[0] == key and last[1] is inv_freq
+            and (version is not None or torch.equal(last[2], inv_freq))):
+        return last[3], last[4]
     rows = torch.arange(b, device=cache_lens.device) if depths is None else depths.to(torch.int64)
     positions = cache_lens.to(torch.int64)[:, None] + rows
     cos, sin = rope_cos_sin_reference(positions, inv_freq, attention_scaling, dtype)
     half = sin.shape[-1] // 2
     sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)
     d = cos.shape[-1]
-    _rope_memo[0] = (key, inv_freq, cos.view(-1, d), sin.view(-1, d))
+    snapshot = None if version is not None else inv_freq.clone()
+    _rope_memo[0] = (key, inv_freq, snapshot, cos.view(-1, d), sin.view(-1, d))
     return cos.view(-1, d), sin.view(-1, d)
+
+
+@functools.lru_cache(maxsize=4)
+def _block_mask_shared(c: int, b: int, keys: int, causal: bool, sliding_window, device) -> torch.Tensor:
+    """:func:`_block_mask`, built once for the layers of a forward (same lengths) and only read by its callers."""
+    return _block_mask(c, b, keys, causal, sliding_window, device)
 
 
 def _norm_rope_qk_cpu(q, k, q_weight, k_weight, cos, sin_signed, eps):
@@ -301,7 +310,7 @@ def _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_
         if tree_mask is not None:
             mask = torch.cat([torch.ones(b, c, dtype=torch.bool, device=q.device), tree_block[r, :, :nb]], 1)
         elif not unmasked:
-            mask = _block_mask(c, b, c + nb, causal, sliding_window, q.device)
+            mask = _block_mask_shared(c, b, c + nb, causal, sliding_window, q.device)
         o = F.scaled_dot_product_attention(qn[r].transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                            vals.transpose(0, 1)[None],
                                            attn_mask=None if mask is None else mask[None, None], scale=scale,

@@ -256,9 +256,11 @@ def test_cpu_backend_sees_inv_freq_changed_in_place():
     must not reuse them."""
     n, b, nh, kvh, d, lens, cap, _ = CASES[0]
     q, k, v, kc, vc, cl, qw, kw = _case(n, b, nh, kvh, d, lens, cap, torch.float32, True)
-    inv_freq = _inv_freq(d)
-    for _ in range(2):
-        outs = [verify_attention(q, k, v, kc.clone(), vc.clone(), cl, qw, kw, inv_freq=inv_freq, backend=backend)
-                for backend in ("cpu", "torch")]
-        assert torch.equal(outs[0], outs[1])
-        inv_freq.mul_(1.7)
+    for inference in (False, True):  # an inference tensor has no version counter
+        with torch.inference_mode(inference):
+            inv_freq = _inv_freq(d)
+            for _ in range(2):
+                outs = [verify_attention(q, k, v, kc.clone(), vc.clone(), cl, qw, kw, inv_freq=inv_freq,
+                                         backend=backend) for backend in ("cpu", "torch")]
+                assert torch.equal(outs[0], outs[1])
+                inv_freq.mul_(1.7)

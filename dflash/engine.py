@@ -13,16 +13,17 @@ the target cache and the draft context cache both hold exactly ``positions[r]`` 
 tokens before the anchor. Rolling back a rejected block costs nothing: its rows lie beyond
 ``positions`` and are overwritten next round.
 
-Round (each layer of either model is eight kernels on the GPU: add_rms_norm, merged QKV GEMM, attention
-with q/k norm + RoPE fused (split + merge), o_proj, add_rms_norm, merged gate/up GEMM with silu·mul in its
-epilogue (gate_up_silu), down_proj; the draft adds the context rows' K/V write):
+Round (each layer of either model is seven kernels on the GPU: add_rms_norm, merged QKV GEMM, attention
+with q/k norm + RoPE fused (split-KV, merged by the last split to finish), o_proj, add_rms_norm, merged
+gate/up GEMM with silu·mul in its epilogue (gate_up_silu), down_proj; the draft adds the context rows' K/V
+write):
   draft step   fused_context of the previous round's rows, then every draft layer over [context cache ++
                block] (draft_attention; block rows at or beyond ``v = min(B, max_length - position)`` are
                masked, as the reference drafts a v-row block at the tail), final norm, ``draft.propose``
                (LM head + argmax) -> proposals. The context rows ride in each layer's merged QKV GEMM,
                stacked under the block rows, so the K/V weights are read once per step; their K/V go to
                the layer's context cache (inject_context_kv: k_norm + RoPE + cache write) before its
-               attention: ten kernels per draft layer.
+               attention: eight kernels per draft layer.
   verify step  lean target forward over [anchor, proposals] at positions[r] (verify_attention writes
                the block's K/V into the target cache; taps into a buffer), verify_greedy /
                verify_sample, commit_round (tokens, lengths, positions, anchor, stop and length

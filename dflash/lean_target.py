@@ -4,10 +4,10 @@ static, preallocated KV cache and per-request lengths read from device memory.
 Why not HF's forward: a ragged batch whose requests accept different numbers of tokens needs
 per-request cache lengths, rollback by simply not advancing a length, static shapes for CUDA-graph
 capture, and the tapped layers written straight into a buffer. And the verify step must run at its
-memory floor, so each layer is eight kernels on the GPU:
+memory floor, so each layer is seven kernels on the GPU:
 
   add_rms_norm (previous residual add + input norm) -> merged QKV GEMM -> verify_attention (q/k norm,
-  RoPE, cache write, attention over the live rows; split + merge) -> o_proj -> add_rms_norm ->
+  RoPE, cache write, attention over the live rows; split-KV merged in-kernel) -> o_proj -> add_rms_norm ->
   gate_up_silu (merged gate/up GEMM, silu·mul in its epilogue) -> down_proj
 
 On the "cpu" backend the projections take ``cpu_linear`` and the activation stays a ``silu_mul`` after

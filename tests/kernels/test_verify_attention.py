@@ -98,7 +98,7 @@ def test_matches_reference_and_writes_exactly_the_block_rows(monkeypatch, backen
     out = verify_attention(q, k, v, kc_in, vc_in, cl, qw, kw, num_splits=3, backend=backend, **where, **rope)
     assert out.dtype == dtype and out.shape == (n, b, nh, d)
     if backend == "triton":
-        assert_slots(seen[0], lens, 3)
+        assert_slots(seen[0], lens, 3, kv_heads=kvh)
     assert_within_rule(out, ref, lowp, "verify_attention output")
 
     written = torch.zeros(buffers[0].shape[:2], dtype=torch.bool)
@@ -166,7 +166,7 @@ def test_split_count_follows_the_live_length(monkeypatch, dtype):
         kc_run, vc_run = kc.clone(), vc.clone()
         outs.append(verify_attention(q, k, v, kc_run, vc_run, cl, qw, kw, inv_freq=_inv_freq(d), num_splits=splits,
                                      backend="triton"))
-        assert_slots(seen[-1], lens, splits)  # num_splits is the grid's maximum
+        assert_slots(seen[-1], lens, splits, kv_heads=kvh)  # num_splits is the grid's maximum
     for out in outs:
         assert_within_rule(out, ref, lowp, "verify_attention splits")
 

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from dflash_kernels._dispatch import call_op, resolve_backend
 from dflash_kernels._triton_utils import (
-    FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2,
+    FLOAT_DTYPES, argmax_cpu, check_last_dim_contiguous, check_tensor, interpreting, next_pow2,
 )
 from dflash_kernels.verify import (
     _argmax_partial_kernel, _filter_threshold, _merge_argmax, _rng_for, _rows_per_program, _sample_partial_kernel,
@@ -32,6 +32,7 @@ from dflash_kernels.verify import (
 
 _INDEX_DTYPES = (torch.int64,)
 _BACKENDS = ("triton", "torch")
+_GREEDY_WALK_BACKENDS = ("triton", "cpu", "torch")  # tree_accept_greedy's "cpu": the argmax by NumPy
 MASK_WORD_BITS = 64
 
 
@@ -559,7 +560,7 @@ def tree_accept_greedy(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_par
             token after node i (the verify pass over the tree).
         tree_tokens, tree_parents: ``[R, T]`` int64, as :func:`build_tree` returns them (depths <= B - 1).
         block_size: B; the walk stops at depth B - 1.
-        backend: ``"auto" | "triton" | "torch"``.
+        backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"``: CPU tensors, the argmax by NumPy).
 
     Returns:
         ``(path [R, B], accepted [R], bonus [R])`` int64: ``path[r, d]`` is the node at depth d of the accepted
@@ -568,7 +569,7 @@ def tree_accept_greedy(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_par
     """
     op = "tree_accept_greedy"
     _validate_accept(op, logits, tree_tokens, tree_parents, block_size)
-    chosen = resolve_backend(op, backend, logits.device, available=_BACKENDS)
+    chosen = resolve_backend(op, backend, logits.device, available=_GREEDY_WALK_BACKENDS)
     return call_op(_tree_accept_greedy_op, logits, tree_tokens, tree_parents, block_size, chosen, device=logits.device)
 
 
@@ -577,9 +578,12 @@ def tree_accept_greedy(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_par
 def _tree_accept_greedy_op(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_parents: torch.Tensor,
                            block_size: int, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.dflash.tree_accept_greedy``: :func:`tree_accept_greedy` after validation."""
-    chosen = resolve_backend("tree_accept_greedy", backend, logits.device, available=_BACKENDS)
+    chosen = resolve_backend("tree_accept_greedy", backend, logits.device, available=_GREEDY_WALK_BACKENDS)
     if chosen == "torch":
         return tree_accept_greedy_reference(logits, tree_tokens, tree_parents, block_size=block_size)
+    if chosen == "cpu":
+        return _walk_reference(lambda req, node: int(argmax_cpu(logits[req, node])), tree_tokens, tree_parents,
+                               block_size)
     return _tree_accept_greedy_triton(logits, tree_tokens, tree_parents, block_size)
 
 

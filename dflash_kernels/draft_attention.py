@@ -796,7 +796,7 @@ def verify_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                      block_table: Optional[torch.Tensor] = None, cache_batch_idx: Optional[torch.Tensor] = None,
                      num_splits: Optional[int] = None, max_context_len: Optional[int] = None,
                      tree_depths: Optional[torch.Tensor] = None, tree_mask: Optional[torch.Tensor] = None,
-                     backend: str = "auto") -> torch.Tensor:
+                     backend: str = "auto", validate: bool = True) -> torch.Tensor:
     """Attention of one target layer in the verify step, and the block's K/V appended to the cache.
 
     Request n's B new rows sit at positions ``cache_lens[n] + i``. q/k get the optional per-head RMSNorm,
@@ -828,18 +828,22 @@ def verify_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
             ``cache_lens[n] + i``) and sees the context plus the block rows of its ancestors and itself.
         backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"``: CPU tensors, the reference's formula with
             less per-call work; a paged cache or a tree runs the reference).
+        validate: check the arguments first (default). ``False`` is for a caller that already checked the
+            same shapes, dtypes and devices (the lean target: every layer after the first of a forward).
 
     Returns:
         A new ``[N, B, nH, D]`` tensor in q's dtype.
     """
-    _validate(VERIFY_OP, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, None,
-              block_table, cache_batch_idx, num_splits, None, None)
-    if k_cache.dtype != q.dtype:
-        raise TypeError(f"{VERIFY_OP}: k_cache/v_cache dtype {k_cache.dtype} must equal q's dtype {q.dtype} "
-                        f"(the block's K/V rows are stored as computed)")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
-        raise ValueError(f"{VERIFY_OP}: scale must be None (D**-0.5) or a float > 0 (e.g. attn.scaling), got {scale!r}")
-    _validate_tree(q, tree_depths, tree_mask)
+    if validate:
+        _validate(VERIFY_OP, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, None,
+                  block_table, cache_batch_idx, num_splits, None, None)
+        if k_cache.dtype != q.dtype:
+            raise TypeError(f"{VERIFY_OP}: k_cache/v_cache dtype {k_cache.dtype} must equal q's dtype {q.dtype} "
+                            f"(the block's K/V rows are stored as computed)")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
+            raise ValueError(f"{VERIFY_OP}: scale must be None (D**-0.5) or a float > 0 (e.g. attn.scaling), "
+                             f"got {scale!r}")
+        _validate_tree(q, tree_depths, tree_mask)
     chosen = resolve_backend(VERIFY_OP, backend, q.device, available=_BACKENDS)
     return call_op(_verify_attention_op, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
                    inv_freq, float(attention_scaling), float(eps),

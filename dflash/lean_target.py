@@ -154,7 +154,7 @@ class LeanTarget:
         delta = None
         for li, p in enumerate(self.layers):
             # The kernels check their arguments in the first layer; the layers after it pass the same shapes,
-            # dtypes and devices (one config for every layer), and on the CPU the checks cost ~3 ms a step.
+            # dtypes and devices (one config for every layer), and on the CPU the checks cost milliseconds a step.
             first = li == 0
             x = add_rms_norm(h if delta is None else delta, p.input_norm, p.input_eps,
                              residual=None if delta is None else h, backend=self.backend, validate=first)

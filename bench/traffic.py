@@ -14,8 +14,8 @@ Model, per recorded op (a model, not a measurement):
             fills, eq, all, where, as ATen implements it). ``torch.ops.dflash.*`` per their
             contracts in dflash_kernels/README.md, on the Triton/ext GPU path:
             fused_context 1 GEMM + 1 RMSNorm unless the norm fuses into the epilogue (one split and
-            one column tile covers H), inject_context_kv 1, draft_attention / verify_attention 2
-            (split + merge), add_rms_norm 1, silu_mul 1, gate_up_silu 1 (2 above
+            one column tile covers H), inject_context_kv 1, draft_attention / verify_attention 1
+            (split-KV, merged by the last split to finish), add_rms_norm 1, silu_mul 1, gate_up_silu 1 (2 above
             ``MAX_FUSED_ROWS`` rows: cuBLAS + silu_mul), verify_greedy 2, verify_sample 2 (+ the
             radix-select threshold's launches with top-k/top-p, ``threshold_launches``),
             commit_round 1 (the ext op), draft_round_setup 1. Draft trees (``--tree-budget``): build_tree 3 + ATen's
@@ -28,12 +28,12 @@ Model, per recorded op (a model, not a measurement):
             the rows they touch: ``index`` / ``embedding`` read as many bytes as they write,
             ``index_put_`` reads the values and writes the same number of bytes. dflash ops per
             contract: draft_attention / verify_attention read the live context rows only
-            (``context`` per request, not the capacity) plus the fp32 partials of their active splits
-            (the kernels' own rule), written and read once; verify_attention also writes the block's
-            K/V rows; add_rms_norm reads x, the weight and the residual and writes the output and the
-            residual; silu_mul reads [.., 2I] and writes [.., I]; gate_up_silu reads x and the [2I, K]
-            weight and writes [.., I] (+ the [.., 2I] GEMM output written and read above
-            ``MAX_FUSED_ROWS``: ``gate_up_silu_cost``); draft_round_setup reads four and
+            (``context`` per request, not the capacity) plus the fp32 partials of all active splits but
+            the merging one (the kernels' own rule), written and read once, and their merge counters;
+            verify_attention also writes the block's K/V rows; add_rms_norm reads x, the weight and the
+            residual and writes the output and the residual; silu_mul reads [.., 2I] and writes
+            [.., I]; gate_up_silu reads x and the [2I, K] weight and writes [.., I] (+ the [.., 2I] GEMM
+            output written and read above ``MAX_FUSED_ROWS``: ``gate_up_silu_cost``); draft_round_setup reads four and
             writes three [N] int64 vectors (block[:, 0] is one); inject_context_kv reads the rows'
             projected K/V and writes only the injected rows; fused_context reads the taps and the fc
             weight once (+ fp32 split-K partials); the top-k/top-p threshold per
@@ -235,12 +235,14 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
         num_splits, bound = (args[16], args[17]) if name == "draft_attention" else (args[14], args[15])
         bound = k_cache.shape[1] if bound is None else min(k_cache.shape[1], max(1, bound))
         splits = num_splits or pick_max_splits(n, kvh, bound, H200_SMS)
-        # fp32 partials (acc [B*nH, D], max, sum) of the active splits (none when one is), written once, read once
-        partials = 2 * n * partial_slots(context, splits) * b * nh * (d + 2) * 4
+        # fp32 partials (acc [B*nH, D], max, sum) of the active splits but the merging one, written once, read
+        # once; with more than one active split, kvH pairs of int32 merge counters read and written per request
+        slots = partial_slots(context, splits)
+        partials = 2 * n * slots * b * nh * (d + 2) * 4 + (2 * n * kvh * 2 * 4 if slots else 0)
         live = 2 * n * context * kvh * d * k_cache.element_size()  # live context K/V only, not the capacity
         written = 2 * n * b * kvh * d * k_cache.element_size() if name == "verify_attention" else 0
         small = nbytes([q, k, v, *args[5:9]]) + nbytes([args[15]] if name == "draft_attention" else args[16:18])
-        return 2, small + live + written + partials + distinct_bytes(out), 4 * n * b * nh * d * (context + b)
+        return 1, small + live + written + partials + distinct_bytes(out), 4 * n * b * nh * d * (context + b)
     if name == "add_rms_norm":  # x, weight (and the residual, read and written in place) -> out
         x, weight, residual, out = args[0], args[1], args[3], args[4]
         return 1, nbytes([x, weight]) + 2 * nbytes([residual]) + distinct_bytes(out), 4 * x.numel()

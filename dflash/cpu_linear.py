@@ -47,7 +47,8 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from dflash_kernels._dispatch import unobserved_eager
 
 MIN_ROWS = 2
 MAX_ROWS = 16
@@ -237,9 +238,7 @@ def _fast_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, r
             and weight.dim() == 2 and weight.shape[1] == x.shape[-1] and weight.stride(1) == 1
             and (bias is None or (bias.is_cpu and bias.dtype == f32 and bias.shape == weight.shape[:1]
                                   and bias.stride(0) == 1))
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                                  or (bias is not None and bias.requires_grad)))
-            and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None)
+            and unobserved_eager((x, weight, bias)))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

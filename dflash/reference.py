@@ -36,8 +36,8 @@ from dflash.results import GenerateResult, device_clock
 from dflash.sampling import SamplingParams, sample
 from dflash.target import TargetAdapter
 from dflash_kernels import (
-    build_tree, commit_round, distinct_prefixes, tree_accept_greedy, tree_accept_sample, verify_greedy,
-    verify_sample,
+    build_tree, commit_round, distinct_prefixes, first_token_done, tree_accept_greedy, tree_accept_sample,
+    verify_greedy, verify_sample,
 )
 
 MAX_TREE_BUDGET = 64  # tree nodes besides the root: the verify kernels hold up to 65 block rows
@@ -92,7 +92,7 @@ def reference_generate(target: TargetAdapter, draft: DraftModel, input_ids: torc
     position = torch.tensor([prompt_len], **long)
     max_lengths = torch.tensor([max_length], **long)
     stop_table = torch.tensor([stops], **long) if stops else None
-    done = torch.tensor([first in stops or max_new_tokens <= 1], device=device)
+    done = torch.tensor([first_token_done(first, stops, max_new_tokens)], device=device)
     t1 = device_clock(device)
     result = GenerateResult(sequences=out_tokens, acceptance_lengths=[], num_prompt_tokens=prompt_len,
                             prefill_time=t1 - t0)

@@ -29,10 +29,12 @@ from dflash_kernels.verify import verify_greedy, verify_sample  # noqa: E402
 
 __all__ += ["fused_context", "inject_context_kv", "draft_attention", "verify_attention", "verify_greedy",
             "verify_sample"]
-from dflash_kernels.commit import commit_round, commit_round_reference, draft_round_setup  # noqa: E402
+from dflash_kernels.commit import (  # noqa: E402
+    commit_round, commit_round_reference, draft_round_setup, first_token_done,
+)
 
-__all__ += ["commit_round", "commit_round_reference", "draft_round_setup", "add_rms_norm", "silu_mul",
-            "gate_up_silu"]
+__all__ += ["commit_round", "commit_round_reference", "draft_round_setup", "first_token_done", "add_rms_norm",
+            "silu_mul", "gate_up_silu"]
 from dflash_kernels.tree import (  # noqa: E402
     build_tree, distinct_prefixes, tree_accept_greedy, tree_accept_sample, tree_ancestor_mask, tree_compact,
 )

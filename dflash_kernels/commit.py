@@ -42,14 +42,14 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_kernels._dispatch import resolve_backend
+from dflash_kernels._dispatch import call_op, resolve_backend
 from dflash_kernels._triton_utils import check_tensor, next_pow2
 
 __all__ = ["commit_round", "commit_round_reference", "CommitRoundInputError", "draft_round_setup",
-           "draft_round_setup_reference"]
+           "draft_round_setup_reference", "first_token_done"]
 
 _OP = "commit_round"
-_BACKENDS = ("ext", "torch")
+_BACKENDS = ("ext", "cpu", "torch")  # "cpu": the extension's CPU kernel if built, else the reference
 
 
 class CommitRoundInputError(RuntimeError, ValueError, TypeError):
@@ -109,6 +109,12 @@ def _check_values(draft_tokens, accepted, lengths, done, max_lengths, capacity):
             r = int(bad.nonzero()[0, 0])
             val = {"accepted": accepted, "lengths": lengths, "max_lengths": max_lengths}[name][r]
             _fail(f"{name}[{r}] = {int(val)} is {rng}")
+
+
+def first_token_done(first: int, stop_tokens, max_new_tokens: int) -> bool:
+    """:func:`commit_round`'s finishing rule for the token a request's prefill produced (committed outside any
+    round): done when it is one of ``stop_tokens`` or ``max_new_tokens`` allows no more than it."""
+    return first in stop_tokens or max_new_tokens <= 1
 
 
 def commit_round_reference(draft_tokens: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor,
@@ -186,7 +192,8 @@ def commit_round(draft_tokens: torch.Tensor, accepted: torch.Tensor, bonus: torc
             must be ``<= capacity`` (``max_lengths[r] <= lengths[r]`` finishes it with nothing written).
         stop_tokens: ``[S]`` (shared) or ``[R, S]`` (per request) int64, or ``None``; negative entries are
             padding and ignored. The first stop token among the candidates is committed and ends the request.
-        backend: ``"auto" | "ext" | "torch"`` (``"ext"``: the C++ op on CPU, the CUDA kernel on GPU).
+        backend: ``"auto" | "ext" | "cpu" | "torch"`` (``"ext"``: the C++ op on CPU, the CUDA kernel on GPU;
+            ``"cpu"``: CPU tensors, the C++ op where the extension is built, else the reference).
         check: validate values (``accepted``, ``lengths``, ``max_lengths`` ranges) and raise, naming the
             argument and request. ``None`` (default): only for CPU tensors outside ``torch.compile``
             (free there; a host sync on GPU). Unchecked invalid requests are finished untouched
@@ -207,8 +214,8 @@ def commit_round(draft_tokens: torch.Tensor, accepted: torch.Tensor, bonus: torc
     if check:
         _check_values(draft_tokens, accepted, lengths, done, max_lengths, out_tokens.shape[1])
     chosen = resolve_backend(_OP, backend, dev, available=_BACKENDS)
-    return torch.ops.dflash.commit_round(draft_tokens, accepted, bonus, out_tokens, lengths, positions, anchor,
-                                         done, max_lengths, stop_tokens, chosen)
+    return call_op(_commit_round_op, draft_tokens, accepted, bonus, out_tokens, lengths, positions, anchor,
+                   done, max_lengths, stop_tokens, chosen, device=dev)
 
 
 @torch.library.custom_op("dflash::commit_round",
@@ -219,6 +226,10 @@ def _commit_round_op(draft_tokens: torch.Tensor, accepted: torch.Tensor, bonus: 
                      backend: str) -> torch.Tensor:
     """``torch.ops.dflash.commit_round``: :func:`commit_round` after validation (no value checks here)."""
     chosen = resolve_backend(_OP, backend, draft_tokens.device, available=_BACKENDS)
+    if chosen == "cpu":  # the extension's CPU kernel where it is built (~70 us vs ~250 us), else the reference
+        from dflash_kernels import _ext
+
+        chosen = "ext" if _ext.status(draft_tokens.device)[0] else "torch"
     if chosen == "ext":
         from dflash_kernels import _ext
 
@@ -291,8 +302,8 @@ def draft_round_setup(anchor: torch.Tensor, positions: torch.Tensor, num_new: to
             raise ValueError(f"{_SETUP}: {name} must be a contiguous [N={n}] tensor (N = block.shape[0]), "
                              f"got shape {tuple(t.shape)}")
     chosen = resolve_backend(_SETUP, backend, dev, available=_SETUP_BACKENDS)
-    torch.ops.dflash.draft_round_setup(anchor, positions, num_new, max_lengths, block, context_start, block_lens,
-                                       chosen)
+    call_op(_draft_round_setup_op, anchor, positions, num_new, max_lengths, block, context_start, block_lens,
+            chosen, device=dev)
 
 
 @torch.library.custom_op("dflash::draft_round_setup", mutates_args=("block", "context_start", "block_lens"))

@@ -1,5 +1,6 @@
 """draft_attention and verify_attention: the B block rows of each request attend to [cached context ++ the
-block's own keys]. One kernel family (a split kernel and a merge kernel, constexpr feature flags):
+block's own keys]. One kernel (split-KV with the merge done by the last split of each request and KV head to
+finish, constexpr feature flags):
 
 * ``draft_attention``: a DFlash draft layer; the block's K/V stay in registers, nothing is written.
 * ``verify_attention``: a target layer of the verify step; causal inside the block, optional q/k norm, and
@@ -12,13 +13,14 @@ Cost contract of one call (``bench/traffic.py`` models it; ``active_splits``, ``
 capacity)``, and with a sliding window only the last ``W - 1`` of them; ``S`` = the grid's maximum split count,
 ``A = active_splits(live, S)``; element sizes ``e`` (q's dtype) and ``c`` (the cache's):
 
-* launches: 2 (split kernel, merge kernel); none when N = 0.
+* launches: 1; none when N = 0.
 * bytes: the live context K/V rows read once, ``2 * live * kvH * D * c``; q, k, v of the block read once and
   the output written once (q's dtype); verify only: the B new K and V rows written, ``2 * B * kvH * D * c``
-  (rows past the capacity are dropped); fp32 partials of ``P = partial_slots(live, S)`` splits (A, or none
-  when A = 1: the one split writes the output) written once and read once, ``2 * P * B * nH * (D + 2) * 4``;
-  plus the small vectors (cache_lens, block_lens, norm weights, inv_freq, the table entries used; a tree's
-  depths and ancestor mask).
+  (rows past the capacity are dropped); fp32 partials of ``P = partial_slots(live, S)`` = A - 1 splits (the
+  last split to finish merges them with its own state, from registers) written once and read once,
+  ``2 * P * B * nH * (D + 2) * 4``, and with A > 1 the request's ``kvH`` pairs of int32 merge counters read
+  and written once, ``2 * kvH * 2 * 4``; plus the small vectors (cache_lens, block_lens, norm weights,
+  inv_freq, the table entries used; a tree's depths and ancestor mask).
 * FLOPs: ``4 * B * nH * D * (live + B)`` (QK^T and PV; the masked part of the block is counted in full).
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dflash_kernels._dispatch import lean_version_bump, resolve_backend
+from dflash_kernels._dispatch import call_op, lean_version_bump, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_cache_pair, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, norm_rope_halves,
     page_table, rms_norm_reference, rope_cos_sin, rope_cos_sin_reference, rotate_half,
@@ -44,7 +46,7 @@ _LOG2E = 1.4426950408889634
 
 # Context rows per active split (A = cdiv(live, MIN_CHUNK) capped by the grid). When A > 1, one split's fp32
 # partial (acc [B*G, D], max and sum [B*G]) is B*G*(D+2)*4 bytes per KV head, written once and read once by the
-# merge (a single active split writes the output itself); the bf16 K/V rows it summarises are chunk*D*2*2 bytes,
+# merging split (whose own partial stays in registers); the bf16 K/V rows it summarises are chunk*D*2*2 bytes,
 # chunk = live / A. Partials / K/V = 2*B*G*(D+2) / (chunk*D): at chunk = 1024, 12.7 % at B*G = 64 (Qwen3-8B
 # verify or draft, B = 16, G = 4, D = 128) and 4.8 % at B*G = 24 (SmolLM2 draft, B = 8, G = 3, D = 64). chunk
 # ranges from 1024 down to 513 (live = 1025: twice that ratio, on a tiny context) and tends to 1024 or more on
@@ -59,10 +61,9 @@ def active_splits(live: int, max_splits: int) -> int:
 
 
 def partial_slots(live: int, max_splits: int) -> int:
-    """fp32 partial slots a request writes (and the merge reads): one per active split, none when a single
-    split is active (it normalises and stores the output itself)."""
-    a = active_splits(live, max_splits)
-    return 0 if a == 1 else a
+    """fp32 partial slots a request writes and the merging split reads, per KV head: one per active split but
+    the last to finish (it merges from registers), none when a single split is active."""
+    return active_splits(live, max_splits) - 1
 
 
 def pick_max_splits(n: int, kvh: int, bound: int, sm_count: int) -> int:
@@ -216,7 +217,7 @@ def verify_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_wei
                                      block_table=block_table, cache_batch_idx=cache_batch_idx, scale=scale)
 
 
-# (key, inv_freq copy, cos, signed sin) of the last _rope_tables_cpu call, replaced whole (thread-safe reads).
+# (key, inv_freq, its values for an inference tensor, cos, signed sin) of the last _rope_tables_cpu call, replaced whole (thread-safe reads).
 _rope_memo: list = [None]
 
 
@@ -227,24 +228,44 @@ def _rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, dtype, de
     while the positions, inv_freq's values, the scaling and the dtype are the same. A tree (``depths`` [N, B])
     puts block row i at ``cache_lens + depths[:, i]`` instead of ``cache_lens + i``."""
     tree = None if depths is None else tuple(depths.reshape(-1).tolist())
-    key = (tuple(lens), b, tree, float(attention_scaling), dtype, inv_freq.shape, inv_freq.dtype)
+    # inv_freq by identity (the memo holds the tensor, so its identity cannot pass to another) and its version
+    # counter, which an in-place change bumps; an inference tensor has none: its values are compared instead.
+    version = None if inv_freq.is_inference() else inv_freq._version
+    key = (tuple(lens), b, tree, float(attention_scaling), dtype, version)
     last = _rope_memo[0]
-    if last is not None and last[0] == key and torch.equal(last[1], inv_freq):
-        return last[2], last[3]
+    if (last is not None and last[0] == key and last[1] is inv_freq
+            and (version is not None or torch.equal(last[2], inv_freq))):
+        return last[3], last[4]
     rows = torch.arange(b, device=cache_lens.device) if depths is None else depths.to(torch.int64)
     positions = cache_lens.to(torch.int64)[:, None] + rows
     cos, sin = rope_cos_sin_reference(positions, inv_freq, attention_scaling, dtype)
     half = sin.shape[-1] // 2
     sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)
     d = cos.shape[-1]
-    _rope_memo[0] = (key, inv_freq.clone(), cos.view(-1, d), sin.view(-1, d))
+    snapshot = None if version is not None else inv_freq.clone()
+    _rope_memo[0] = (key, inv_freq, snapshot, cos.view(-1, d), sin.view(-1, d))
     return cos.view(-1, d), sin.view(-1, d)
 
 
-def _norm_rope_cpu(x, weight, cos, sin_signed, eps):
-    """``_norm_rope_reference`` with rotate_half as one roll (the same values); x [R, heads, D], tables [R, D]."""
-    if weight is not None:
-        x = rms_norm_reference(x, weight, eps)
+@functools.lru_cache(maxsize=4)
+def _block_mask_shared(c: int, b: int, keys: int, causal: bool, sliding_window, device,
+                       dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_block_mask`, built once for the layers of a forward (same lengths; only read by the callers), and
+    as SDPA's additive mask in ``dtype`` (0 / -inf): CPU SDPA turns a bool mask into exactly that on every
+    call (the same output bits, tested), a third of its time at 8 block rows."""
+    mask = _block_mask(c, b, keys, causal, sliding_window, device)
+    return mask, torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
+
+
+def _norm_rope_qk_cpu(q, k, q_weight, k_weight, cos, sin_signed, eps):
+    """``_norm_rope_reference`` of q and k (each with its own norm weight, or none) with their heads side by
+    side, so the RoPE is one pass (the same values per element; rotate_half as one roll); q [R, nH, D],
+    k [R, kvH, D], tables [R, D] -> [R, nH + kvH, D]."""
+    if q_weight is not None:
+        q = rms_norm_reference(q, q_weight, eps)
+    if k_weight is not None:
+        k = rms_norm_reference(k, k_weight, eps)
+    x = torch.cat([q, k], 1)
     return x * cos[:, None, :] + x.roll(x.shape[-1] // 2, -1) * sin_signed[:, None, :]
 
 
@@ -267,8 +288,9 @@ def _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_
     cache_rows = cache_batch_idx.tolist() if cache_batch_idx is not None else range(n)
     valid = block_lens.tolist() if block_lens is not None else [b] * n
     cos, sin_signed = _rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, q.dtype, tree_depths)
-    qn = _norm_rope_cpu(q.reshape(n * b, nh, d), q_norm_weight, cos, sin_signed, eps).view(n, b, nh, d)
-    kn = _norm_rope_cpu(k.reshape(n * b, kvh, d), k_norm_weight, cos, sin_signed, eps).view(n, b, kvh, d)
+    qk = _norm_rope_qk_cpu(q.reshape(n * b, nh, d), k.reshape(n * b, kvh, d), q_norm_weight, k_norm_weight, cos,
+                           sin_signed, eps).view(n, b, nh + kvh, d)
+    qn, kn = qk[:, :, :nh], qk[:, :, nh:]
     capacity = k_cache.shape[1]
     # Every query sees a key unless a window can hide them all (the reference's masked_fill); with one block
     # row, or neither causality nor a window, no key is hidden at all and SDPA takes no mask.
@@ -288,14 +310,15 @@ def _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_
         else:
             keys = torch.cat([k_cache[row, :c].to(q.dtype), kn[r, :nb]], 0)
             vals = torch.cat([v_cache[row, :c].to(q.dtype), v[r, :nb]], 0)
-        mask = None
+        mask = sdpa_mask = None
         if tree_mask is not None:
-            mask = torch.cat([torch.ones(b, c, dtype=torch.bool, device=q.device), tree_block[r, :, :nb]], 1)
+            mask = sdpa_mask = torch.cat([torch.ones(b, c, dtype=torch.bool, device=q.device),
+                                          tree_block[r, :, :nb]], 1)
         elif not unmasked:
-            mask = _block_mask(c, b, c + nb, causal, sliding_window, q.device)
+            mask, sdpa_mask = _block_mask_shared(c, b, c + nb, causal, sliding_window, q.device, q.dtype)
         o = F.scaled_dot_product_attention(qn[r].transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                            vals.transpose(0, 1)[None],
-                                           attn_mask=None if mask is None else mask[None, None], scale=scale,
+                                           attn_mask=None if mask is None else sdpa_mask[None, None], scale=scale,
                                            enable_gqa=kvh != nh)[0].transpose(0, 1)
         if sliding_window is not None:
             o = o.masked_fill(~mask.any(1)[:, None, None], 0)
@@ -365,7 +388,7 @@ def _online_softmax(s, m_i, l_i):
 @triton.jit
 def _attn_split_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, lens_ptr, blens_ptr, table_ptr, qw_ptr, kw_ptr, inv_freq_ptr, po_ptr, pm_ptr,
-    pl_ptr, out_ptr, depth_ptr, tmask_ptr,
+    pl_ptr, sem_ptr, out_ptr, depth_ptr, tmask_ptr,
     B, G, NH, HALF, page_size, CAP, window, attention_scaling, eps, qk_scale, NSPLIT,
     stride_qn, stride_qb, stride_qh, stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
     stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch, stride_tn, stride_dn, stride_mn, stride_mi,
@@ -486,54 +509,84 @@ def _attn_split_kernel(
         acc_hi = tl.dot(p, v_hi.to(DOT_T), acc_hi * alpha[:, None], input_precision=DOT_PREC)
     # Rows are (block row, head) in the natural [N, B, nH, D] order of the output and the partials.
     row = (qi * NH + head).to(tl.int64)
+    out_base = out_ptr + (n * B * NH + row)[:, None] * (2 * HALF)
     if active == 1:
-        # The only split holds the whole softmax: normalise and store the output; the merge skips this request.
+        # The only split holds the whole softmax: normalise and store the output.
         # Rows that see no key (past block_lens) have l = 0 and acc = 0: their output is 0.
         inv_l = 1.0 / tl.where(l_i > 0, l_i, 1.0)
-        out_base = out_ptr + (n * B * NH + row)[:, None] * (2 * HALF)
         tl.store(out_base + dh[None, :], (acc_lo * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
         tl.store(out_base + HALF + dh[None, :], (acc_hi * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
     else:
-        # Unnormalised partials (acc, running max m, sum l) in slot `split` of [N, S, B, nH, D]; no log/exp
-        # round trip of l (its error grows with |lse|).
+        # Split-KV merge without a merge launch: the last of the request's A active splits (for this KV head)
+        # to finish merges; the A - 1 others write their unnormalised partials (acc, running max m, sum l) to
+        # their slot of [N, S, B, nH, D] and signal. counter[0] hands out arrival tickets, counter[1] counts
+        # the partials written (Triton's atomics are acq_rel at GPU scope). The last one never writes its own
+        # partial. No deadlock: every split that took a ticket is running and does not wait on anyone.
+        counter = sem_ptr + (n * tl.num_programs(1) + h) * 2
         ps = (n * NSPLIT + split) * B * NH + row
-        po_base = po_ptr + ps[:, None] * (2 * HALF)
-        tl.store(po_base + dh[None, :], acc_lo, mask=qmask)
-        tl.store(po_base + HALF + dh[None, :], acc_hi, mask=qmask)
-        tl.store(pm_ptr + ps, m_i, mask=r_ok)
-        tl.store(pl_ptr + ps, l_i, mask=r_ok)
+        ticket = tl.atomic_add(counter, 1)
+        if ticket < active - 1:
+            po_base = po_ptr + ps[:, None] * (2 * HALF)
+            tl.store(po_base + dh[None, :], acc_lo, mask=qmask)
+            tl.store(po_base + HALF + dh[None, :], acc_hi, mask=qmask)
+            tl.store(pm_ptr + ps, m_i, mask=r_ok)
+            tl.store(pl_ptr + ps, l_i, mask=r_ok)
+            tl.debug_barrier()  # every thread's stores precede the release below
+            tl.atomic_add(counter + 1, 1)
+        else:
+            while tl.atomic_add(counter + 1, 0) < active - 1:
+                pass
+            tl.debug_barrier()  # no thread reads a partial before the acquire above saw them all
+            # Both counters back to 0 for the next launch: nobody touches them again in this one.
+            tl.atomic_xchg(counter, 0)
+            tl.atomic_xchg(counter + 1, 0)
+            # Combined in slot order 0..A-1 whichever split arrives last (its own slot from registers, which
+            # hold exactly what it would have stored): the result does not depend on the arrival order.
+            # A global max first, then the weighted sums, one D half at a time.
+            first = n * NSPLIT * B * NH  # request n's slot 0, in rows
+            m = m_i
+            for slot in range(0, active):
+                m_s = tl.load(pm_ptr + (first + slot * B * NH) + row, mask=r_ok & (slot != split),
+                              other=float("-inf"), cache_modifier=".cg")
+                m = tl.maximum(m, m_s)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            l_sum = tl.zeros((BLOCK_R,), tl.float32)
+            for slot in range(0, active):
+                other = slot != split
+                at = first + slot * B * NH
+                l_s = tl.load(pl_ptr + at + row, mask=r_ok & other, other=0.0, cache_modifier=".cg")
+                l_sum += tl.where(other, l_s, l_i) * _slot_weight(pm_ptr + at, row, other, r_ok, m_i, m_safe)
+            inv_l = 1.0 / tl.where(l_sum > 0, l_sum, 1.0)
+            out_lo = _merged_half(po_ptr, pm_ptr, first, B * NH, 2 * HALF, row, dh, acc_lo, m_i, m_safe, split,
+                                  active, r_ok, qmask)
+            tl.store(out_base + dh[None, :], (out_lo * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
+            out_hi = _merged_half(po_ptr + HALF, pm_ptr, first, B * NH, 2 * HALF, row, dh, acc_hi, m_i, m_safe,
+                                  split, active, r_ok, qmask)
+            tl.store(out_base + HALF + dh[None, :], (out_hi * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
 
 
 @triton.jit
-def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, lens_ptr, ROWS, D, NSPLIT, CAP, window, stride_on,
-                         stride_or, SLIDING: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
-    _, _, active = _split_plan(tl.load(lens_ptr + n).to(tl.int64), CAP, window, NSPLIT, SLIDING, MIN_CHUNK)
-    if active == 1:
-        return  # the split kernel wrote this request's output
-    rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    r_ok = rows < ROWS
-    d = tl.arange(0, BLOCK_D)
-    mask = r_ok[:, None] & (d < D)[None, :]
-    m = tl.full((BLOCK_ROWS,), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_ROWS,), tl.float32)
-    acc = tl.zeros((BLOCK_ROWS, BLOCK_D), tl.float32)
-    for s in range(0, active):
-        base = (n * NSPLIT + s) * ROWS + rows.to(tl.int64)
-        m_s = tl.load(pm_ptr + base, mask=r_ok, other=float("-inf"))
-        l_s = tl.load(pl_ptr + base, mask=r_ok, other=0.0)
-        o = tl.load(po_ptr + base[:, None] * D + d[None, :], mask=mask, other=0.0)
-        m_new = tl.maximum(m, m_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(m_s - m_safe)
-        l = l * alpha + l_s * w
-        acc = acc * alpha[:, None] + o * w[:, None]
-        m = m_new
-    res = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(out_ptr + n * stride_on + rows.to(tl.int64)[:, None] * stride_or + d[None, :],
-             res.to(out_ptr.dtype.element_ty), mask=mask)
+def _slot_weight(pm_ptr, rows, other, r_ok, m_i, m_safe):
+    """exp2(m_s - m_safe) of one split slot's rows: its maxima read from ``pm_ptr`` (.cg: written by another
+    SM, read from L2) when ``other``, else the caller's own running max ``m_i``."""
+    m_s = tl.load(pm_ptr + rows, mask=r_ok & other, other=0.0, cache_modifier=".cg")
+    return tl.exp2(tl.where(other, m_s, m_i) - m_safe)
+
+
+@triton.jit
+def _merged_half(po_ptr, pm_ptr, first, slot_rows, row_len, rows, cols, own_acc, m_i, m_safe, split, active, r_ok,
+                 qmask):
+    """Sum over the active split slots 0..A-1, in slot order, of acc_s[rows, cols] * exp2(m_s - m_safe): the
+    other slots' partials from memory (slot s of request n starts at row ``first + s * slot_rows``), slot
+    ``split`` from ``own_acc``."""
+    total = tl.zeros(own_acc.shape, tl.float32)
+    for slot in range(0, active):
+        other = slot != split
+        at = first + slot * slot_rows
+        o_s = tl.load(po_ptr + at * row_len + (rows[:, None] * row_len + cols[None, :]), mask=qmask & other, other=0.0,
+                      cache_modifier=".cg")
+        total += tl.where(other, o_s, own_acc) * _slot_weight(pm_ptr + at, rows, other, r_ok, m_i, m_safe)[:, None]
+    return total
 
 
 @functools.lru_cache(maxsize=8)
@@ -541,15 +594,21 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _split_tile(b: int, g: int, d: int) -> tuple[dict, int]:
-    """The split kernel's tile constexprs and num_warps on a GPU for B block rows, G = nH/kvH, head dim D."""
+def _split_tile(b: int, g: int, d: int, lowp_dot: bool) -> tuple[dict, dict]:
+    """The split kernel's tile constexprs and launch options (num_warps, maxnreg) on a GPU for B block rows,
+    G = nH/kvH, head dim D, 16-bit dot operands or not."""
     block_r, block_half = max(16, next_pow2(b * g)), max(16, next_pow2(d // 2))
     wide = block_r * block_half >= 4096
     # The wide tiles (Qwen3-8B: 64 rows x D 128) take 8 warps; 32 context rows per step keep the score tile and
-    # the K/V staging within 128 registers, 2 CTAs/SM (README resource table).
+    # the K/V staging within 128 registers, 2 CTAs/SM (README resource table). At 64 x 64 with 16-bit operands
+    # ptxas is held to those 128: left alone it takes up to 142 on the sliding-window variants (the in-kernel
+    # merge's code), which fit in 120 without a spill.
     tile = dict(BLOCK_R=block_r, BLOCK_N=32 if wide or d > 128 else 64, BLOCK_B=max(16, next_pow2(b)),
                 BLOCK_HALF=block_half)
-    return tile, (8 if wide else 4)
+    launch = dict(num_warps=8 if wide else 4)
+    if lowp_dot and block_r * block_half == 4096:
+        launch["maxnreg"] = 128
+    return tile, launch
 
 
 def _partials(n: int, splits: int, b: int, nh: int, d: int, device: torch.device):
@@ -558,6 +617,25 @@ def _partials(n: int, splits: int, b: int, nh: int, d: int, device: torch.device
     po = torch.empty((n, splits, b, nh, d), dtype=torch.float32, device=device)
     pm = torch.empty((n, splits, b, nh), dtype=torch.float32, device=device)
     return po, pm, torch.empty_like(pm)
+
+
+# Per device: int32 [N * kvH, 2] counters of the split kernel's merge (arrival tickets, partials written), zero
+# between launches (the merging program resets its pair), shared by the launches on that device (which must
+# therefore not run concurrently on different streams). Made outside a CUDA graph capture (by the capture's
+# warm-up run) and grown when a launch needs more; a smaller one is kept, never freed: a captured graph may
+# still point at it.
+_counters: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _split_counters(pairs: int, device: torch.device) -> torch.Tensor:
+    made = _counters.setdefault(device, [])
+    if made and made[-1].shape[0] >= pairs:
+        return made[-1]
+    fresh = torch.zeros((pairs, 2), dtype=torch.int32, device=device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return fresh  # a capture without a warm-up: the graph zeroes its own counters on every replay
+    made.append(fresh)
+    return fresh
 
 
 def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, attention_scaling,
@@ -586,7 +664,7 @@ def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_no
     has_norm = q_norm_weight is not None
     causal = (sliding_window is not None) if causal is None else causal
     tree = tree_depths is not None
-    tile, num_warps = _split_tile(b, g, d)
+    tile, launch = _split_tile(b, g, d, lowp_dot)
     if interpreting():
         tile["BLOCK_N"] = 64  # fewer interpreted loop steps
     _attn_split_kernel[(n, kvh, num_splits)](
@@ -594,7 +672,8 @@ def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_no
         blens_ptr=block_lens if block_lens is not None else cache_lens,
         table_ptr=table if table is not None else cache_lens,
         qw_ptr=q_norm_weight if has_norm else inv_freq, kw_ptr=k_norm_weight if has_norm else inv_freq,
-        inv_freq_ptr=inv_freq.to(torch.float32), po_ptr=po, pm_ptr=pm, pl_ptr=pl, out_ptr=out,
+        inv_freq_ptr=inv_freq.to(torch.float32), po_ptr=po, pm_ptr=pm, pl_ptr=pl,
+        sem_ptr=_split_counters(n * kvh, q.device), out_ptr=out,
         depth_ptr=tree_depths if tree else cache_lens, tmask_ptr=tree_mask if tree else cache_lens,
         B=b, G=g, NH=nh, HALF=half, page_size=page_size, CAP=capacity, window=sliding_window or 0,
         attention_scaling=float(attention_scaling), eps=float(eps),
@@ -610,14 +689,7 @@ def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_no
         HAS_TABLE=table is not None, SLIDING=sliding_window is not None, CAUSAL=causal and not tree,
         HAS_BLOCK_LENS=block_lens is not None, HAS_QK_NORM=has_norm, WRITE_KV=write_kv, TREE=tree,
         MIN_CHUNK=MIN_CHUNK,
-        LOWP_DOT=lowp_dot, DOT_PREC=dot_prec, num_warps=num_warps, **tile,
-    )
-    rows = b * nh
-    block_rows = min(next_pow2(rows), 256 if interpreting() else 16)
-    _merge_splits_kernel[(n, triton.cdiv(rows, block_rows))](
-        po_ptr=po, pm_ptr=pm, pl_ptr=pl, out_ptr=out, lens_ptr=cache_lens, ROWS=rows, D=d, NSPLIT=num_splits,
-        CAP=capacity, window=sliding_window or 0, stride_on=out.stride(0), stride_or=d,
-        SLIDING=sliding_window is not None, MIN_CHUNK=MIN_CHUNK, BLOCK_ROWS=block_rows, BLOCK_D=next_pow2(d),
+        LOWP_DOT=lowp_dot, DOT_PREC=dot_prec, **launch, **tile,
     )
     return out
 
@@ -633,8 +705,9 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """Attention of one draft layer: B block queries per request over [cached context ++ block keys].
 
     Fuses the per-head ``q_norm``/``k_norm`` RMSNorm and NeoX RoPE of the block rows (at positions
-    ``cache_lens[n] + i``), GQA packing (B x nH/kvH rows per KV head), split-KV over the context with a
-    merge kernel, fp32 softmax statistics, scale D**-0.5. Two launches, no host sync. The block's K/V are
+    ``cache_lens[n] + i``), GQA packing (B x nH/kvH rows per KV head), split-KV over the context merged by
+    the last split to finish, fp32 softmax statistics, scale D**-0.5. One launch, no host sync. Calls on
+    one device share the merge counters: do not run them concurrently on different streams. The block's K/V are
     only used in-register: nothing is written to the cache.
 
     Args:
@@ -679,10 +752,10 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     _validate(OP, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, sliding_window,
               block_table, cache_batch_idx, num_splits, causal, block_lens)
     chosen = resolve_backend(OP, backend, q.device, available=_BACKENDS)
-    return torch.ops.dflash.draft_attention(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
-                                            inv_freq, float(attention_scaling), float(eps), sliding_window, causal,
-                                            block_table, cache_batch_idx, block_lens, num_splits, max_context_len,
-                                            chosen)
+    return call_op(_draft_attention_op, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
+                   inv_freq, float(attention_scaling), float(eps), sliding_window, causal,
+                   block_table, cache_batch_idx, block_lens, num_splits, max_context_len,
+                   chosen, device=q.device)
 
 
 @torch.library.custom_op("dflash::draft_attention", mutates_args=())
@@ -723,14 +796,14 @@ def verify_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                      block_table: Optional[torch.Tensor] = None, cache_batch_idx: Optional[torch.Tensor] = None,
                      num_splits: Optional[int] = None, max_context_len: Optional[int] = None,
                      tree_depths: Optional[torch.Tensor] = None, tree_mask: Optional[torch.Tensor] = None,
-                     backend: str = "auto") -> torch.Tensor:
+                     backend: str = "auto", validate: bool = True) -> torch.Tensor:
     """Attention of one target layer in the verify step, and the block's K/V appended to the cache.
 
     Request n's B new rows sit at positions ``cache_lens[n] + i``. q/k get the optional per-head RMSNorm,
     then NeoX RoPE; query i sees the cached rows ``[0, cache_lens[n])`` and block keys ``j <= i``, at scale
     ``scale`` (D**-0.5 when None; pass HF's ``attn.scaling``). The block's normed + rotated K rows and raw V
     rows are written to cache rows ``cache_lens[n] + i`` (only those below the capacity). Same kernels as
-    :func:`draft_attention` (two launches, no host sync); the block keys come from registers and the
+    :func:`draft_attention` (one launch, no host sync); the block keys come from registers and the
     context reads stop at ``cache_lens``, so the rows being written are never read by the same call.
 
     Args:
@@ -755,23 +828,27 @@ def verify_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
             ``cache_lens[n] + i``) and sees the context plus the block rows of its ancestors and itself.
         backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"``: CPU tensors, the reference's formula with
             less per-call work; a paged cache or a tree runs the reference).
+        validate: check the arguments first (default). ``False`` is for a caller that already checked the
+            same shapes, dtypes and devices (the lean target: every layer after the first of a forward).
 
     Returns:
         A new ``[N, B, nH, D]`` tensor in q's dtype.
     """
-    _validate(VERIFY_OP, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, None,
-              block_table, cache_batch_idx, num_splits, None, None)
-    if k_cache.dtype != q.dtype:
-        raise TypeError(f"{VERIFY_OP}: k_cache/v_cache dtype {k_cache.dtype} must equal q's dtype {q.dtype} "
-                        f"(the block's K/V rows are stored as computed)")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
-        raise ValueError(f"{VERIFY_OP}: scale must be None (D**-0.5) or a float > 0 (e.g. attn.scaling), got {scale!r}")
-    _validate_tree(q, tree_depths, tree_mask)
+    if validate:
+        _validate(VERIFY_OP, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, None,
+                  block_table, cache_batch_idx, num_splits, None, None)
+        if k_cache.dtype != q.dtype:
+            raise TypeError(f"{VERIFY_OP}: k_cache/v_cache dtype {k_cache.dtype} must equal q's dtype {q.dtype} "
+                            f"(the block's K/V rows are stored as computed)")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
+            raise ValueError(f"{VERIFY_OP}: scale must be None (D**-0.5) or a float > 0 (e.g. attn.scaling), "
+                             f"got {scale!r}")
+        _validate_tree(q, tree_depths, tree_mask)
     chosen = resolve_backend(VERIFY_OP, backend, q.device, available=_BACKENDS)
-    return torch.ops.dflash.verify_attention(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
-                                             inv_freq, float(attention_scaling), float(eps),
-                                             None if scale is None else float(scale), block_table, cache_batch_idx,
-                                             num_splits, max_context_len, tree_depths, tree_mask, chosen)
+    return call_op(_verify_attention_op, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
+                   inv_freq, float(attention_scaling), float(eps),
+                   None if scale is None else float(scale), block_table, cache_batch_idx,
+                   num_splits, max_context_len, tree_depths, tree_mask, chosen, device=q.device)
 
 
 def _validate_tree(q, tree_depths, tree_mask):

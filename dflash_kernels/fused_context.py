@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_kernels._dispatch import resolve_backend
+from dflash_kernels._dispatch import call_op, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, rms_norm_reference,
 )
@@ -274,7 +274,7 @@ def fused_context(taps: Taps, fc_weight: torch.Tensor, norm_weight: torch.Tensor
     chosen = resolve_backend(OP, backend, taps_list[0].device, available=_BACKENDS)
     if out is None:
         out = taps_list[0].new_empty((taps_list[0].shape[0], fc_weight.shape[0]))
-    torch.ops.dflash.fused_context(taps_list, fc_weight, norm_weight, float(eps), out, chosen)
+    call_op(_fused_context_op, taps_list, fc_weight, norm_weight, float(eps), out, chosen, device=taps_list[0].device)
     return out
 
 

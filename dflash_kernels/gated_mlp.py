@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dflash_kernels._dispatch import resolve_backend
+from dflash_kernels._dispatch import call_op, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2,
 )
@@ -179,7 +179,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, *, out: Optional[torch.T
     chosen = resolve_backend(OP, backend, x.device, available=_BACKENDS)
     if out is None:
         out = x.new_empty(shape)
-    torch.ops.dflash.gate_up_silu(x, weight, out, chosen)
+    call_op(_gate_up_silu_op, x, weight, out, chosen, device=x.device)
     return out
 
 

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_kernels._dispatch import resolve_backend
+from dflash_kernels._dispatch import call_op, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_cache_pair, check_last_dim_contiguous, check_tensor, next_pow2, norm_rope_halves, page_table,
     rms_norm_reference, rope_cos_sin, rope_cos_sin_reference, rotate_half,
@@ -179,8 +179,8 @@ def inject_context_kv(k: torch.Tensor, v: torch.Tensor, k_norm_weight: torch.Ten
     """
     _validate(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq, block_table, cache_batch_idx)
     chosen = resolve_backend(OP, backend, k.device, available=_BACKENDS)
-    torch.ops.dflash.inject_context_kv(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq,
-                                       float(attention_scaling), float(eps), block_table, cache_batch_idx, chosen)
+    call_op(_inject_context_kv_op, k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq,
+            float(attention_scaling), float(eps), block_table, cache_batch_idx, chosen, device=k.device)
 
 
 @torch.library.custom_op("dflash::inject_context_kv", mutates_args=("k_cache", "v_cache"))

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dflash_kernels._dispatch import lean_version_bump, resolve_backend
+from dflash_kernels._dispatch import call_op, lean_version_bump, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, rms_norm_reference,
 )
@@ -126,7 +126,7 @@ def _validate_add_rms_norm(x, weight, eps, residual, out):
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
                  residual: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-                 backend: str = "auto") -> torch.Tensor:
+                 backend: str = "auto", validate: bool = True) -> torch.Tensor:
     """Residual add and RMSNorm of a decoder layer (HF ``hidden = residual + hidden; norm(hidden)``).
 
     Args:
@@ -139,16 +139,19 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
         out: None, or a contiguous tensor of x's shape and dtype to write the result into (e.g. rows of a
             buffer that a following GEMM reads together with other rows).
         backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"``: CPU tensors, torch's fused RMSNorm).
+        validate: check the arguments first (default). ``False`` is for a caller that already checked the
+            same shapes, dtypes and devices (the lean target: every layer after the first of a forward).
 
     Returns:
         ``out``, or a new contiguous tensor of x's shape and dtype: ``RMSNorm(residual + x or x) * weight`` with
         fp32 statistics, the normalised value rounded to the dtype before the weight multiply (HF order). One launch.
     """
-    _validate_add_rms_norm(x, weight, eps, residual, out)
+    if validate:
+        _validate_add_rms_norm(x, weight, eps, residual, out)
     chosen = resolve_backend(ADD_RMS_NORM, backend, x.device, available=_NORM_BACKENDS)
     if out is None:
         out = x.new_empty(x.shape)
-    torch.ops.dflash.add_rms_norm(x, weight, float(eps), residual, out, chosen)
+    call_op(_add_rms_norm_op, x, weight, float(eps), residual, out, chosen, device=x.device)
     return out
 
 
@@ -213,25 +216,27 @@ def _silu_mul_triton(gate_up, out=None) -> torch.Tensor:
     return out
 
 
-def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto", validate: bool = True) -> torch.Tensor:
     """SwiGLU activation of a merged ``[gate; up]`` projection: ``silu(gate) * up``.
 
     Args:
         gate_up: ``[..., 2I]`` fp32/bf16/fp16, last dim contiguous (rows may be strided): columns ``:I`` are
             the gate projection, ``I:`` the up projection (``x @ cat([W_gate, W_up]).T``). May be empty.
         backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"`` runs the reference, this op's CPU path).
+        validate: check the argument first (default); ``False`` as in :func:`add_rms_norm`.
 
     Returns:
         A new ``[..., I]`` tensor in gate_up's dtype; ``silu`` in fp32 rounded to the dtype, then times up
         and rounded (HF order). One launch.
     """
-    check_tensor(SILU_MUL, "gate_up", gate_up, dtypes=FLOAT_DTYPES)
-    if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
-        raise ValueError(f"{SILU_MUL}: gate_up must be [..., 2I] (gate and up halves of one projection), "
-                         f"got shape {tuple(gate_up.shape)}")
-    check_last_dim_contiguous(SILU_MUL, "gate_up", gate_up)
+    if validate:
+        check_tensor(SILU_MUL, "gate_up", gate_up, dtypes=FLOAT_DTYPES)
+        if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
+            raise ValueError(f"{SILU_MUL}: gate_up must be [..., 2I] (gate and up halves of one projection), "
+                             f"got shape {tuple(gate_up.shape)}")
+        check_last_dim_contiguous(SILU_MUL, "gate_up", gate_up)
     chosen = resolve_backend(SILU_MUL, backend, gate_up.device, available=_BACKENDS)
-    return torch.ops.dflash.silu_mul(gate_up, chosen)
+    return call_op(_silu_mul_op, gate_up, chosen, device=gate_up.device)
 
 
 @torch.library.custom_op("dflash::silu_mul", mutates_args=())

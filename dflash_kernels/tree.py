@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_kernels._dispatch import resolve_backend
+from dflash_kernels._dispatch import call_op, resolve_backend
 from dflash_kernels._triton_utils import (
-    FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2,
+    FLOAT_DTYPES, argmax_cpu, check_last_dim_contiguous, check_tensor, interpreting, next_pow2,
 )
 from dflash_kernels.verify import (
     _argmax_partial_kernel, _filter_threshold, _merge_argmax, _rng_for, _rows_per_program, _sample_partial_kernel,
@@ -32,6 +32,7 @@ from dflash_kernels.verify import (
 
 _INDEX_DTYPES = (torch.int64,)
 _BACKENDS = ("triton", "torch")
+_GREEDY_WALK_BACKENDS = ("triton", "cpu", "torch")  # tree_accept_greedy's "cpu": the argmax by NumPy
 MASK_WORD_BITS = 64
 
 
@@ -290,7 +291,7 @@ def build_tree(draft_logits: torch.Tensor, anchor: torch.Tensor, budget: int, *,
     op = "build_tree"
     _validate_build(op, draft_logits, anchor, budget, vocab_ids)
     chosen = resolve_backend(op, backend, draft_logits.device, available=_BACKENDS)
-    return torch.ops.dflash.build_tree(draft_logits, anchor, budget, vocab_ids, chosen)
+    return call_op(_build_tree_op, draft_logits, anchor, budget, vocab_ids, chosen, device=draft_logits.device)
 
 
 
@@ -374,7 +375,7 @@ def tree_ancestor_mask(tree_parents: torch.Tensor, *, backend: str = "auto") -> 
     op = "tree_ancestor_mask"
     _validate_nodes(op, "tree_parents", tree_parents)
     chosen = resolve_backend(op, backend, tree_parents.device, available=_BACKENDS)
-    return torch.ops.dflash.tree_ancestor_mask(tree_parents, chosen)
+    return call_op(_tree_ancestor_mask_op, tree_parents, chosen, device=tree_parents.device)
 
 
 
@@ -559,7 +560,7 @@ def tree_accept_greedy(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_par
             token after node i (the verify pass over the tree).
         tree_tokens, tree_parents: ``[R, T]`` int64, as :func:`build_tree` returns them (depths <= B - 1).
         block_size: B; the walk stops at depth B - 1.
-        backend: ``"auto" | "triton" | "torch"``.
+        backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"``: CPU tensors, the argmax by NumPy).
 
     Returns:
         ``(path [R, B], accepted [R], bonus [R])`` int64: ``path[r, d]`` is the node at depth d of the accepted
@@ -568,8 +569,8 @@ def tree_accept_greedy(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_par
     """
     op = "tree_accept_greedy"
     _validate_accept(op, logits, tree_tokens, tree_parents, block_size)
-    chosen = resolve_backend(op, backend, logits.device, available=_BACKENDS)
-    return torch.ops.dflash.tree_accept_greedy(logits, tree_tokens, tree_parents, block_size, chosen)
+    chosen = resolve_backend(op, backend, logits.device, available=_GREEDY_WALK_BACKENDS)
+    return call_op(_tree_accept_greedy_op, logits, tree_tokens, tree_parents, block_size, chosen, device=logits.device)
 
 
 
@@ -577,9 +578,12 @@ def tree_accept_greedy(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_par
 def _tree_accept_greedy_op(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_parents: torch.Tensor,
                            block_size: int, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.dflash.tree_accept_greedy``: :func:`tree_accept_greedy` after validation."""
-    chosen = resolve_backend("tree_accept_greedy", backend, logits.device, available=_BACKENDS)
+    chosen = resolve_backend("tree_accept_greedy", backend, logits.device, available=_GREEDY_WALK_BACKENDS)
     if chosen == "torch":
         return tree_accept_greedy_reference(logits, tree_tokens, tree_parents, block_size=block_size)
+    if chosen == "cpu":
+        return _walk_reference(lambda req, node: int(argmax_cpu(logits[req, node])), tree_tokens, tree_parents,
+                               block_size)
     return _tree_accept_greedy_triton(logits, tree_tokens, tree_parents, block_size)
 
 
@@ -636,7 +640,7 @@ def tree_accept_sample(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_par
     _validate_accept(op, logits, tree_tokens, tree_parents, block_size)
     args = sampling_op_args(op, logits, temperature, top_k, top_p, seed, offset)
     chosen = resolve_backend(op, backend, logits.device, available=_BACKENDS)
-    return torch.ops.dflash.tree_accept_sample(logits, tree_tokens, tree_parents, block_size, *args, chosen)
+    return call_op(_tree_accept_sample_op, logits, tree_tokens, tree_parents, block_size, *args, chosen, device=logits.device)
 
 
 @torch.library.custom_op("dflash::tree_accept_sample", mutates_args=())
@@ -765,7 +769,7 @@ def tree_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, path: torch.Tenso
     op = "tree_compact"
     _validate_compact(op, k_cache, v_cache, path, accepted, start, cache_batch_idx)
     chosen = resolve_backend(op, backend, k_cache.device, available=_BACKENDS)
-    torch.ops.dflash.tree_compact(k_cache, v_cache, path, accepted, start, cache_batch_idx, chosen)
+    call_op(_tree_compact_op, k_cache, v_cache, path, accepted, start, cache_batch_idx, chosen, device=k_cache.device)
 
 
 

@@ -13,11 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_kernels._dispatch import resolve_backend
-from dflash_kernels._triton_utils import FLOAT_DTYPES, as_index_tensor, check_tensor, interpreting, next_pow2
+from dflash_kernels._dispatch import call_op, resolve_backend
+from dflash_kernels._triton_utils import (
+    FLOAT_DTYPES, argmax_cpu, as_index_tensor, check_tensor, interpreting, next_pow2,
+)
 
 _BIG = 2**31 - 1
-_GREEDY_BACKENDS = ("ext", "triton", "torch")
+_GREEDY_BACKENDS = ("ext", "triton", "cpu", "torch")
 _SAMPLE_BACKENDS = ("triton", "torch")
 
 
@@ -40,7 +42,11 @@ def _validate(op: str, logits, draft_tokens):
 
 def verify_greedy_reference(logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Definition: accepted = longest prefix with draft == argmax(logits), bonus = argmax at row ``accepted``."""
-    target = logits.argmax(dim=-1)                                   # [N, B]
+    return _accept_greedy(logits.argmax(dim=-1), draft_tokens)
+
+
+def _accept_greedy(target: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance rule on the target's argmax tokens ``target`` [N, B]."""
     match = (draft_tokens.to(torch.int64) == target[:, :-1]).to(torch.int64)
     accepted = match.cumprod(dim=1).sum(dim=1)
     bonus = target.gather(1, accepted[:, None]).squeeze(1)
@@ -183,7 +189,7 @@ def verify_greedy(logits: torch.Tensor, draft_tokens: torch.Tensor, *, backend: 
             for the token that follows block position ``i`` (position 0 = the anchor / last committed token).
         draft_tokens: ``[N, B-1]`` int64 (int32 accepted), the drafted tokens at block positions 1..B-1.
             ``B == 1`` gives shape ``[N, 0]`` (nothing to verify, only the bonus).
-        backend: ``"auto" | "ext" | "triton" | "torch"``.
+        backend: ``"auto" | "ext" | "triton" | "cpu" | "torch"`` (``"cpu"``: CPU tensors, the argmax by NumPy).
 
     Returns:
         ``(accepted, bonus)``, both int64 ``[N]``: ``accepted[n]`` = length of the longest prefix with
@@ -192,7 +198,7 @@ def verify_greedy(logits: torch.Tensor, draft_tokens: torch.Tensor, *, backend: 
     """
     _validate("verify_greedy", logits, draft_tokens)
     chosen = resolve_backend("verify_greedy", backend, logits.device, available=_GREEDY_BACKENDS)
-    return torch.ops.dflash.verify_greedy(logits, draft_tokens, chosen)
+    return call_op(_verify_greedy_op, logits, draft_tokens, chosen, device=logits.device)
 
 
 @torch.library.custom_op("dflash::verify_greedy", mutates_args=())
@@ -206,6 +212,8 @@ def _verify_greedy_op(logits: torch.Tensor, draft_tokens: torch.Tensor, backend:
         return _ext.verify_greedy(logits, draft_tokens)
     if chosen == "torch":
         return verify_greedy_reference(logits, draft_tokens)
+    if chosen == "cpu":
+        return _accept_greedy(argmax_cpu(logits), draft_tokens)
     return _verify_greedy_triton(logits, draft_tokens)
 
 
@@ -735,7 +743,7 @@ def verify_sample(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperatu
     _validate(op, logits, draft_tokens)
     args = sampling_op_args(op, logits, temperature, top_k, top_p, seed, offset)
     chosen = resolve_backend(op, backend, logits.device, available=_SAMPLE_BACKENDS)
-    return torch.ops.dflash.verify_sample(logits, draft_tokens, *args, chosen)
+    return call_op(_verify_sample_op, logits, draft_tokens, *args, chosen, device=logits.device)
 
 
 @torch.library.custom_op("dflash::verify_sample", mutates_args=())

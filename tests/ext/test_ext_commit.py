@@ -10,8 +10,8 @@ from _ext_common import EXT_CPU_OK, EXT_CPU_WHY, devices
 FIELDS = ("out_tokens", "lengths", "positions", "anchor", "done")
 
 
-def _backends():
-    return ["torch", pytest.param("ext", marks=pytest.mark.skipif(
+def _backends():  # "cpu": the C++ op where the extension is built, else the reference
+    return ["torch", "cpu", pytest.param("ext", marks=pytest.mark.skipif(
         not EXT_CPU_OK, reason=f"compiled extension unavailable: {EXT_CPU_WHY}"))]
 
 

@@ -92,11 +92,11 @@ def jit_attrs(fn, sig: dict, ints: dict | None) -> dict:
             if sig[name].startswith("*") or ints.get(name, 1) % 16 == 0}
 
 
-def compile_one(label, fn, types, consts, num_warps=4, with_spills=False, ints=None):
+def compile_one(label, fn, types, consts, launch, with_spills=False, ints=None):
     t = time.time()
     sig = sig_of(fn, types, consts)
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=jit_attrs(fn, sig, ints))
-    k = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    k = triton.compile(src, target=TARGET, options=dict(launch))
     md = k.metadata
     regs, usage = resource_usage(k.asm["cubin"])
     print(f"{label:60s} ok {time.time() - t:5.1f}s shared={md.shared:6d}B warps={md.num_warps} {usage} "
@@ -106,12 +106,13 @@ def compile_one(label, fn, types, consts, num_warps=4, with_spills=False, ints=N
 
 
 def configs():
-    """Every (label, kernel, argument types, constexprs, num_warps, shape-fixed ints) compiled here: each
+    """Every (label, kernel, argument types, constexprs, launch options, shape-fixed ints) compiled here: each
     launched kernel with the launch configs the launchers use on a GPU."""
     out = []
 
-    def add(label, fn, types, consts, num_warps=4, ints=None):
-        out.append((label, fn, types, consts, num_warps, ints))
+    def add(label, fn, types, consts, num_warps=4, ints=None, launch=None):
+        # launch: the launcher's own options (num_warps, maxnreg) where it returns them
+        out.append((label, fn, types, consts, launch or dict(num_warps=num_warps), ints))
 
     bf, f32 = "*bf16", "*fp32"
     fc_ptrs = {f"t{i}": bf for i in range(8)}
@@ -148,11 +149,11 @@ def configs():
 
     att = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, kc_ptr=bf, vc_ptr=bf, lens_ptr="*i64", blens_ptr="*i64",
                table_ptr="*i32", qw_ptr=bf, kw_ptr=bf, inv_freq_ptr=f32, po_ptr=f32, pm_ptr=f32, pl_ptr=f32,
-               out_ptr=bf, depth_ptr="*i64", tmask_ptr="*i64", attention_scaling="fp32", eps="fp32", qk_scale="fp32",
-               stride_kcp="i64", stride_vcp="i64")
+               sem_ptr="*i32", out_ptr=bf, depth_ptr="*i64", tmask_ptr="*i64", attention_scaling="fp32", eps="fp32",
+               qk_scale="fp32", stride_kcp="i64", stride_vcp="i64")
     # The launcher's tiles (_split_tile): Qwen3-8B (nH 32, kvH 8, D 128, B 16: B*G = 64 rows, 8 warps) and the
     # SmolLM2-135M draft/target (nH 9, kvH 3, D 64, B 8: B*G = 24 -> 32 rows, 4 warps); bf16 -> 16-bit dots.
-    (qwen, qwen_warps), (smol, smol_warps) = da._split_tile(16, 4, 128), da._split_tile(8, 3, 64)
+    (qwen, qwen_launch), (smol, smol_launch) = da._split_tile(16, 4, 128, True), da._split_tile(8, 3, 64, True)
     qwen.update(MIN_CHUNK=da.MIN_CHUNK, LOWP_DOT=True, DOT_PREC="tf32")
     smol.update(MIN_CHUNK=da.MIN_CHUNK, LOWP_DOT=True, DOT_PREC="tf32")
 
@@ -173,31 +174,26 @@ def configs():
         add(f"draft_attention split Qwen3-8B table={table} sliding={sliding} causal={causal} block_lens={blens}",
             da._attn_split_kernel, att,
             dict(HAS_TABLE=table, SLIDING=sliding, CAUSAL=causal, HAS_BLOCK_LENS=blens, HAS_QK_NORM=True,
-                 WRITE_KV=False, TREE=False, **qwen), num_warps=qwen_warps, ints=qwen_ints)
+                 WRITE_KV=False, TREE=False, **qwen), launch=qwen_launch, ints=qwen_ints)
     add("draft_attention split Qwen3-8B fp32 operands (tf32)", da._attn_split_kernel, att,
         dict(HAS_TABLE=False, SLIDING=False, CAUSAL=False, HAS_BLOCK_LENS=False, HAS_QK_NORM=True, WRITE_KV=False,
-             TREE=False, **dict(qwen, LOWP_DOT=False)), num_warps=qwen_warps, ints=qwen_ints)
+             TREE=False, **dict(qwen, LOWP_DOT=False)), launch=da._split_tile(16, 4, 128, False)[1], ints=qwen_ints)
     add("draft_attention split SmolLM2", da._attn_split_kernel, att,
         dict(HAS_TABLE=False, SLIDING=False, CAUSAL=False, HAS_BLOCK_LENS=False, HAS_QK_NORM=True, WRITE_KV=False,
-             TREE=False, **smol), num_warps=smol_warps, ints=smol_ints)
-    for name, tile, table, norm, warps, ints in (("Qwen3-8B", qwen, False, True, qwen_warps, qwen_ints),
-                                                 ("Qwen3-8B", qwen, True, False, qwen_warps, qwen_ints),
-                                                 ("SmolLM2", smol, False, False, smol_warps, smol_ints)):
+             TREE=False, **smol), launch=smol_launch, ints=smol_ints)
+    for name, tile, table, norm, launch, ints in (("Qwen3-8B", qwen, False, True, qwen_launch, qwen_ints),
+                                                  ("Qwen3-8B", qwen, True, False, qwen_launch, qwen_ints),
+                                                  ("SmolLM2", smol, False, False, smol_launch, smol_ints)):
         add(f"verify_attention split {name} table={table} qk_norm={norm}", da._attn_split_kernel, att,
             dict(HAS_TABLE=table, SLIDING=False, CAUSAL=True, HAS_BLOCK_LENS=False, HAS_QK_NORM=norm, WRITE_KV=True,
-                 TREE=False, **tile), num_warps=warps, ints=ints)
+                 TREE=False, **tile), launch=launch, ints=ints)
     # Draft trees of T = 16 nodes (budget 15, the chain's tile) and T = 32 (budget 31: 128 packed rows).
     for t in (16, 32):
-        tile, warps = da._split_tile(t, 4, 128)
+        tile, launch = da._split_tile(t, 4, 128, True)
         tile.update(MIN_CHUNK=da.MIN_CHUNK, LOWP_DOT=True, DOT_PREC="tf32")
         add(f"verify_attention split Qwen3-8B tree T={t}", da._attn_split_kernel, att,
             dict(HAS_TABLE=False, SLIDING=False, CAUSAL=False, HAS_BLOCK_LENS=False, HAS_QK_NORM=True, WRITE_KV=True,
-                 TREE=True, **tile), num_warps=warps, ints=dict(shape_ints(32, 8, 128, t), stride_dn=t, stride_mi=1))
-    for sliding, (nh, d, b) in ((False, (32, 128, 16)), (True, (32, 128, 16)), (False, (9, 64, 8))):
-        add(f"attention merge D={d} sliding={sliding}", da._merge_splits_kernel,
-            dict(po_ptr=f32, pm_ptr=f32, pl_ptr=f32, out_ptr=bf, lens_ptr="*i64"),
-            dict(SLIDING=sliding, MIN_CHUNK=da.MIN_CHUNK, BLOCK_ROWS=16, BLOCK_D=d),
-            ints=dict(ROWS=b * nh, D=d, stride_on=b * nh * d, stride_or=d))
+                 TREE=True, **tile), launch=launch, ints=dict(shape_ints(32, 8, 128, t), stride_dn=t, stride_mi=1))
     add("inject_context_kv", ik._inject_kernel,
         dict(k_ptr=bf, v_ptr=bf, knw_ptr=bf, cu_ptr="*i64", lens_ptr="*i64", table_ptr="*i32", inv_freq_ptr=f32,
              kc_ptr=bf, vc_ptr=bf, attention_scaling="fp32", eps="fp32", stride_kcp="i64", stride_vcp="i64"),
@@ -250,8 +246,8 @@ def main():
         for label, fn, *_ in plan:
             print(f"{fn.__name__}\t{label}")
         return
-    for label, fn, types, consts, num_warps, ints in plan:
-        compile_one(label, fn, types, consts, num_warps, with_spills="--spills" in sys.argv[1:], ints=ints)
+    for label, fn, types, consts, launch, ints in plan:
+        compile_one(label, fn, types, consts, launch, with_spills="--spills" in sys.argv[1:], ints=ints)
 
 
 if __name__ == "__main__":

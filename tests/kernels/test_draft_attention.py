@@ -114,7 +114,7 @@ def test_split_count_follows_the_live_length(monkeypatch, window):
     rope = dict(inv_freq=_inv_freq(16), sliding_window=window)
     seen = nan_partials(monkeypatch)
     out = draft_attention(*args, num_splits=4, backend="triton", **rope)
-    assert_slots(seen[0], live, 4)
+    assert_slots(seen[0], live, 4, kv_heads=2)
     ref, lowp = _refs(args, **rope)
     assert_within_rule(out, ref, lowp, "draft_attention live splits")
 
@@ -141,13 +141,45 @@ def test_one_active_split_stores_the_output(monkeypatch, dtype, paged, window, b
     seen = nan_partials(monkeypatch)
     out = draft_attention(q, k, v, kc_in, vc_in, cl, qw, kw, block_lens=blens, num_splits=4, backend="triton",
                           **caches, **rope)
-    assert_slots(seen[0], [c if window is None else min(c, window - 1) for c in lens], 4)
+    assert_slots(seen[0], [c if window is None else min(c, window - 1) for c in lens], 4, kv_heads=2)
     assert torch.isfinite(out).all()
     for r in range(n):
         nb = b if block_lens is None else block_lens[r]
         short = tuple(x[r:r + 1, :nb] for x in (q, k, v)) + (kc[r:r + 1], vc[r:r + 1], cl[r:r + 1], qw, kw)
         ref, lowp = _refs(short, **rope)
         assert_within_rule(out[r:r + 1, :nb], ref, lowp, f"draft_attention one split, request {r}")
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="reorders the interpreter's programs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_does_not_depend_on_which_split_finishes_last(monkeypatch, dtype):
+    """MIN_CHUNK lowered to 64 rows, a grid of 4 splits, 1 to 4 active: the interpreter runs a request's splits
+    in order (split A-1 finishes last and merges) or, patched, in reverse (split 0 merges, its own slot from
+    registers amid the others'). Bit-identical outputs, the merging split's slot never written, and the
+    merge counters back at zero after each call."""
+    from triton.runtime import interpreter
+
+    monkeypatch.setattr(da, "MIN_CHUNK", 64)
+    lens = [300, 130, 0, 200]
+    active = [da.active_splits(x, 4) for x in lens]
+    assert active == [4, 3, 1, 4]
+    args = _case(len(lens), 5, 6, 2, 16, lens, dtype)
+    rope = dict(inv_freq=_inv_freq(16), attention_scaling=1.1)
+    seen = nan_partials(monkeypatch)
+    in_order = draft_attention(*args, num_splits=4, backend="triton", **rope)
+    set_idx = interpreter.interpreter_builder.set_grid_idx
+    monkeypatch.setattr(interpreter.interpreter_builder, "set_grid_idx",
+                        lambda x, y, z: set_idx(x, y, interpreter.interpreter_builder.grid_dim[2] - 1 - z))
+    reversed_order = draft_attention(*args, num_splits=4, backend="triton", **rope)
+    assert torch.equal(in_order, reversed_order)
+    for partials, merger in zip(seen, (lambda a: a - 1, lambda a: 0)):
+        assert_slots(partials, lens, 4, kv_heads=2)
+        for r, a in enumerate(active):
+            if a > 1:
+                assert torch.isnan(partials[1][r, merger(a)]).all(), (r, a)
+    assert not da._counters[in_order.device][-1].any()
+    ref, lowp = _refs(args, **rope)
+    assert_within_rule(in_order, ref, lowp, "draft_attention merge")
 
 
 def test_split_count_does_not_change_result():

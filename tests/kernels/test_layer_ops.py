@@ -158,6 +158,18 @@ def test_bad_inputs():
     assert torch.equal(res, res0), "a rejected call must not touch residual"
 
 
+def test_validate_false_skips_only_the_argument_checks():
+    """validate=False (the lean target's layers after the first) computes the same; the backend is still resolved."""
+    x, res, w = _norm_inputs((4, 8), torch.float32)
+    res2 = res.clone()
+    assert torch.equal(add_rms_norm(x, w, residual=res), add_rms_norm(x, w, residual=res2, validate=False))
+    assert torch.equal(res, res2)
+    gu = torch.randn(4, 16)
+    assert torch.equal(silu_mul(gu), silu_mul(gu, validate=False))
+    with pytest.raises(ValueError, match="backend"):
+        add_rms_norm(x, w, backend="ext", validate=False)
+
+
 def test_wrong_device():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device next to the CPU")

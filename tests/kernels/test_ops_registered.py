@@ -172,7 +172,7 @@ def test_schemas_and_mutations():
     assert {a.name: str(a.type) for a in schemas["commit_round"].arguments}["stop_tokens"] == "Optional[Tensor]"
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_each_public_call_is_one_registered_op(backend):
     """Exactly one torch.ops.dflash.* call per public call; results equal the calls made outside the mode."""
     plain = _state()
@@ -184,6 +184,32 @@ def test_each_public_call_is_one_registered_op(backend):
     _assert_same(expected, got)
     for k in MUTATED:
         assert torch.equal(plain[k], recorded[k]), k
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_eager_cpu_calls_skip_the_dispatcher(backend, monkeypatch):
+    """Plain eager calls on CPU tensors run the ops' bodies without torch.ops (dflash_kernels._dispatch.call_op):
+    same results as through the dispatcher, and not one dispatched dflash op; with grad on and an input that
+    requires grad, the call goes through the dispatcher again."""
+    from torch._library.custom_ops import CustomOpDef
+
+    plain = _state()
+    dispatched = _clone(plain)
+    with Recorder() as rec:  # a watching mode: every call goes through torch.ops
+        expected = _round(dispatched, backend)
+    assert len(rec.calls) == len(CALLS)
+    calls = []
+    real_call = CustomOpDef.__call__
+    monkeypatch.setattr(CustomOpDef, "__call__", lambda op, *a, **k: calls.append(op._name) or real_call(op, *a, **k))
+    with torch.inference_mode():
+        got = _round(plain, backend)
+    assert calls == []
+    _assert_same(expected, got)
+    for k in MUTATED:
+        assert torch.equal(plain[k], dispatched[k]), k
+    x = torch.randn(3, 16, requires_grad=True)
+    dflash_kernels.silu_mul(x, backend=backend)
+    assert calls == ["silu_mul"]
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

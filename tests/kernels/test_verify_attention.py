@@ -98,7 +98,7 @@ def test_matches_reference_and_writes_exactly_the_block_rows(monkeypatch, backen
     out = verify_attention(q, k, v, kc_in, vc_in, cl, qw, kw, num_splits=3, backend=backend, **where, **rope)
     assert out.dtype == dtype and out.shape == (n, b, nh, d)
     if backend == "triton":
-        assert_slots(seen[0], lens, 3)
+        assert_slots(seen[0], lens, 3, kv_heads=kvh)
     assert_within_rule(out, ref, lowp, "verify_attention output")
 
     written = torch.zeros(buffers[0].shape[:2], dtype=torch.bool)
@@ -166,7 +166,7 @@ def test_split_count_follows_the_live_length(monkeypatch, dtype):
         kc_run, vc_run = kc.clone(), vc.clone()
         outs.append(verify_attention(q, k, v, kc_run, vc_run, cl, qw, kw, inv_freq=_inv_freq(d), num_splits=splits,
                                      backend="triton"))
-        assert_slots(seen[-1], lens, splits)  # num_splits is the grid's maximum
+        assert_slots(seen[-1], lens, splits, kv_heads=kvh)  # num_splits is the grid's maximum
     for out in outs:
         assert_within_rule(out, ref, lowp, "verify_attention splits")
 
@@ -248,3 +248,19 @@ def test_cpu_backend_is_the_reference_bit_for_bit(dtype, case):
             results.append((out, *buffers))
         for got, want in zip(results[1], results[0]):
             assert torch.equal(_bits(got), _bits(want))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only")
+def test_cpu_backend_sees_inv_freq_changed_in_place():
+    """The "cpu" path keeps the last RoPE tables; changing inv_freq in place (same tensor, same positions)
+    must not reuse them."""
+    n, b, nh, kvh, d, lens, cap, _ = CASES[0]
+    q, k, v, kc, vc, cl, qw, kw = _case(n, b, nh, kvh, d, lens, cap, torch.float32, True)
+    for inference in (False, True):  # an inference tensor has no version counter
+        with torch.inference_mode(inference):
+            inv_freq = _inv_freq(d)
+            for _ in range(2):
+                outs = [verify_attention(q, k, v, kc.clone(), vc.clone(), cl, qw, kw, inv_freq=inv_freq,
+                                         backend=backend) for backend in ("cpu", "torch")]
+                assert torch.equal(outs[0], outs[1])
+                inv_freq.mul_(1.7)

@@ -5,7 +5,8 @@ from dflash_kernels import _ext
 from dflash_kernels.verify import verify_greedy
 from _device import DEVICE
 
-BACKENDS = ["torch", "triton"] + (["ext"] if _ext.status(torch.device(DEVICE))[0] else [])
+BACKENDS = (["torch", "triton"] + (["ext"] if _ext.status(torch.device(DEVICE))[0] else [])
+            + (["cpu"] if DEVICE == "cpu" else []))
 
 
 def _expected(logits, draft):

@@ -28,8 +28,8 @@ def recording(draft):
     draft.seen = []
     propose = draft.propose
 
-    def wrapped(hidden, head, out=None):
-        out = propose(hidden, head, out=out)
+    def wrapped(hidden, head, out=None, **kwargs):
+        out = propose(hidden, head, out=out, **kwargs)
         draft.seen.append(out.clone())
         return out
 

@@ -61,11 +61,11 @@ def test_shipped_draft_accepts_on_eval_prompts(shipped_tau):
 def test_demo_end_to_end(capsys):
     from dflash.demo import main
 
-    rc = main(["--max-new-tokens", "12", "--prompt", "What is 7 times 8?", "--backend", "reference"])
+    rc = main(["--max-new-tokens", "12", "--prompt", "What is 7 times 8?", "--backend", "reference", "--reps", "2"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "τ =" in out and "HF generate" in out and "autoregressive (ours)" in out
-    assert "Identical to HF generate's greedy output (DFlash and autoregressive): yes" in out
+    assert "τ =" in out and "HF generate" in out and "autoregressive (ours)" in out and "median (range) of 2" in out
+    assert "Identical to HF generate's greedy output (DFlash and autoregressive, every run): yes" in out
 
 
 def test_missing_package_error_names_install_command(monkeypatch):

@@ -4,7 +4,7 @@ anchor blocks with a block mask, position-weighted cross-entropy, AdamW + cosine
 Entry point ``main(argv)`` (also ``dflash train …`` and ``python -m dflash.train …``):
 
 * ``data``  — build the offline prompt set and generate the target's greedy responses + features
-  (``--responses FILE``: reuse/record responses kept in the repository; ``--guess bf16``: guess and check)
+  (``--responses FILE``: check responses kept in the repository instead of generating them, record new ones)
 * ``fit``   — train a draft on a generated data folder (resumable from its checkpoint folder)
 * ``export``— write a checkpoint as a z-lab draft folder (bf16)
 * ``evaluate`` — teacher-forced acceptance estimate of a draft on a data folder

@@ -18,10 +18,9 @@ def _cmd_data(args) -> int:
     from dflash.train.prompts import build_prompts
 
     model, tok = smollm2.load()
-    guess = smollm2.load(dtype=torch.bfloat16, verbose=False)[0] if args.guess == "bf16" else None
     log = lambda m: print(m, flush=True)  # noqa: E731
     common = dict(model=model, tokenizer=tok, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                  shard_size=args.shard_size, draft_model=guess, rounds=args.rounds, responses_path=args.responses,
+                  shard_size=args.shard_size, responses_path=args.responses,
                   log=log)
     if args.num_eval:
         ev = build_prompts(args.num_eval, "eval", seed=args.seed + 1000)
@@ -49,10 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--first-shard", type=int, default=0,
                    help="start at this train shard (e.g. new prompts first; earlier shards can be generated later)")
     d.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, i.e. all cores)")
-    d.add_argument("--guess", choices=["bf16", "none"], default="none",
-                   help="bf16: guess responses with the target in bfloat16 and check them with one fp32 pass per "
-                        "round (same data, see generate_batch_checked); none: plain fp32 greedy generation")
-    d.add_argument("--rounds", type=int, default=3, help="guessing rounds with --guess bf16 before plain decoding")
     d.add_argument("--responses", default=None,
                    help="responses file (e.g. dflash/assets/smollm2-135m-responses.xz): its responses are checked "
                         "instead of generated, and new shards' responses are added to it")

@@ -8,10 +8,10 @@ layer outputs of the prefill plus every decode step are the features of the clea
 This saves the separate feature pass; :func:`compute_features` does that pass for data without
 stored features (and the tests use it to check both agree).
 
-:func:`generate_batch_checked` produces the same records with fewer fp32 decode steps: responses are
-guessed (by the target in bf16, or taken from a responses file, :mod:`dflash.train.responses`) and
-checked by one teacher-forced fp32 pass, which keeps each guess up to its first disagreement with the
-fp32 greedy choice and also yields the features (``dflash train data --guess bf16 / --responses``).
+:func:`generate_batch_known` produces the same records for responses already known (a responses file
+kept in the repository, :mod:`dflash.train.responses`, ``dflash train data --responses``): one
+teacher-forced pass checks every known token against the greedy choice and yields the features, at a
+fraction of the decode cost.
 
 On disk (``out_dir``): ``shard_XXXXX.pt`` files, each a list of records
 ``{"ids": int32 [L], "prompt_len": int, "features": bf16 [L-1, T*H], "layer_ids": [...]}``, plus
@@ -36,8 +36,7 @@ def _fmt_time(s: float) -> str:
 @torch.inference_mode()
 def generate_batch(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: Sequence[int],
                    capture_layers: Sequence[int], pad_id: int = 0):
-    """Greedy generation for a left-padded batch; returns records (see module docstring). With no
-    ``capture_layers`` the records' ``features`` are None."""
+    """Greedy generation for a left-padded batch; returns records (see module docstring)."""
     b = len(prompt_ids)
     plen = [len(p) for p in prompt_ids]
     P = max(plen)
@@ -84,8 +83,7 @@ def generate_batch(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: i
         for h in handles:
             h.remove()
     gen_t = torch.stack(gen, dim=1)  # [b, n_gen]
-    feats = (torch.cat([torch.cat(captured[l], dim=1) for l in capture_layers], dim=-1)  # [b, P+n_fed, T*H]
-             if capture_layers else None)
+    feats = torch.cat([torch.cat(captured[l], dim=1) for l in capture_layers], dim=-1)  # [b, P+n_fed, T*H]
     records = []
     for i in range(b):
         row = gen_t[i].tolist()
@@ -96,7 +94,7 @@ def generate_batch(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: i
                 break
         resp = row[:n]
         full = list(prompt_ids[i]) + resp
-        f = None if feats is None else feats[i, P - plen[i]: P - plen[i] + len(full) - 1].contiguous().clone()
+        f = feats[i, P - plen[i]: P - plen[i] + len(full) - 1].contiguous().clone()
         records.append({"ids": torch.tensor(full, dtype=torch.int32), "prompt_len": plen[i], "features": f,
                         "layer_ids": list(capture_layers), "finished": bool(resp and resp[-1] in stop_ids)})
     return records
@@ -137,58 +135,37 @@ def forced_pass(model, seqs: Sequence[Sequence[int]], first: Sequence[int], capt
     return out_f, out_g
 
 
-def generate_batch_checked(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: Sequence[int],
-                           capture_layers: Sequence[int], *, draft_model=None, candidates=None, rounds: int = 3,
-                           pad_id: int = 0) -> list[dict]:
-    """Exactly :func:`generate_batch`'s records (``model``'s greedy responses, features of ``model``),
-    made cheaper by guessing: candidate responses come from ``candidates`` (known responses, e.g. from a
-    responses file) in the first round and from ``draft_model``'s greedy decoding (``model`` in bf16) in
-    every round; one teacher-forced pass of ``model`` (:func:`forced_pass`) checks a whole candidate and
-    yields its features. A row keeps the candidate up to its first disagreement plus ``model``'s own token
-    there (or the token after a fully accepted candidate): every kept token is ``model``'s greedy choice.
-    After ``rounds`` rounds, unfinished rows are completed by plain :func:`generate_batch` with ``model``.
-    ``rounds=0`` without ``candidates`` is :func:`generate_batch`."""
-    if rounds and draft_model is None:
-        raise ValueError("generate_batch_checked: rounds > 0 guesses with draft_model; pass draft_model "
-                         "(e.g. the target in bfloat16) or rounds=0")
+def generate_batch_known(model, prompt_ids: Sequence[Sequence[int]], known: Sequence[Sequence[int]],
+                         max_new_tokens: int, stop_ids: Sequence[int], capture_layers: Sequence[int],
+                         pad_id: int = 0) -> list[dict]:
+    """:func:`generate_batch`'s records (``model``'s greedy responses and features) for prompts whose
+    responses are probably ``known`` (e.g. from a responses file): one teacher-forced pass of ``model``
+    (:func:`forced_pass`) checks every known token against ``model``'s greedy choice and yields the
+    features. A row keeps its known response up to the first disagreement plus ``model``'s own token there
+    (or the token after a fully confirmed unfinished response), so every kept token is ``model``'s greedy
+    choice; rows left unfinished that way are completed by :func:`generate_batch`."""
     stops = set(stop_ids)
     b = len(prompt_ids)
-    resp: list[list[int]] = [[] for _ in range(b)]
-    feats: list[torch.Tensor | None] = [None] * b
-    todo = list(range(b))
-    n_rounds = rounds + (candidates is not None)
-    for rnd in range(n_rounds):
-        if not todo:
-            break
-        if rnd == 0 and candidates is not None:
-            cands = [list(candidates[i])[:max_new_tokens] for i in todo]
-        else:
-            budget = max(max_new_tokens - len(resp[i]) for i in todo)
-            guessed = generate_batch(draft_model, [list(prompt_ids[i]) + resp[i] for i in todo], budget, stop_ids, (),
-                                     pad_id=pad_id)
-            cands = [r["ids"][len(prompt_ids[i]) + len(resp[i]):].tolist()[:max_new_tokens - len(resp[i])]
-                     for i, r in zip(todo, guessed)]
-        seqs = [list(prompt_ids[i]) + resp[i] + c for i, c in zip(todo, cands)]
-        first = [len(prompt_ids[i]) + len(resp[i]) - 1 for i in todo]
-        f_rows, greedy = forced_pass(model, seqs, first, capture_layers, pad_id=pad_id)
-        still = []
-        for i, c, f, g in zip(todo, cands, f_rows, greedy):
-            for j, t in enumerate(g):  # g[j]: model's token at response position len(resp[i]) + j
-                resp[i].append(t)
-                if t in stops or len(resp[i]) == max_new_tokens or j == len(c) or c[j] != t:
-                    break
-            # prompt + response[:-1], all on the checked path; a copy, so a saved record holds no guessed tail
-            feats[i] = f[:len(prompt_ids[i]) + len(resp[i]) - 1].clone()
-            if resp[i][-1] not in stops and len(resp[i]) < max_new_tokens:
-                still.append(i)
-        todo = still
+    cands = [list(k)[:max_new_tokens] for k in known]
+    seqs = [list(p) + c for p, c in zip(prompt_ids, cands)]
+    f_rows, greedy = forced_pass(model, seqs, [len(p) - 1 for p in prompt_ids], capture_layers, pad_id=pad_id)
     records: list[dict | None] = [None] * b
-    for i in range(b):
-        if i not in todo:
+    todo = []
+    resp: list[list[int]] = [[] for _ in range(b)]
+    for i, (c, f, want) in enumerate(zip(cands, f_rows, greedy)):
+        for j, t in enumerate(want):  # want[j]: model's token at response position j
+            resp[i].append(t)
+            if t in stops or len(resp[i]) == max_new_tokens or j == len(c) or c[j] != t:
+                break
+        if resp[i][-1] in stops or len(resp[i]) == max_new_tokens:
             full = list(prompt_ids[i]) + resp[i]
+            # features of prompt + response[:-1], all on the checked path (a copy: no rows past it are saved)
             records[i] = {"ids": torch.tensor(full, dtype=torch.int32), "prompt_len": len(prompt_ids[i]),
-                          "features": feats[i], "layer_ids": list(capture_layers), "finished": resp[i][-1] in stops}
-    if todo:  # the rest with plain greedy decoding of the checked prefixes (features of the whole sequence)
+                          "features": f[:len(full) - 1].clone(), "layer_ids": list(capture_layers),
+                          "finished": resp[i][-1] in stops}
+        else:
+            todo.append(i)
+    if todo:  # plain greedy decoding from the checked prefixes (features of the whole sequence)
         budget = max(max_new_tokens - len(resp[i]) for i in todo)
         rest = generate_batch(model, [list(prompt_ids[i]) + resp[i] for i in todo], budget, stop_ids, capture_layers,
                               pad_id=pad_id)
@@ -214,22 +191,18 @@ def compute_features(model, ids: torch.Tensor, layer_ids: Sequence[int]) -> torc
 
 def generate_dataset(out_dir: str, prompts: Sequence[str], *, model, tokenizer, max_new_tokens: int = 192,
                      batch_size: int = 16, shard_size: int = 64, capture_layers=DEFAULT_CAPTURE_LAYERS,
-                     max_shards: int | None = None, first_shard: int = 0, draft_model=None, rounds: int = 3,
-                     responses_path: str | None = None, log=print) -> list[str]:
+                     max_shards: int | None = None, first_shard: int = 0, responses_path: str | None = None,
+                     log=print) -> list[str]:
     """Generate (resumably) the dataset for ``prompts`` into ``out_dir``; returns the shard paths.
     ``max_shards``: stop after the first that many shards (the rest can be generated by a later call);
     ``first_shard``: start there (shards of the same prompt set; earlier ones can be generated later).
 
-    ``draft_model`` (``model`` in bf16): guess responses with it and check them in ``model``
-    (:func:`generate_batch_checked`, ``rounds`` guessing rounds); None: plain :func:`generate_batch`.
     ``responses_path``: a responses file (:mod:`dflash.train.responses`); its known responses are checked
-    instead of generated, and every new shard's responses are added to it. Either way the stored
-    responses are ``model``'s greedy responses and the features ``model``'s."""
+    (:func:`generate_batch_known`) instead of generated, and every new shard's responses are added to it.
+    Either way the stored responses are ``model``'s greedy responses and the features ``model``'s."""
     from dflash.smollm2 import chat_prompt, stop_token_ids
     from dflash.train.responses import load_responses, prompt_key, save_responses
 
-    if rounds and draft_model is None:
-        rounds = 0  # nothing to guess with: unknown responses are generated, known ones checked
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "prompts.json"), "w", encoding="utf-8") as f:
         json.dump({"prompts": list(prompts), "max_new_tokens": max_new_tokens,
@@ -256,12 +229,8 @@ def generate_dataset(out_dir: str, prompts: Sequence[str], *, model, tokenizer, 
                 idx = order[k:k + batch_size]
                 prompt_ids = [enc[i] for i in idx]
                 if keys[idx[0]] in known:
-                    out = generate_batch_checked(model, prompt_ids, max_new_tokens, stops, capture_layers,
-                                                 draft_model=draft_model, rounds=rounds,
-                                                 candidates=[known[keys[i]] for i in idx])
-                elif draft_model is not None:
-                    out = generate_batch_checked(model, prompt_ids, max_new_tokens, stops, capture_layers,
-                                                 draft_model=draft_model, rounds=rounds)
+                    out = generate_batch_known(model, prompt_ids, [known[keys[i]] for i in idx], max_new_tokens,
+                                               stops, capture_layers)
                 else:
                     out = generate_batch(model, prompt_ids, max_new_tokens, stops, capture_layers)
                 for i, r in zip(idx, out):

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from dflash.train.data import compute_features, generate_batch, generate_batch_checked, load_dataset
+from dflash.train.data import compute_features, generate_batch, load_dataset
 
 from test_train_blocks import V, tiny_target
 
@@ -34,12 +34,14 @@ def test_generate_batch_matches_greedy_and_feature_pass():
     assert recs[0]["ids"][len(prompts[0]):].tolist() == [stop]
 
 
-def test_generate_batch_checked_equals_greedy_with_wrong_guesses():
-    """Guessed responses (a perturbed bf16 copy of the target, and given candidates that are right, wrong in
-    the middle, too short or empty) are checked by teacher-forced passes: every stored response is the
-    target's own greedy continuation and its features equal the clean feature pass. One round, so rows
-    still unfinished are completed by plain greedy decoding."""
+def test_generate_batch_known_equals_greedy_with_wrong_known_responses():
+    """Known responses that are right, wrong in the middle, too short, empty, or another model's greedy
+    output are checked by one teacher-forced pass: every stored response is the target's own greedy
+    continuation and its features equal the clean feature pass (rows a wrong response left unfinished
+    are completed by plain greedy decoding)."""
     import copy
+
+    from dflash.train.data import generate_batch_known
 
     torch.manual_seed(3)
     target = tiny_target(layers=4)
@@ -47,32 +49,33 @@ def test_generate_batch_checked_equals_greedy_with_wrong_guesses():
         for name, w in target.named_parameters():
             if "norm" not in name:
                 w.mul_(5.0)  # sharper logits: varied responses instead of one repeated token
-    draft = copy.deepcopy(target).to(torch.bfloat16)
+    other = copy.deepcopy(target).to(torch.bfloat16)
     with torch.no_grad():
-        for w in draft.model.layers[2].parameters():
+        for w in other.model.layers[2].parameters():
             w.add_(0.1 * torch.randn_like(w) * w.abs().mean())
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(4, V, (n,), generator=g).tolist() for n in (5, 1, 9, 3, 7)]
     stop = 7
-    ref = [target.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=stop,
-                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    guess = [draft.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=stop,
-                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    assert guess != ref  # the guesses really are wrong somewhere, so the check has work to do
-    assert {r[-1] == stop for r in ref} == {True, False}
+
+    def greedy(model, p):
+        return model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=stop,
+                              pad_token_id=0)[0, len(p):].tolist()
+
+    ref = [greedy(target, p) for p in prompts]
     wrong_mid = ref[2][:4] + [(ref[2][4] + 1) % V] + ref[2][5:]
-    cands = [ref[0], ref[1][:3], wrong_mid, [], guess[4]]
+    guessed = greedy(other, prompts[1])
+    assert guessed != ref[1] and {r[-1] == stop for r in ref} == {True, False}
+    known = [ref[0], guessed, wrong_mid, [], ref[4][:3]]
     taps = (1, 3)
-    for kw in ({"draft_model": draft, "rounds": 1}, {"draft_model": draft, "rounds": 3, "candidates": cands}):
-        recs = generate_batch_checked(target, prompts, 12, [stop], taps, **kw)
-        for p, r, want in zip(prompts, recs, ref):
-            assert r["prompt_len"] == len(p) and r["ids"][: len(p)].tolist() == p
-            assert r["ids"][len(p):].tolist() == want
-            assert r["finished"] == (want[-1] == stop)
-            assert r["features"].dtype == torch.bfloat16 and r["features"].shape == (len(r["ids"]) - 1, len(taps) * 64)
-            clean = compute_features(target, r["ids"], list(taps))
-            err = (r["features"].float() - clean).abs().max() / clean.abs().max()
-            assert err < 2 ** -7, err  # bf16 storage (2^-8 relative rounding) plus padding-order noise
+    recs = generate_batch_known(target, prompts, known, 12, [stop], taps)
+    for p, r, want in zip(prompts, recs, ref):
+        assert r["prompt_len"] == len(p) and r["ids"][: len(p)].tolist() == p
+        assert r["ids"][len(p):].tolist() == want
+        assert r["finished"] == (want[-1] == stop)
+        assert r["features"].dtype == torch.bfloat16 and r["features"].shape == (len(r["ids"]) - 1, len(taps) * 64)
+        clean = compute_features(target, r["ids"], list(taps))
+        err = (r["features"].float() - clean).abs().max() / clean.abs().max()
+        assert err < 2 ** -7, err  # bf16 storage (2^-8 relative rounding) plus padding-order noise
 
 
 def _random_record(n, taps, hidden, gen, prompt_len=4):

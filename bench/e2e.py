@@ -134,8 +134,8 @@ def oracle_draft(draft, seq: torch.Tensor, accept: int):
             self._start = position_ids[0, -hidden.shape[1]]
             return hidden
 
-        def compute_logits(self, hidden, output_head):
-            logits = super().compute_logits(hidden, output_head)
+        def compute_logits(self, hidden, output_head, *args):
+            logits = super().compute_logits(hidden, output_head, *args)
             q = logits.shape[1]
             j = torch.arange(q, device=logits.device)
             idx = (self._start + 1 + j).clamp(max=seq.shape[1] - 1)

@@ -14,6 +14,7 @@ import math
 import os
 import random
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -101,6 +102,13 @@ def init_from_draft(draft: DFlashDraftModel, folder: str) -> None:
     draft.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
 
 
+def _labels_in(labels: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Target-vocabulary labels as indices into ``ids`` (a head of those rows); -100 (ignored) outside them."""
+    remap = torch.full((vocab,), -100, dtype=torch.long)
+    remap[ids.cpu()] = torch.arange(len(ids))
+    return torch.where(labels >= 0, remap[labels.clamp(min=0).cpu()].to(labels.device), labels)
+
+
 class Trainer:
     def __init__(self, draft: DFlashDraftModel, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, *,
                  lr: float = 6e-4, weight_decay: float = 0.0, warmup_ratio: float = 0.04, grad_clip: float = 1.0,
@@ -140,18 +148,21 @@ class Trainer:
             ids = torch.unique(torch.cat([ids, extra, labels[labels >= 0].unique()]))
         else:
             ids = torch.unique(torch.cat([ids, labels[labels >= 0].unique()]))
-        remap = torch.full((V,), -100, dtype=torch.long)
-        remap[ids] = torch.arange(len(ids))
-        new_labels = torch.where(labels >= 0, remap[labels.clamp(min=0)], labels)
-        return self.lm_head_weight[ids.to(self.lm_head_weight.device)], new_labels
+        return self.lm_head_weight[ids.to(self.lm_head_weight.device)], _labels_in(labels, ids, V)
 
     def forward_loss(self, batch, training: bool = False):
         if self.attention == "flex":
             hidden = draft_forward_flex(self.draft, batch, self.embed_weight)
         else:
             hidden = draft_forward_dense(self.draft, batch, self.embed_weight)
-        head, labels = self._head_for_step(batch.labels, training)
-        logits = self.draft.compute_logits(hidden, lambda h: h @ head.T)
+        if self.draft.vocab_ids is not None:
+            # A draft with its own vocabulary subset scores only those ids, as at inference: its logits index
+            # them; a label outside them is left out of the loss (and never matched by evaluate).
+            logits = self.draft.compute_logits(hidden, SimpleNamespace(weight=self.lm_head_weight))
+            labels = _labels_in(batch.labels, self.draft.vocab_ids, self.lm_head_weight.shape[0])
+        else:
+            head, labels = self._head_for_step(batch.labels, training)
+            logits = self.draft.compute_logits(hidden, lambda h: h @ head.T)
         loss, stats = weighted_block_loss(logits, labels.to(logits.device), self.B, self.gamma)
         return loss, logits, stats
 
@@ -187,7 +198,10 @@ class Trainer:
             batch = pack_batch(recs, anchors, self.B, self.mask_id)
             loss, logits, _ = self.forward_loss(batch)
             losses.append(float(loss))
-            lens.append(acceptance_lengths(logits.argmax(-1), batch.labels, self.B))
+            pred = logits.argmax(-1)
+            if self.draft.vocab_ids is not None:  # indices into the draft's own ids -> target ids
+                pred = self.draft.vocab_ids.to(pred.device)[pred]
+            lens.append(acceptance_lengths(pred, batch.labels, self.B))
         all_len = torch.cat(lens) if lens else torch.zeros(1)
         return {"eval_loss": sum(losses) / max(1, len(losses)), "tau_est": float(all_len.mean()), "eval_blocks": int(all_len.numel())}
 

@@ -185,6 +185,25 @@ def test_training_overfits_tiny_batch_and_freezes_target():
     assert ev["tau_est"] > 1.5
 
 
+def test_evaluate_a_draft_with_a_vocabulary_subset():
+    """A subset draft is evaluated over its own ids (as at inference): with every id, permuted, it scores exactly
+    like the full draft; with none of the labels' ids it never matches (τ estimate 1)."""
+    from dflash.train.vocab import with_draft_vocab
+
+    torch.manual_seed(4)
+    target = tiny_target()
+    draft = tiny_draft(target, block_size=4)
+    recs = [record(target, torch.randint(10, V, (n,)), 4) for n in (22, 18)]
+    full = Trainer(draft, target.get_input_embeddings().weight, target.lm_head.weight).evaluate(recs, stride=1)
+    everything = with_draft_vocab(draft, torch.randperm(V))
+    ev = Trainer(everything, target.get_input_embeddings().weight, target.lm_head.weight).evaluate(recs, stride=1)
+    assert ev["tau_est"] == full["tau_est"] and ev["eval_loss"] == pytest.approx(full["eval_loss"], rel=1e-5)
+    labels = set(torch.cat([r["ids"][r["prompt_len"]:] for r in recs]).tolist())
+    few = with_draft_vocab(draft, torch.tensor([i for i in range(V) if i not in labels][:5]))
+    ev = Trainer(few, target.get_input_embeddings().weight, target.lm_head.weight).evaluate(recs, stride=1)
+    assert ev["tau_est"] == 1.0
+
+
 def test_init_from_draft_copies_weights_and_drops_vocab_subset(tmp_path):
     """`fit --init FOLDER` warm start: a saved draft's weights (with a draft vocabulary subset, which is
     dropped) load into a fresh draft of the same shape; a draft of another shape is refused."""

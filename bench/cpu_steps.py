@@ -18,11 +18,11 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (puts the repository root on sys.path)
 
 from dflash import cpu_linear, generate, smollm2  # noqa: E402
 from dflash.demo import DEFAULT_DRAFT, DEFAULT_PROMPT  # noqa: E402
@@ -63,13 +63,9 @@ def main(argv=None) -> int:
     block = args.block or draft.config.block_size
     ids = torch.tensor([tok(smollm2.chat_prompt(tok, DEFAULT_PROMPT), add_special_tokens=False)["input_ids"]])
     stops = smollm2.stop_token_ids(tok)
-    hf_kwargs = dict(attention_mask=torch.ones_like(ids), eos_token_id=stops, pad_token_id=stops[0], do_sample=False)
 
     def hf(n):
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = target.generate(ids, max_new_tokens=n, **hf_kwargs)
-        return out, time.perf_counter() - t0
+        return common.hf_greedy(target, ids, n, stops)
 
     def ours(n, b, kb):
         return generate(target, draft, ids, n, block_size=b, stop_token_ids=stops, backend="fast", kernel_backend=kb)

@@ -1,20 +1,22 @@
-"""Chain vs tree DFlash (issue 14) on the SmolLM2 demo pair on this machine: τ and tokens/s, one run.
+"""HF ``generate`` vs chain vs tree DFlash (issues 13, 14) on the SmolLM2 demo pair on this machine: τ and
+tokens/s, one run.
 
-Target SmolLM2-135M-Instruct and the shipped draft (dflash/assets/smollm2-135m-dflash, B = 8), fp32,
-greedy, ``dflash.generate`` with the default backend (the engine). Prompts: the held-out evaluation
+Target SmolLM2-135M-Instruct and the shipped draft (dflash/assets/smollm2-135m-dflash, B = 8; ``--draft``
+another folder), fp32, greedy, ``dflash.generate`` with the default backend (the engine); the baseline is the
+target's own greedy ``generate`` (what a user runs without speculation). Prompts: the held-out evaluation
 prompts of the generators that trained the draft (``dflash.train.prompts.eval_prompts``, the eval side
 of the hash split; the model card's τ is measured on them), chat template applied, the demo's stop tokens.
 
-Every configuration (the chain, then ``tree_budget`` = each budget) decodes every prompt once per rep;
+Every configuration (HF ``generate``, the chain, then ``tree_budget`` = each budget) decodes every prompt once per rep;
 per prompt the configurations run back to back in an order rotated by prompt and rep, so a slow spell
 of a shared machine hits all of them alike. Reported per configuration: τ pooled over the prompts
 (generated tokens / rounds; greedy, so the same in every rep), tokens/s end to end (prefill included)
-over all prompts, median and range over reps, its ratio to the chain's, the per-round draft and verify
-milliseconds (medians over reps), and whether every output equals the chain's (it must: both are the
-target's greedy output). One warm-up call per configuration first.
+over all prompts, median and range over reps, its ratios to HF ``generate``'s and the chain's, the per-round draft and verify
+milliseconds (medians over reps), and whether every output equals HF ``generate``'s (it must: DFlash is
+lossless). One warm-up call per configuration first.
 
 Usage: python bench/tree.py [--budgets 4,8,16,32,64] [--prompts 6] [--max-new-tokens 96] [--reps 2]
-       [--threads 2] [--out FILE.md]       (``dflash bench tree`` runs this file)
+       [--threads 2] [--draft DIR] [--out FILE.md]       (``dflash bench tree`` runs this file)
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -40,6 +43,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=None, help="B (default: the draft's)")
+    ap.add_argument("--draft", default=str(DRAFT), help="draft folder (default: the shipped draft)")
     ap.add_argument("--out", default=None, help="also write the markdown table to this file")
     args = ap.parse_args(argv)
 
@@ -53,14 +57,19 @@ def main(argv=None) -> int:
         return 1
     torch.set_num_threads(args.threads)
     target, tok = smollm2.load(verbose=False)
-    draft = DFlashDraftModel.from_pretrained(str(DRAFT), dtype=torch.float32)
+    draft = DFlashDraftModel.from_pretrained(args.draft, dtype=torch.float32)
     stops = smollm2.stop_token_ids(tok)
     prompts = eval_prompts(args.prompts)
     inputs = [torch.tensor([tok(smollm2.chat_prompt(tok, p), add_special_tokens=False)["input_ids"]]) for p in prompts]
-    configs: list[int | None] = [None] + common.parse_ints(args.budgets)
-    name = {c: "chain" if c is None else f"tree {c}" for c in configs}
+    HF = "hf"
+    configs: list = [HF, None] + common.parse_ints(args.budgets)
+    name = {c: "HF generate" if c == HF else "chain" if c is None else f"tree {c}" for c in configs}
 
     def run(ids, budget, max_new):
+        if budget == HF:
+            seqs, secs = common.hf_greedy(target, ids, max_new, stops)
+            return SimpleNamespace(sequences=seqs, num_generated_tokens=seqs.shape[1] - ids.shape[1],
+                                   acceptance_lengths=(), total_time=secs, draft_time=0.0, verify_time=0.0)
         return generate(target, draft, ids, max_new, stop_token_ids=stops, block_size=args.block_size,
                         tree_budget=budget)
 
@@ -88,25 +97,26 @@ def main(argv=None) -> int:
                   f"({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
 
     rows = []
-    chain_tps = None
+    med_tps = {c: statistics.median(r[0] / r[2] for r in stats[c]) for c in configs}
     for c in configs:
         reps = stats[c]
         tokens, rounds = reps[0][0], reps[0][1]
         tps = [r[0] / r[2] for r in reps]
-        med = statistics.median(tps)
-        chain_tps = med if c is None else chain_tps
-        identical = all(torch.equal(outputs[(c, i)], outputs[(None, i)]) for i in range(len(inputs)))
+        identical = all(torch.equal(outputs[(c, i)], outputs[(HF, i)]) for i in range(len(inputs)))
         rows.append({
-            "decoding": name[c], "tokens": tokens, "rounds": rounds, "tau": round(tokens / rounds, 3),
-            "tok_s": f"{med:.2f} ({min(tps):.2f}-{max(tps):.2f})", "vs_chain": f"{med / chain_tps:.2f}x",
-            "draft_ms_round": round(statistics.median(1e3 * r[3] / r[1] for r in reps), 1),
-            "verify_ms_round": round(statistics.median(1e3 * r[4] / r[1] for r in reps), 1),
-            "identical_to_chain": "yes" if identical else "NO",
+            "decoding": name[c], "tokens": tokens, "rounds": rounds if c != HF else "",
+            "tau": round(tokens / rounds, 3) if c != HF else "",
+            "tok_s": f"{med_tps[c]:.2f} ({min(tps):.2f}-{max(tps):.2f})", "vs_hf": f"{med_tps[c] / med_tps[HF]:.2f}x",
+            "vs_chain": f"{med_tps[c] / med_tps[None]:.2f}x",
+            "draft_ms_round": round(statistics.median(1e3 * r[3] / r[1] for r in reps), 1) if c != HF else "",
+            "verify_ms_round": round(statistics.median(1e3 * r[4] / r[1] for r in reps), 1) if c != HF else "",
+            "identical_to_hf": "yes" if identical else "NO",
         })
-    columns = ["decoding", "tokens", "rounds", "tau", "tok_s", "vs_chain", "draft_ms_round", "verify_ms_round",
-               "identical_to_chain"]
+    columns = ["decoding", "tokens", "rounds", "tau", "tok_s", "vs_hf", "vs_chain", "draft_ms_round",
+               "verify_ms_round", "identical_to_hf"]
     env = common.environment(torch.device("cpu"))
-    head = (f"SmolLM2-135M + shipped draft (B = {args.block_size or draft.config.block_size}), greedy, "
+    which = "shipped draft" if Path(args.draft).resolve() == DRAFT else f"draft {Path(args.draft).name}"
+    head = (f"SmolLM2-135M + {which} (B = {args.block_size or draft.config.block_size}), greedy, "
             f"{len(inputs)} held-out prompts, max {args.max_new_tokens} new tokens, {args.reps} reps, "
             f"{args.threads} threads; {env['hardware']}, torch {env['torch']}, commit {env['commit']}, {env['date']}")
     table = common.table(rows, columns, markdown=True)
@@ -114,7 +124,7 @@ def main(argv=None) -> int:
     print(table)
     if args.out:
         Path(args.out).write_text(head + "\n\n" + table + "\n", encoding="utf-8")
-    return 0 if all(r["identical_to_chain"] == "yes" for r in rows) else 3
+    return 0 if all(r["identical_to_hf"] == "yes" for r in rows) else 3
 
 
 if __name__ == "__main__":

@@ -69,6 +69,9 @@ def main(argv=None) -> int:
         + (f"{r['tokens'] / max(r['dflash_decode_s'], 1e-9):.1f} | {r['ar_tokens'] / max(r['ar_decode_s'], 1e-9):.1f} | {'yes' if r['identical'] else 'NO'} |"
            if "identical" in r else "– | – | – |")
         for i, r in enumerate(m["rows"]))
+    n_vocab = dc.get("draft_vocab_size")
+    vocab_row = (f"\n| draft vocabulary | {n_vocab:,} of {cfg['vocab_size']:,} ids (`draft_vocab_size`, `draft_token_ids`; "
+                 "`dflash train vocab`) |" if n_vocab else "")
     text = f"""# SmolLM2-135M-Instruct DFlash draft (trained on CPU in this repository)
 
 A DFlash (block-diffusion) draft for **SmolLM2-135M-Instruct** as shipped by the PyPI package
@@ -86,7 +89,7 @@ z-lab format: `config.json` + `model.safetensors` (bf16, {size / 1e6:.1f} MB); l
 | mask token id | {dc['mask_token_id']} (`<empty_output>`, a special token absent from normal text) |
 | tapped target layers | {dc['target_layer_ids']} (default rule for {cfg['num_hidden_layers']} draft layers, 30 target layers) |
 | RoPE θ / RMSNorm eps | {cfg['rope_parameters']['rope_theta']} / {cfg['rms_norm_eps']} (SmolLM2's) |
-| trainable parameters | {params / 1e6:.2f} M |
+| trainable parameters | {params / 1e6:.2f} M |{vocab_row}
 
 ## Data
 Offline prompt set from `dflash.train.prompts` (nothing downloaded at run time): programmatic maths

@@ -257,6 +257,31 @@ def _block_mask_shared(c: int, b: int, keys: int, causal: bool, sliding_window, 
     return mask, torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
 
 
+# (lens, valid, b, capacity, dtype, a copy of tree_mask, masks) of the last _tree_masks_cpu call, replaced whole.
+_tree_mask_memo: list = [None]
+
+
+def _tree_masks_cpu(tree_mask, lens, valid, b, capacity, dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per request, the tree's bool mask over [context, valid block rows] (query i sees the context and the block
+    keys j whose bit ``j % 64`` of word ``j // 64`` of ``tree_mask[n, i]`` is set) and the same as SDPA's additive
+    mask in ``dtype`` (0 / -inf; CPU SDPA converts a bool mask into exactly that on every call). The layers of
+    a forward share the tree: the last masks are kept and reused while the lengths and the mask's values (a
+    few words, compared whole: an inference tensor has no version counter) are the same."""
+    key = (tuple(lens), tuple(valid), b, capacity, dtype)
+    last = _tree_mask_memo[0]
+    if last is not None and last[0] == key and torch.equal(last[1], tree_mask):
+        return last[2]
+    bit = torch.arange(b, device=tree_mask.device)
+    block = ((tree_mask[:, :, bit // 64] >> (bit % 64)) & 1).bool()      # [N, B, B]
+    masks = []
+    for r in range(len(lens)):
+        c, nb = min(int(lens[r]), capacity), int(valid[r])
+        mask = torch.cat([torch.ones(b, c, dtype=torch.bool, device=tree_mask.device), block[r, :, :nb]], 1)
+        masks.append((mask, torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))))
+    _tree_mask_memo[0] = (key, tree_mask.clone(), masks)
+    return masks
+
+
 def _norm_rope_qk_cpu(q, k, q_weight, k_weight, cos, sin_signed, eps):
     """``_norm_rope_reference`` of q and k (each with its own norm weight, or none) with their heads side by
     side, so the RoPE is one pass (the same values per element; rotate_half as one roll); q [R, nH, D],
@@ -295,9 +320,8 @@ def _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_
     # Every query sees a key unless a window can hide them all (the reference's masked_fill); with one block
     # row, or neither causality nor a window, no key is hidden at all and SDPA takes no mask.
     unmasked = sliding_window is None and (not causal or b == 1) and tree_mask is None
-    if tree_mask is not None:  # [N, B, B]: query i sees block key j (bit j % 64 of word j // 64)
-        bit = torch.arange(b, device=q.device)
-        tree_block = ((tree_mask[:, :, bit // 64] >> (bit % 64)) & 1).bool()
+    if tree_mask is not None:
+        tree_masks = _tree_masks_cpu(tree_mask, lens, valid, b, capacity, q.dtype)
     scale = d ** -0.5 if scale is None else scale
     for r in range(n):
         c, nb, row = min(int(lens[r]), capacity), int(valid[r]), int(cache_rows[r])
@@ -312,8 +336,7 @@ def _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_
             vals = torch.cat([v_cache[row, :c].to(q.dtype), v[r, :nb]], 0)
         mask = sdpa_mask = None
         if tree_mask is not None:
-            mask = sdpa_mask = torch.cat([torch.ones(b, c, dtype=torch.bool, device=q.device),
-                                          tree_block[r, :, :nb]], 1)
+            mask, sdpa_mask = tree_masks[r]
         elif not unmasked:
             mask, sdpa_mask = _block_mask_shared(c, b, c + nb, causal, sliding_window, q.device, q.dtype)
         o = F.scaled_dot_product_attention(qn[r].transpose(0, 1)[None], keys.transpose(0, 1)[None],

@@ -236,13 +236,20 @@ def test_verify_attention_tree_kernel(monkeypatch, dtype, case):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_verify_attention_tree_cpu_backend_is_the_reference_bit_for_bit(dtype):
     """backend="cpu" with a tree (positions from the depths, the block mask from the ancestor bits; two trees in a
-    row so the memoised RoPE tables must follow the depths): output and caches identical to the reference's."""
+    row, the second written into the first's tensors, so the memoised RoPE tables and masks must follow the
+    values): output and caches identical to the reference's."""
     n, t, nh, kvh, d, lens, cap = 3, 9, 4, 2, 16, [0, 5, 70], 96
     q, k, v, kc, vc, cl, qw, kw, inv = _attn_inputs(n, t, nh, kvh, d, lens, cap, dtype)
+    depths = mask = None
     for _ in range(2):
-        parents, depths = _random_tree(n, t, 5)
-        tree = dict(tree_depths=depths, tree_mask=tree_ancestor_mask_reference(parents), inv_freq=inv,
-                    attention_scaling=1.1, scale=0.8 * d ** -0.5)
+        parents, new_depths = _random_tree(n, t, 5)
+        new_mask = tree_ancestor_mask_reference(parents)
+        if mask is None:
+            depths, mask = new_depths, new_mask
+        else:
+            assert not torch.equal(mask, new_mask)
+            depths.copy_(new_depths), mask.copy_(new_mask)
+        tree = dict(tree_depths=depths, tree_mask=mask, inv_freq=inv, attention_scaling=1.1, scale=0.8 * d ** -0.5)
         got, want = [], []
         for backend, res in (("cpu", got), ("torch", want)):
             kc_b, vc_b = kc.clone(), vc.clone()

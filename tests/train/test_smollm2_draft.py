@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dflash import smollm2
-from dflash.demo import DEFAULT_DRAFT
+from dflash.demo import DEFAULT_DRAFT, DEFAULT_TREE_BUDGET
 
 _reason = smollm2.unavailable_reason()
 needs_smollm2 = pytest.mark.skipif(_reason is not None, reason=_reason or "")
@@ -65,6 +65,7 @@ def test_demo_end_to_end(capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "τ =" in out and "HF generate" in out and "autoregressive (ours)" in out and "median (range) of 2" in out
+    assert f"DFlash B=8 tree {DEFAULT_TREE_BUDGET}" in out  # the demo's default: draft trees
     assert "Identical to HF generate's greedy output (DFlash and autoregressive, every run): yes" in out
 
 

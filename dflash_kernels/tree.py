@@ -90,8 +90,14 @@ def _top_k_sorted(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest values of each row of ``z`` and their indices, ordered by value desc then index asc (a
     stable descending sort's first k), without sorting whole rows: the entries >= the k-th largest value
     (ties at it included), then a stable sort of those few."""
-    kth = torch.topk(z, k, dim=-1).values[..., -1:]
-    flat, keep = z.reshape(-1, z.shape[-1]), (z >= kth).reshape(-1, z.shape[-1])
+    top = torch.topk(z, k, dim=-1)
+    kth = top.values[..., -1:]
+    keep = z >= kth
+    if bool((keep.sum(-1) == k).all()):  # no tie straddles the k-th place: top holds exactly those k entries
+        idx, by_idx = top.indices.sort(dim=-1)                            # index asc, then value desc (stable)
+        vals, by_val = top.values.gather(-1, by_idx).sort(dim=-1, descending=True, stable=True)
+        return vals, idx.gather(-1, by_val)
+    flat, keep = z.reshape(-1, z.shape[-1]), keep.reshape(-1, z.shape[-1])
     vals = torch.empty((flat.shape[0], k), dtype=z.dtype, device=z.device)
     order = torch.empty((flat.shape[0], k), dtype=torch.int64, device=z.device)
     for row in range(flat.shape[0]):
@@ -120,12 +126,12 @@ def build_tree_reference(draft_logits: torch.Tensor, anchor: torch.Tensor, budge
     k = min(budget, v)
     vals, order = _top_k_sorted(z, k)                                     # logit desc, then index asc
     logp = (vals - lse[..., None]).cpu().numpy()                         # fp32 [R, P, K]
-    order = order.cpu()
-    tokens = torch.full((r, t), -1, dtype=torch.int64)
-    parents = torch.full((r, t), -1, dtype=torch.int64)
-    depths = torch.zeros((r, t), dtype=torch.int64)
-    tokens[:, 0] = anchor.cpu()
-    ids = vocab_ids.cpu() if vocab_ids is not None else None
+    order = order.cpu().numpy()                                           # host arrays: cheap element access
+    out = (torch.full((r, t), -1, dtype=torch.int64), torch.full((r, t), -1, dtype=torch.int64),
+           torch.zeros((r, t), dtype=torch.int64))
+    tokens, parents, depths = (a.numpy() for a in out)                   # views: writes land in out
+    tokens[:, 0] = anchor.cpu().numpy()
+    ids = vocab_ids.cpu().numpy() if vocab_ids is not None else None
     for req in range(r):
         lp = logp[req]
         score = [np.float32(0.0)]
@@ -141,7 +147,7 @@ def build_tree_reference(draft_logits: torch.Tensor, anchor: torch.Tensor, budge
             if d < p:
                 heapq.heappush(heap, (-float(score[i] + lp[d, 0]), d + 1, i, 0))
     dev = draft_logits.device
-    return tokens.to(dev), parents.to(dev), depths.to(dev)
+    return tuple(a.to(dev) for a in out)
 
 
 @triton.jit

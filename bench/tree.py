@@ -7,16 +7,16 @@ target's own greedy ``generate`` (what a user runs without speculation). Prompts
 prompts of the generators that trained the draft (``dflash.train.prompts.eval_prompts``, the eval side
 of the hash split; the model card's τ is measured on them), chat template applied, the demo's stop tokens.
 
-Every configuration (HF ``generate``, the chain, then ``tree_budget`` = each budget) decodes every prompt once per rep;
-per prompt the configurations run back to back in an order rotated by prompt and rep, so a slow spell
+Every configuration (HF ``generate``, the chain, then ``tree_budget`` = each budget) decodes every prompt once
+per rep; per prompt the configurations run back to back in an order rotated by prompt and rep, so a slow spell
 of a shared machine hits all of them alike. Reported per configuration: τ pooled over the prompts
 (generated tokens / rounds; greedy, so the same in every rep), tokens/s end to end (prefill included)
-over all prompts, median and range over reps, its ratios to HF ``generate``'s and the chain's, the per-round draft and verify
-milliseconds (medians over reps), and whether every output equals HF ``generate``'s (it must: DFlash is
-lossless). One warm-up call per configuration first.
+over all prompts, median and range over reps, its ratios to HF ``generate``'s and the chain's, the per-round
+draft and verify milliseconds (medians over reps), and whether every output equals HF ``generate``'s (it
+must: DFlash is lossless). One warm-up call per configuration first.
 
-Usage: python bench/tree.py [--budgets 4,8,16,32,64] [--prompts 6] [--max-new-tokens 96] [--reps 2]
-       [--threads 2] [--draft DIR] [--out FILE.md]       (``dflash bench tree`` runs this file)
+Usage: python bench/tree.py [--budgets 4,8,16,32,64] [--prompts 6] [--prompt TEXT] [--max-new-tokens 96]
+       [--reps 2] [--threads 2] [--draft DIR] [--out FILE.md]       (``dflash bench tree`` runs this file)
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budgets", default="4,8,16,32,64", help="tree budgets, comma-separated")
     ap.add_argument("--prompts", type=int, default=6, help="held-out prompts (eval_prompts(n))")
+    ap.add_argument("--prompt", action="append", default=[], help="an extra user prompt (after the held-out ones)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
     target, tok = smollm2.load(verbose=False)
     draft = DFlashDraftModel.from_pretrained(args.draft, dtype=torch.float32)
     stops = smollm2.stop_token_ids(tok)
-    prompts = eval_prompts(args.prompts)
+    prompts = eval_prompts(args.prompts) + args.prompt
     inputs = [torch.tensor([tok(smollm2.chat_prompt(tok, p), add_special_tokens=False)["input_ids"]]) for p in prompts]
     HF = "hf"
     configs: list = [HF, None] + common.parse_ints(args.budgets)
@@ -117,7 +118,8 @@ def main(argv=None) -> int:
     env = common.environment(torch.device("cpu"))
     which = "shipped draft" if Path(args.draft).resolve() == DRAFT else f"draft {Path(args.draft).name}"
     head = (f"SmolLM2-135M + {which} (B = {args.block_size or draft.config.block_size}), greedy, "
-            f"{len(inputs)} held-out prompts, max {args.max_new_tokens} new tokens, {args.reps} reps, "
+            f"{args.prompts} held-out prompts" + (f" + {len(args.prompt)} given" if args.prompt else "")
+            + f", max {args.max_new_tokens} new tokens, {args.reps} reps, "
             f"{args.threads} threads; {env['hardware']}, torch {env['torch']}, commit {env['commit']}, {env['date']}")
     table = common.table(rows, columns, markdown=True)
     print(head)

@@ -111,3 +111,24 @@ def test_step_latency_through_cli(tmp_path):
     for step in ("draft", "verify"):
         assert float(rows[step, "eager"]["predicted_ms_h200"]) == pytest.approx(eager[step]["predicted_ms_h200"])
     assert not (tmp_path / "step_latency-cpu.partial.csv").exists()
+
+
+def test_tree_bench_smoke(tmp_path, capsys):
+    """bench/tree.py on the SmolLM2 pair at its smallest: HF generate, the chain and one tree budget, one
+    held-out prompt; every row's output identical to HF's, the markdown table written."""
+    from dflash import smollm2
+
+    if smollm2.unavailable_reason():
+        pytest.skip(smollm2.unavailable_reason())
+    import tree
+
+    out = tmp_path / "tree.md"
+    assert tree.main(["--budgets", "3", "--prompts", "1", "--max-new-tokens", "6", "--reps", "1", "--threads", "1",
+                      "--out", str(out)]) == 0
+    text = out.read_text(encoding="utf-8")
+    cells = [[c.strip() for c in line.strip("| ").split("|")] for line in text.splitlines() if line.startswith("|")]
+    header, rows = cells[0], {r[0]: r for r in cells[2:]}
+    assert set(rows) == {"HF generate", "chain", "tree 3"}, text
+    for r in rows.values():
+        assert r[header.index("identical_to_hf")] == "yes" and r[header.index("vs_hf")].endswith("x"), text
+    assert "shipped draft" in text

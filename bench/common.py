@@ -188,10 +188,12 @@ def l2_bytes(device: torch.device) -> int | None:
 def hf_greedy(target, input_ids: torch.Tensor, max_new_tokens: int, stops: Sequence[int]) -> tuple[torch.Tensor, float]:
     """The target's own greedy ``generate`` (what users run without speculation) on ``input_ids`` [1, P]:
     (sequences [1, P + n], wall seconds)."""
+    from dflash.demo import hf_generate_kwargs
+
+    kwargs = hf_generate_kwargs(input_ids, max_new_tokens, list(stops))
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                              eos_token_id=list(stops), pad_token_id=stops[0], do_sample=False)
+        out = target.generate(input_ids, **kwargs)
     return out, time.perf_counter() - t0
 
 

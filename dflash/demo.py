@@ -28,6 +28,19 @@ DEFAULT_PROMPT = ("Mia has 24 apples. She gives 9 of them to her friend and then
                   "How many apples does Mia have now? Explain step by step.")
 
 
+def hf_generate_kwargs(input_ids, max_new_tokens: int, stops: list[int], temperature: float = 0.0) -> dict:
+    """Keyword arguments of HF ``target.generate`` for the baseline DFlash is compared against (the demo's and the
+    benchmarks'): ``input_ids`` [1, P] unpadded, the same stop tokens, greedy at temperature 0, else plain sampling
+    at ``temperature`` (no top-k / top-p)."""
+    import torch
+
+    kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, eos_token_id=list(stops),
+                  pad_token_id=stops[0], do_sample=temperature > 0)
+    if temperature > 0:
+        kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+    return kwargs
+
+
 def _progress(msg: str) -> None:
     print(f"[dflash demo] {msg}", file=sys.stderr, flush=True)
 
@@ -106,12 +119,7 @@ def main(argv=None) -> int:
     dflash_args = dict(block_size=B, tree_budget=tree_budget)
     label = f"B={B}" + (f" tree {tree_budget}" if tree_budget else " chain")
 
-    hf_kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=args.max_new_tokens,
-                     eos_token_id=stops, pad_token_id=stops[0])
-    if args.temperature > 0:
-        hf_kwargs.update(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0)
-    else:
-        hf_kwargs.update(do_sample=False)
+    hf_kwargs = hf_generate_kwargs(input_ids, args.max_new_tokens, stops, args.temperature)
 
     _progress("warming up (one short call of each) ...")
     try:

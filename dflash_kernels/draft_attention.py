@@ -254,7 +254,13 @@ def _block_mask_shared(c: int, b: int, keys: int, causal: bool, sliding_window, 
     as SDPA's additive mask in ``dtype`` (0 / -inf): CPU SDPA turns a bool mask into exactly that on every
     call (the same output bits, tested), a third of its time at 8 block rows."""
     mask = _block_mask(c, b, keys, causal, sliding_window, device)
-    return mask, torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
+    return mask, _additive_mask(mask, dtype)
+
+
+def _additive_mask(mask: torch.Tensor, dtype) -> torch.Tensor:
+    """A bool attention mask as SDPA's additive mask in ``dtype`` (0 where visible, -inf elsewhere): what CPU SDPA
+    turns a bool mask into on every call, so passing this instead gives the same output bits."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 # (lens, valid, b, capacity, dtype, a copy of tree_mask, masks) of the last _tree_masks_cpu call, replaced whole.
@@ -277,7 +283,7 @@ def _tree_masks_cpu(tree_mask, lens, valid, b, capacity, dtype) -> list[tuple[to
     for r in range(len(lens)):
         c, nb = min(int(lens[r]), capacity), int(valid[r])
         mask = torch.cat([torch.ones(b, c, dtype=torch.bool, device=tree_mask.device), block[r, :, :nb]], 1)
-        masks.append((mask, torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))))
+        masks.append((mask, _additive_mask(mask, dtype)))
     _tree_mask_memo[0] = (key, tree_mask.clone(), masks)
     return masks
 

@@ -88,8 +88,9 @@ def _validate_build(op, draft_logits, anchor, budget, vocab_ids):
 
 def _top_k_sorted(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest values of each row of ``z`` and their indices, ordered by value desc then index asc (a
-    stable descending sort's first k), without sorting whole rows: the entries >= the k-th largest value
-    (ties at it included), then a stable sort of those few."""
+    stable descending sort's first k), without sorting whole rows: when no tie straddles the k-th place, topk's k
+    entries reordered; else, per row, the entries >= the k-th largest value (ties at it included), then a
+    stable sort of those few."""
     top = torch.topk(z, k, dim=-1)
     kth = top.values[..., -1:]
     keep = z >= kth

@@ -2,12 +2,13 @@
 tokens/s, one run.
 
 Target SmolLM2-135M-Instruct and the shipped draft (dflash/assets/smollm2-135m-dflash, B = 8; ``--draft``
-another folder), fp32, greedy, ``dflash.generate`` with the default backend (the engine); the baseline is the
+another folder, or several: each runs the chain and every budget in the same rotation, to choose a draft by
+end-to-end speed), fp32, greedy, ``dflash.generate`` with the default backend (the engine); the baseline is the
 target's own greedy ``generate`` (what a user runs without speculation). Prompts: the held-out evaluation
 prompts of the generators that trained the draft (``dflash.train.prompts.eval_prompts``, the eval side
 of the hash split; the model card's τ is measured on them), chat template applied, the demo's stop tokens.
 
-Every configuration (HF ``generate``, the chain, then ``tree_budget`` = each budget) decodes every prompt once
+Every configuration (HF ``generate``, then per draft the chain and ``tree_budget`` = each budget) decodes every prompt once
 per rep; per prompt the configurations run back to back in an order rotated by prompt and rep, so a slow spell
 of a shared machine hits all of them alike. Reported per configuration: τ pooled over the prompts
 (generated tokens / rounds; greedy, so the same in every rep), tokens/s end to end (prefill included)
@@ -16,7 +17,7 @@ draft and verify milliseconds (medians over reps), and whether every output equa
 must: DFlash is lossless). One warm-up call per configuration first.
 
 Usage: python bench/tree.py [--budgets 4,8,16,32,64] [--prompts 6] [--prompt TEXT] [--max-new-tokens 96]
-       [--reps 2] [--threads 2] [--draft DIR] [--out FILE.md]       (``dflash bench tree`` runs this file)
+       [--reps 2] [--threads 2] [--draft DIR [--draft DIR2 ...]] [--out FILE.md]       (``dflash bench tree`` runs this file)
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=None, help="B (default: the draft's)")
-    ap.add_argument("--draft", default=str(DRAFT), help="draft folder (default: the shipped draft)")
+    ap.add_argument("--draft", action="append", default=[],
+                    help="draft folder (default: the shipped draft); repeat to compare drafts in one run")
     ap.add_argument("--out", default=None, help="also write the markdown table to this file")
     args = ap.parse_args(argv)
 
@@ -58,20 +60,31 @@ def main(argv=None) -> int:
         return 1
     torch.set_num_threads(args.threads)
     target, tok = smollm2.load(verbose=False)
-    draft = DFlashDraftModel.from_pretrained(args.draft, dtype=torch.float32)
+    paths = [Path(d) for d in args.draft] or [DRAFT]
+    labels = [_label(d) for d in paths]
+    if len(set(labels)) != len(labels):
+        raise SystemExit(f"bench/tree.py: --draft folders must have different names, got {labels}")
+    drafts = {lab: DFlashDraftModel.from_pretrained(str(d), dtype=torch.float32) for lab, d in zip(labels, paths)}
     stops = smollm2.stop_token_ids(tok)
     prompts = eval_prompts(args.prompts) + args.prompt
     inputs = [torch.tensor([tok(smollm2.chat_prompt(tok, p), add_special_tokens=False)["input_ids"]]) for p in prompts]
     HF = "hf"
-    configs: list = [HF, None] + common.parse_ints(args.budgets)
-    name = {c: "HF generate" if c == HF else "chain" if c is None else f"tree {c}" for c in configs}
+    # a configuration: HF, or (draft label, tree budget or None for the chain)
+    configs: list = [HF] + [(lab, b) for lab in labels for b in [None] + common.parse_ints(args.budgets)]
 
-    def run(ids, budget, max_new):
-        if budget == HF:
+    def name(c) -> str:
+        if c == HF:
+            return "HF generate"
+        mode = "chain" if c[1] is None else f"tree {c[1]}"
+        return mode if len(labels) == 1 else f"{c[0]}: {mode}"
+
+    def run(ids, config, max_new):
+        if config == HF:
             seqs, secs = common.hf_greedy(target, ids, max_new, stops)
             return SimpleNamespace(sequences=seqs, num_generated_tokens=seqs.shape[1] - ids.shape[1],
                                    acceptance_lengths=(), total_time=secs, draft_time=0.0, verify_time=0.0)
-        return generate(target, draft, ids, max_new, stop_token_ids=stops, block_size=args.block_size,
+        lab, budget = config
+        return generate(target, drafts[lab], ids, max_new, stop_token_ids=stops, block_size=args.block_size,
                         tree_budget=budget)
 
     for c in configs:  # warm-up: engine buffers, first-call costs
@@ -93,7 +106,7 @@ def main(argv=None) -> int:
                 s[4] += res.verify_time
                 outputs.setdefault((c, i), res.sequences)
                 if not torch.equal(outputs[(c, i)], res.sequences):
-                    raise AssertionError(f"{name[c]}: prompt {i} decoded differently in rep {rep}")
+                    raise AssertionError(f"{name(c)}: prompt {i} decoded differently in rep {rep}")
             print(f"[tree bench] rep {rep + 1}/{args.reps} prompt {i + 1}/{len(inputs)} "
                   f"({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
 
@@ -105,10 +118,10 @@ def main(argv=None) -> int:
         tps = [r[0] / r[2] for r in reps]
         identical = all(torch.equal(outputs[(c, i)], outputs[(HF, i)]) for i in range(len(inputs)))
         rows.append({
-            "decoding": name[c], "tokens": tokens, "rounds": rounds if c != HF else "",
+            "decoding": name(c), "tokens": tokens, "rounds": rounds if c != HF else "",
             "tau": round(tokens / rounds, 3) if c != HF else "",
             "tok_s": f"{med_tps[c]:.2f} ({min(tps):.2f}-{max(tps):.2f})", "vs_hf": f"{med_tps[c] / med_tps[HF]:.2f}x",
-            "vs_chain": f"{med_tps[c] / med_tps[None]:.2f}x",
+            "vs_chain": f"{med_tps[c] / med_tps[(c[0], None)]:.2f}x" if c != HF else "",
             "draft_ms_round": round(statistics.median(1e3 * r[3] / r[1] for r in reps), 1) if c != HF else "",
             "verify_ms_round": round(statistics.median(1e3 * r[4] / r[1] for r in reps), 1) if c != HF else "",
             "identical_to_hf": "yes" if identical else "NO",
@@ -116,8 +129,9 @@ def main(argv=None) -> int:
     columns = ["decoding", "tokens", "rounds", "tau", "tok_s", "vs_hf", "vs_chain", "draft_ms_round",
                "verify_ms_round", "identical_to_hf"]
     env = common.environment(torch.device("cpu"))
-    which = "shipped draft" if Path(args.draft).resolve() == DRAFT else f"draft {Path(args.draft).name}"
-    head = (f"SmolLM2-135M + {which} (B = {args.block_size or draft.config.block_size}), greedy, "
+    which = ", ".join(f"{lab} ({drafts[lab].config.num_hidden_layers} layers, B = "
+                      f"{args.block_size or drafts[lab].config.block_size})" for lab in labels)
+    head = (f"SmolLM2-135M + {which}, greedy, "
             f"{args.prompts} held-out prompts" + (f" + {len(args.prompt)} given" if args.prompt else "")
             + f", max {args.max_new_tokens} new tokens, {args.reps} reps, "
             f"{args.threads} threads; {env['hardware']}, torch {env['torch']}, commit {env['commit']}, {env['date']}")
@@ -127,6 +141,10 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).write_text(head + "\n\n" + table + "\n", encoding="utf-8")
     return 0 if all(r["identical_to_hf"] == "yes" for r in rows) else 3
+
+
+def _label(path: Path) -> str:
+    return "shipped draft" if path.resolve() == DRAFT else path.name
 
 
 if __name__ == "__main__":

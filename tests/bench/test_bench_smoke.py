@@ -3,6 +3,7 @@ its CSV, so the scripts cannot rot. Timings are not checked (see bench/README.md
 from __future__ import annotations
 
 import csv
+import shutil
 import sys
 from pathlib import Path
 
@@ -132,3 +133,28 @@ def test_tree_bench_smoke(tmp_path, capsys):
     for r in rows.values():
         assert r[header.index("identical_to_hf")] == "yes" and r[header.index("vs_hf")].endswith("x"), text
     assert "shipped draft" in text
+
+
+def test_tree_bench_compares_drafts(tmp_path):
+    """Two drafts in one run: each gets its chain and budgets, labelled by folder, vs_chain against its own chain."""
+    from dflash import smollm2
+
+    if smollm2.unavailable_reason():
+        pytest.skip(smollm2.unavailable_reason())
+    import tree
+
+    other = tmp_path / "other-draft"
+    shutil.copytree(tree.DRAFT, other)
+    out = tmp_path / "tree.md"
+    assert tree.main(["--budgets", "2", "--prompts", "1", "--max-new-tokens", "5", "--reps", "1", "--threads", "1",
+                      "--draft", str(tree.DRAFT), "--draft", str(other), "--out", str(out)]) == 0
+    text = out.read_text(encoding="utf-8")
+    cells = [[c.strip() for c in line.strip("| ").split("|")] for line in text.splitlines() if line.startswith("|")]
+    header, rows = cells[0], {r[0]: r for r in cells[2:]}
+    assert set(rows) == {"HF generate", "shipped draft: chain", "shipped draft: tree 2", "other-draft: chain",
+                         "other-draft: tree 2"}, text
+    for lab in ("shipped draft", "other-draft"):  # the same weights: the same tokens and rounds
+        assert rows[f"{lab}: chain"][header.index("vs_chain")] == "1.00x", text
+        assert rows[f"{lab}: tree 2"][header.index("tau")] == rows["shipped draft: tree 2"][header.index("tau")]
+    with pytest.raises(SystemExit, match="different names"):
+        tree.main(["--draft", str(tree.DRAFT), "--draft", str(tree.DRAFT)])

@@ -45,6 +45,7 @@ import shutil
 import subprocess
 import threading
 import warnings
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -164,20 +165,47 @@ static const tile_fn TILES[MR + 1] = {0, tile<1>, tile<2>, tile<3>, tile<4>
 #endif
 };
 
-// x [M, K] and y [M, N] contiguous, w [N, K] with row stride ldw. Each thread takes a contiguous range of
-// NW-row weight groups and runs the x rows over each group in passes of at most MR.
-extern "C" void dflash_cpu_linear_f32(const float* x, long M, const float* w, long ldw, long K, long N,
-                                      const float* b, float* y, int threads) {
-  long groups = (N + NW - 1) / NW;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (long p = 0; p < groups; ++p) {
-    long n = NW * p;
-    int nw = N - n < NW ? (int)(N - n) : (int)NW;
-    for (long m = 0; m < M; m += MR) {
-      int mr = M - m < MR ? (int)(M - m) : (int)MR;
-      TILES[mr](x + m * K, K, w + n * ldw, ldw, K, nw, b ? b + n : 0, y + m * N + n, N);
+// One block of weight rows: n rows [n, K] at w with row stride ldw, and their bias (or null).
+struct Rows { const float* w; long ldw; long n; const float* b; };
+
+// y [M, N] = x [M, K] times the weight made of nblk row blocks stacked in order (N = their total rows); x and y
+// contiguous. Each thread takes a contiguous range of NW-row groups of each block (no barrier between blocks)
+// and runs the x rows over each group in passes of at most MR.
+static void linear_rows(const float* x, long M, long K, const Rows* blk, int nblk, float* y, long N, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    long col = 0;
+    for (int s = 0; s < nblk; ++s) {
+      const Rows r = blk[s];
+      long groups = (r.n + NW - 1) / NW;
+#pragma omp for schedule(static) nowait
+      for (long p = 0; p < groups; ++p) {
+        long n = NW * p;
+        int nw = r.n - n < NW ? (int)(r.n - n) : (int)NW;
+        for (long m = 0; m < M; m += MR) {
+          int mr = M - m < MR ? (int)(M - m) : (int)MR;
+          TILES[mr](x + m * K, K, r.w + n * r.ldw, r.ldw, K, nw, r.b ? r.b + n : 0, y + m * N + col + n, N);
+        }
+      }
+      col += r.n;
     }
   }
+}
+
+// w [N, K] with row stride ldw, b [N] or null.
+extern "C" void dflash_cpu_linear_f32(const float* x, long M, const float* w, long ldw, long K, long N,
+                                      const float* b, float* y, int threads) {
+  Rows r = {w, ldw, N, b};
+  linear_rows(x, M, K, &r, 1, y, N, threads);
+}
+
+// Up to three row blocks (a block of n = 0 rows is skipped): a layer's q/k/v or gate/up weights read where they
+// are, with no merged copy.
+extern "C" void dflash_cpu_linear3_f32(const float* x, long M, long K, const float* w0, long ldw0, long n0,
+                                       const float* b0, const float* w1, long ldw1, long n1, const float* b1,
+                                       const float* w2, long ldw2, long n2, const float* b2, float* y, int threads) {
+  Rows blk[3] = {{w0, ldw0, n0, b0}, {w1, ldw1, n1, b1}, {w2, ldw2, n2, b2}};
+  linear_rows(x, M, K, blk, 3, y, n0 + n1 + n2, threads);
 }
 """
 
@@ -228,11 +256,13 @@ def _build(wanted: str | None = None):
         if done.returncode:
             raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, path)  # atomic: concurrent builders each write their own tmp
-    fn = ctypes.CDLL(path).dflash_cpu_linear_f32
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    return fn, isa
+    lib = ctypes.CDLL(path)
+    p, n = ctypes.c_void_p, ctypes.c_long
+    one, three = lib.dflash_cpu_linear_f32, lib.dflash_cpu_linear3_f32
+    one.restype = three.restype = None
+    one.argtypes = [p, n, p, n, n, n, p, p, ctypes.c_int]
+    three.argtypes = [p, n, n, *[p, n, n, p] * 3, p, ctypes.c_int]
+    return _Kernel(one, three), isa
 
 
 def _load():
@@ -266,29 +296,68 @@ def isa() -> str | None:
     return _isa
 
 
-def _fast_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> bool:
+class _Kernel(NamedTuple):
+    """The loaded kernel's two entry points: one weight, and up to three row blocks of one."""
+
+    one: Callable
+    three: Callable
+
+
+def _fast_ok(x: torch.Tensor, weights: Sequence[torch.Tensor], biases, rows: int, min_rows: int) -> bool:
     f32 = torch.float32
-    return (MIN_ROWS <= rows <= MAX_ROWS
-            and x.is_cpu and weight.is_cpu and x.dtype == f32 and weight.dtype == f32
-            and weight.dim() == 2 and weight.shape[1] == x.shape[-1] and weight.stride(1) == 1
-            and (bias is None or (bias.is_cpu and bias.dtype == f32 and bias.shape == weight.shape[:1]
-                                  and bias.stride(0) == 1))
-            and unobserved_eager((x, weight, bias)))
+    k = x.shape[-1]
+    return (min_rows <= rows <= MAX_ROWS and x.is_cpu and x.dtype == f32
+            and all(w.is_cpu and w.dtype == f32 and w.dim() == 2 and w.shape[1] == k and w.stride(1) == 1
+                    for w in weights)
+            and (biases is None or all(b.is_cpu and b.dtype == f32 and b.shape == w.shape[:1] and b.stride(0) == 1
+                                       for w, b in zip(weights, biases)))
+            and unobserved_eager((x, *weights, *(biases or ()))))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``: ``x [..., K]``, ``weight [N, K]``, ``bias [N]`` -> ``[..., N]``."""
+def linear(x: torch.Tensor, weight: torch.Tensor | Sequence[torch.Tensor],
+           bias: torch.Tensor | Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``: ``x [..., K]``, ``weight [N, K]``, ``bias [N]`` -> ``[..., N]``.
+
+    ``weight`` may also be a tuple of up to three row blocks ``[N_i, K]`` of one weight (``bias`` then None or a
+    tuple of ``[N_i]``): the result is ``F.linear`` of their concatenation, read where they are. A decoder
+    layer's q/k/v or gate/up projections run as one call this way without a merged copy of their weights (which
+    costs ~0.25 s of page faults and copying for SmolLM2's 30 layers on the first call). Row blocks take the
+    kernel from one row up (at one row it streams the weight as fast as ``F.linear``'s GEMV, measured in
+    ``bench/cpu_gemm.py``); where the kernel cannot run, each block is an ``F.linear`` and the outputs are
+    concatenated."""
+    blocks = isinstance(weight, (tuple, list))
+    weights = tuple(weight) if blocks else (weight,)
+    biases = None if bias is None else (tuple(bias) if blocks else (bias,))
+    if blocks and not 1 <= len(weights) <= 3:
+        raise ValueError(f"cpu_linear.linear: weight must be a tensor or 1 to 3 row blocks, got {len(weights)}")
+    if biases is not None and len(biases) != len(weights):
+        raise ValueError(f"cpu_linear.linear: {len(weights)} weight blocks but {len(biases)} biases")
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if not _fast_ok(x, weight, bias, rows) or (_kernel is None and _load() is None):
-        return F.linear(x, weight, bias)
-    return _run(_kernel, x, weight, bias, rows)
+    if not _fast_ok(x, weights, biases, rows, 1 if blocks else MIN_ROWS) or (_kernel is None and _load() is None):
+        if not blocks:
+            return F.linear(x, weight, bias)
+        return torch.cat([F.linear(x, w, None if biases is None else b)
+                          for w, b in zip(weights, biases or weights)], -1)
+    return _run(_kernel, x, weights, biases, rows)
 
 
-def _run(kernel, x, weight, bias, rows):
+def _run(kernel: _Kernel, x, weights, biases, rows):
     x = x.contiguous()
-    k, n = x.shape[-1], weight.shape[0]
-    out = x.new_empty(x.shape[:-1] + (n,))
-    kernel(x.data_ptr(), rows, weight.data_ptr(), weight.stride(0), k, n,
-           None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    k = x.shape[-1]
+    out = x.new_empty(x.shape[:-1] + (sum(w.shape[0] for w in weights),))
+    threads = torch.get_num_threads()
+    if len(weights) == 1:
+        w = weights[0]
+        kernel.one(x.data_ptr(), rows, w.data_ptr(), w.stride(0), k, w.shape[0],
+                   None if biases is None else biases[0].data_ptr(), out.data_ptr(), threads)
+        return out
+    args = []
+    for i in range(3):
+        if i < len(weights):
+            w = weights[i]
+            args += [w.data_ptr(), w.stride(0), w.shape[0], None if biases is None else biases[i].data_ptr()]
+        else:
+            args += [None, 0, 0, None]
+    kernel.three(x.data_ptr(), rows, k, *args, out.data_ptr(), threads)
     return out

@@ -10,11 +10,11 @@ memory floor, so each layer is seven kernels on the GPU:
   RoPE, cache write, attention over the live rows; split-KV merged in-kernel) -> o_proj -> add_rms_norm ->
   gate_up_silu (merged gate/up GEMM, silu·mul in its epilogue) -> down_proj
 
-On the "cpu" backend the projections take ``cpu_linear`` and the activation stays a ``silu_mul`` after
-the gate/up GEMM (``gate_up_act``).
+On the "cpu" backend the projections take ``cpu_linear`` (q/k/v and gate/up as row blocks of one call, with no
+merged copy) and the activation stays a ``silu_mul`` after the gate/up GEMM (``gate_up_act``).
 
-The residual add of each sub-block is fused into the next norm; ``merged_weight`` re-points the HF
-modules' q/k/v and gate/up parameters at views of one buffer per layer, so the model itself keeps
+The residual add of each sub-block is fused into the next norm; off the "cpu" backend ``merged_weight``
+re-points the HF modules' q/k/v and gate/up parameters at views of one buffer per layer, so the model itself keeps
 working unchanged. Numerics follow HF's modules (the kernels' torch references are HF's formulas).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash import cpu_linear
-from dflash.merged_linear import merged_weight
+from dflash.merged_linear import merged_weight, row_blocks
 from dflash.target import check_target
 from dflash_kernels import add_rms_norm, gate_up_silu, silu_mul, verify_attention
 
@@ -61,7 +61,8 @@ def linear_for(backend: str):
 def gate_up_act(x, weight, bias, *, backend: str, linear, validate: bool = True) -> torch.Tensor:
     """``silu(gate) * up`` of a merged ``[gate; up]`` projection: one ``gate_up_silu`` launch (GEMM with the
     activation in its epilogue) where it applies, else the GEMM (``linear``) then ``silu_mul``: with a bias,
-    and on the "cpu" backend, whose GEMM is ``cpu_linear``. ``validate``: the kernels' argument checks."""
+    and on the "cpu" backend, whose GEMM is ``cpu_linear`` (``weight``, ``bias``: the gate and up row blocks
+    there). ``validate``: the kernels' argument checks."""
     if backend == "cpu" or bias is not None:
         return silu_mul(linear(x, weight, bias), backend=backend, validate=validate)
     return gate_up_silu(x, weight, backend=backend)
@@ -113,9 +114,15 @@ class LeanTarget:
         rotary = model.model.rotary_emb
         self.inv_freq = rotary.inv_freq.float()
         self.attention_scaling = float(rotary.attention_scaling)
-        self.qkv = [merged_weight([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], l.self_attn,
-                                  "_dflash_qkv") for l in model.model.layers]
-        self.gate_up = [merged_weight([l.mlp.gate_proj, l.mlp.up_proj], l.mlp, "_dflash_gate_up")
+        # The q/k/v and gate/up projections of a layer as one GEMM each: over a merged copy of their weights
+        # (merged_weight), or on the "cpu" backend over their row blocks where they are (cpu_linear reads up to
+        # three as one weight: no copy, which would cost ~0.25 s of a first call for SmolLM2).
+        def stacked(linears, owner, name):
+            return row_blocks(linears, name) if backend == "cpu" else merged_weight(linears, owner, name)
+
+        self.qkv = [stacked([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], l.self_attn, "_dflash_qkv")
+                    for l in model.model.layers]
+        self.gate_up = [stacked([l.mlp.gate_proj, l.mlp.up_proj], l.mlp, "_dflash_gate_up")
                         for l in model.model.layers]
         self.layers = [_layer_params(l) for l in model.model.layers]
         weight = model.lm_head.weight

@@ -4,7 +4,8 @@ A decoder layer reads ``q_proj``/``k_proj``/``v_proj`` (and ``gate_proj``/``up_p
 input; one GEMM over the stacked weight costs one launch instead of three and reads the same bytes.
 :func:`merged_weight` stacks the modules' weights into one buffer once and re-points each module's
 parameter at its row slice of that buffer, so the model keeps working (and saving, and loading
-state dicts in place) exactly as before while the runtime multiplies by the whole buffer.
+state dicts in place) exactly as before while the runtime multiplies by the whole buffer. On the CPU,
+:func:`row_blocks` hands the same projections to ``dflash.cpu_linear`` as row blocks instead: one call, no copy.
 """
 from __future__ import annotations
 
@@ -26,13 +27,9 @@ def _views_of(merged: torch.Tensor, params: Sequence[torch.Tensor]) -> bool:
     return offset == merged.storage_offset() + merged.numel()
 
 
-def merged_weight(linears: Sequence[nn.Linear], owner: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(weight [sum(out_i), in], bias or None)`` of ``linears`` stacked in order, sharing storage with them.
-
-    The buffer is remembered on ``owner`` under ``name`` (a plain attribute: not a parameter, not in
-    the state dict) and reused while the modules' parameters are still its views; if a parameter was
-    replaced since, the weights are merged again. Weights must share dtype, device and input size.
-    """
+def _checked(linears: Sequence[nn.Linear], name: str) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """The linears' weights and biases, once they are known to stack: same dtype, device and input size; a bias on
+    all or none."""
     weights = [lin.weight for lin in linears]
     first = weights[0]
     for lin, w in zip(linears, weights):
@@ -43,6 +40,25 @@ def merged_weight(linears: Sequence[nn.Linear], owner: nn.Module, name: str) -> 
     biases = [lin.bias for lin in linears]
     if any(b is not None for b in biases) and not all(b is not None for b in biases):
         raise ValueError(f"{name}: some projections have a bias and some do not; cannot merge them")
+    return weights, biases
+
+
+def row_blocks(linears: Sequence[nn.Linear], name: str) -> tuple[tuple[torch.Tensor, ...], tuple | None]:
+    """``(weights, biases or None)`` of ``linears`` as the row blocks of one stacked projection, left where they
+    are (no copy, nothing re-pointed): for ``dflash.cpu_linear.linear``, which reads up to three blocks as one
+    weight. The same checks as :func:`merged_weight`."""
+    weights, biases = _checked(linears, name)
+    return tuple(w.detach() for w in weights), (None if biases[0] is None else tuple(b.detach() for b in biases))
+
+
+def merged_weight(linears: Sequence[nn.Linear], owner: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight [sum(out_i), in], bias or None)`` of ``linears`` stacked in order, sharing storage with them.
+
+    The buffer is remembered on ``owner`` under ``name`` (a plain attribute: not a parameter, not in
+    the state dict) and reused while the modules' parameters are still its views; if a parameter was
+    replaced since, the weights are merged again. Weights must share dtype, device and input size.
+    """
+    weights, biases = _checked(linears, name)
     cached = owner.__dict__.get(name)
     if cached is not None and _views_of(cached[0], weights) and (
             cached[1] is None if biases[0] is None else _views_of(cached[1], biases)):

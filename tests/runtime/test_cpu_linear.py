@@ -40,11 +40,13 @@ def fast_calls(monkeypatch):
     calls = []
     kernel = cpu_linear._kernel
 
-    def spy(*args):
-        calls.append(args[1])
-        return kernel(*args)
+    def spy(entry):
+        def call(*args):
+            calls.append(args[1])  # rows
+            return entry(*args)
+        return call
 
-    monkeypatch.setattr(cpu_linear, "_kernel", spy)
+    monkeypatch.setattr(cpu_linear, "_kernel", cpu_linear._Kernel(spy(kernel.one), spy(kernel.three)))
     return calls
 
 
@@ -124,6 +126,47 @@ def test_fallbacks(fast_calls):
     assert fast_calls == []
 
 
+# A layer's q/k/v (SmolLM2: 576 + 192 + 192 rows) and gate/up blocks, and ugly ones: block sizes that do not fill
+# the AVX-512 tile's 4 weight rows, a one-row block.
+BLOCKS = {"qkv": (576, (576, 192, 192)), "gate_up": (576, (1536, 1536)), "ugly3": (37, (5, 1, 7)),
+          "ugly2": (100, (3, 9))}
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, cpu_linear.MAX_ROWS + 1])
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_row_blocks_are_the_stacked_weight(name, rows):
+    """weight = row blocks: F.linear of their concatenation (2x rule vs fp64), on the kernel and on the fallback."""
+    k, sizes = BLOCKS[name]
+    g = torch.Generator().manual_seed(rows * 1000 + k)
+    ws = [torch.randn(n, k, generator=g) * k**-0.5 for n in sizes]
+    bs = [torch.randn(n, generator=g) for n in sizes]
+    x = torch.randn(rows, k, generator=g)
+    for bias in (None, bs):
+        out = cpu_linear.linear(x, tuple(ws), None if bias is None else tuple(bias))
+        cat_b = None if bias is None else torch.cat(bias)
+        ref = F.linear(x.double(), torch.cat(ws).double(), None if cat_b is None else cat_b.double())
+        assert_within_rule(out, ref, F.linear(x, torch.cat(ws), cat_b), f"{name} rows={rows}")
+
+
+@needs_fast
+def test_row_blocks_take_the_kernel_from_one_row(fast_calls):
+    k = 64
+    ws = (torch.randn(8, k), torch.randn(4, k), torch.randn(4, k))
+    for rows in (1, 8, cpu_linear.MAX_ROWS, cpu_linear.MAX_ROWS + 1):
+        cpu_linear.linear(torch.randn(rows, k), ws)
+    cpu_linear.linear(torch.randn(1, k), ws[0])  # one plain weight at one row: F.linear's GEMV
+    assert fast_calls == [1, 8, cpu_linear.MAX_ROWS]
+
+
+def test_row_blocks_bad_input():
+    k = 16
+    ws = tuple(torch.randn(4, k) for _ in range(4))
+    with pytest.raises(ValueError, match="1 to 3 row blocks"):
+        cpu_linear.linear(torch.randn(2, k), ws)
+    with pytest.raises(ValueError, match="2 weight blocks but 1 biases"):
+        cpu_linear.linear(torch.randn(2, k), ws[:2], (torch.randn(4),))
+
+
 def test_weight_updated_in_place():
     k, n = 96, 40
     w, x = torch.randn(n, k), torch.randn(8, k)
@@ -168,6 +211,9 @@ def test_avx2_build(monkeypatch):
     for name, (k, n) in SHAPES.items():
         for rows in (2, 7, 8, 16):
             _check(torch.randn(rows, k), _weight(k, n), torch.randn(n) if rows % 2 else None, f"avx2 {name} {rows}")
+    for name in BLOCKS:
+        for rows in (1, 9):
+            test_row_blocks_are_the_stacked_weight(name, rows)
     for k, n in [(1, 1), (5, 3), (17, 33), (577, 61)]:
         _check(torch.randn(9, k), torch.randn(n, k), torch.randn(n), f"avx2 K={k} N={n}")
 

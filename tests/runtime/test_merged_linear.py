@@ -73,3 +73,36 @@ def test_bias_merged_and_bad_input():
         merged_weight([nn.Linear(8, 3), nn.Linear(7, 3)], owner, "_n")
     with pytest.raises(ValueError, match="some projections have a bias"):
         merged_weight([nn.Linear(8, 3), nn.Linear(8, 3, bias=False)], owner, "_o")
+
+
+def test_row_blocks_are_the_parameters_in_place():
+    """row_blocks: the projections' own tensors (no copy, nothing re-pointed), the same checks as merged_weight."""
+    from dflash.merged_linear import row_blocks
+
+    lins = [nn.Linear(8, 3), nn.Linear(8, 5)]
+    ws, bs = row_blocks(lins, "_m")
+    assert [w.data_ptr() for w in ws] == [lin.weight.data_ptr() for lin in lins]
+    assert [b.data_ptr() for b in bs] == [lin.bias.data_ptr() for lin in lins]
+    assert all(isinstance(lin.weight, nn.Parameter) and not hasattr(lin, "_m") for lin in lins)
+    assert row_blocks([nn.Linear(8, 3, bias=False)], "_n")[1] is None
+    with pytest.raises(ValueError, match="dtype, device and input size"):
+        row_blocks([nn.Linear(8, 3), nn.Linear(7, 3)], "_n")
+    with pytest.raises(ValueError, match="some projections have a bias"):
+        row_blocks([nn.Linear(8, 3), nn.Linear(8, 3, bias=False)], "_o")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_lean_target_copies_weights_off_the_cpu_backend_only(backend):
+    """The lean target's "cpu" backend reads q/k/v and gate/up where they are; the others merge them once."""
+    from dflash.lean_target import LeanTarget
+
+    torch.manual_seed(0)
+    model = make_target("llama", layers=2)
+    a = model.model.layers[0].self_attn
+    q_ptr = a.q_proj.weight.data_ptr()
+    lean = LeanTarget(model, [0], batch=1, capacity=16, backend=backend)
+    if backend == "cpu":
+        assert a.q_proj.weight.data_ptr() == q_ptr and "_dflash_qkv" not in a.__dict__
+        assert lean.qkv[0][0][0].data_ptr() == q_ptr and len(lean.gate_up[0][0]) == 2
+    else:
+        assert lean.qkv[0][0].data_ptr() == a.q_proj.weight.data_ptr() != q_ptr

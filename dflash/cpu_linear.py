@@ -29,7 +29,11 @@ compiler and CPU flags), then loaded with ctypes. The widest ISA the CPU has is 
 AVX-512F or AVX2 + FMA, or a working compiler, :func:`linear` is ``F.linear`` (one warning says why;
 :func:`unavailable_reason` too); :func:`isa` says which build runs.
 
-Falls back to ``F.linear`` (same result up to fp32 rounding order) for: fewer than :data:`MIN_ROWS` or
+Row blocks: ``weight`` may be a tuple of up to three ``[N_i, K]`` blocks of one weight (a layer's q/k/v or
+gate/up projections), computed as their concatenation in one call, without a merged copy.
+
+Falls back to ``F.linear`` (same result up to fp32 rounding order; row blocks: one ``F.linear`` each, then a
+concatenation) for: fewer than :data:`MIN_ROWS` rows (row blocks: from one row the kernel runs) or
 more than :data:`MAX_ROWS` rows (``F.linear`` is as fast at 1 row and faster for many), non-CPU or
 non-fp32 tensors, a weight or bias whose last dimension is not contiguous, autograd (grad enabled and
 a ``requires_grad`` input), tracing under ``torch.compile``, and an active ``TorchDispatchMode`` (the

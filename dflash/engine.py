@@ -194,7 +194,8 @@ class DFlashEngine:
                 start = torch.full((1,), c0, dtype=torch.long, device=self.device)
                 logits, feats = self.target.forward(prompt[None, c0:c1], start, c1, rows=row)
                 if self.use_draft:  # the chunk's context rows go straight into the draft cache
-                    ctx = fused_context(feats[0], self.draft.fc.weight, self.draft.hidden_norm.weight,
+                    # the features in the draft's dtype, as the rounds' feature buffer holds them
+                    ctx = fused_context(feats[0].to(self.features.dtype), self.draft.fc.weight, self.draft.hidden_norm.weight,
                                         self.draft.config.rms_norm_eps, backend=self.backend)
                     cu = torch.tensor([0, c1 - c0], device=self.device)
                     for li, layer in enumerate(self.draft.layers):

@@ -218,3 +218,14 @@ def test_chunked_prefill_equals_one_pass():
     for a, b in ((chunked.k_cache, whole.k_cache), (chunked.v_cache, whole.v_cache),
                  (chunked.target.k_cache, whole.target.k_cache), (chunked.target.v_cache, whole.target.v_cache)):
         torch.testing.assert_close(a[:, :, :40], b[:, :, :40], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tree_budget", [None, 5])
+def test_draft_in_another_dtype_than_the_target(tree_budget):
+    """A bf16 draft on an fp32 target (the draft's dtype sets its caches and feature buffer; the prefill's context
+    rows are cast to it too): still the target's greedy output."""
+    target = make_target("llama")
+    draft = make_draft(target, layers=2, block_size=4).to(torch.bfloat16)
+    prompt = torch.randint(0, 48, (9,))
+    out = fast(target, draft, prompt, 14, tree_budget=tree_budget)
+    assert torch.equal(out.sequences[0], target_greedy(target, prompt, 14))

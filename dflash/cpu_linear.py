@@ -29,8 +29,8 @@ compiler and CPU flags), then loaded with ctypes. The widest ISA the CPU has is 
 AVX-512F or AVX2 + FMA, or a working compiler, :func:`linear` is ``F.linear`` (one warning says why;
 :func:`unavailable_reason` too); :func:`isa` says which build runs.
 
-Row blocks: ``weight`` may be a tuple of up to three ``[N_i, K]`` blocks of one weight (a layer's q/k/v or
-gate/up projections), computed as their concatenation in one call, without a merged copy.
+Row blocks: ``weight`` may be a :class:`RowBlocks`, up to three ``[N_i, K]`` blocks of one weight (a layer's
+q/k/v or gate/up projections), computed as their concatenation in one call, without a merged copy.
 
 Falls back to ``F.linear`` (same result up to fp32 rounding order; row blocks: one ``F.linear`` each, then a
 concatenation) for: fewer than :data:`MIN_ROWS` rows (row blocks: from one row the kernel runs) or
@@ -307,61 +307,89 @@ class _Kernel(NamedTuple):
     three: Callable
 
 
-def _fast_ok(x: torch.Tensor, weights: Sequence[torch.Tensor], biases, rows: int, min_rows: int) -> bool:
+class RowBlocks:
+    """Up to three row blocks ``[N_i, K]`` of one weight ``[N, K]`` (N = sum N_i) and their biases, which
+    :func:`linear` reads as that weight in one call: a decoder layer's q/k/v or gate/up projections where they
+    are, without the merged copy that would cost ~0.25 s of page faults and copying on SmolLM2's first call.
+    Built once per layer: the blocks are checked and the kernel's arguments computed here, not per call. It holds
+    the tensors (their memory stays valid): a block updated in place is seen, a parameter replaced by another
+    tensor is not (as with ``merged_weight``)."""
+
+    __slots__ = ("weights", "biases", "in_features", "out_features", "fast", "args")
+
+    def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] | None = None):
+        weights = tuple(w.detach() for w in weights)
+        if not 1 <= len(weights) <= 3:
+            raise ValueError(f"cpu_linear.RowBlocks: weights must be 1 to 3 row blocks, got {len(weights)}")
+        first = weights[0]
+        for i, w in enumerate(weights):
+            if w.dim() != 2 or w.shape[1] != first.shape[1] or w.dtype != first.dtype or w.device != first.device:
+                raise ValueError(f"cpu_linear.RowBlocks: weights[{i}] is {tuple(w.shape)} {w.dtype} on {w.device}; "
+                                 f"every block must be [N_i, {first.shape[-1]}] {first.dtype} on {first.device}")
+        if biases is not None:
+            biases = tuple(b.detach() for b in biases)
+            if len(biases) != len(weights) or any(b.shape != w.shape[:1] for w, b in zip(weights, biases)):
+                got = [tuple(b.shape) for b in biases]
+                raise ValueError(f"cpu_linear.RowBlocks: biases must be one [N_i] per block, got {got} for blocks of "
+                                 f"{[w.shape[0] for w in weights]} rows")
+        self.weights, self.biases = weights, biases
+        self.in_features, self.out_features = first.shape[1], sum(w.shape[0] for w in weights)
+        self.fast = first.is_cpu and first.dtype == torch.float32 and all(w.stride(1) == 1 for w in weights) and (
+            biases is None or all(b.dtype == torch.float32 and b.stride(0) == 1 for b in biases))
+        args: list = []
+        for i in range(3):  # the kernel's (pointer, row stride, rows, bias pointer) of each block; none: 0 rows
+            if i < len(weights) and self.fast:
+                args += [weights[i].data_ptr(), weights[i].stride(0), weights[i].shape[0],
+                         None if biases is None else biases[i].data_ptr()]
+            else:
+                args += [None, 0, 0, None]
+        self.args = tuple(args)
+
+
+def _fast_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> bool:
     f32 = torch.float32
-    k = x.shape[-1]
-    return (min_rows <= rows <= MAX_ROWS and x.is_cpu and x.dtype == f32
-            and all(w.is_cpu and w.dtype == f32 and w.dim() == 2 and w.shape[1] == k and w.stride(1) == 1
-                    for w in weights)
-            and (biases is None or all(b.is_cpu and b.dtype == f32 and b.shape == w.shape[:1] and b.stride(0) == 1
-                                       for w, b in zip(weights, biases)))
-            and unobserved_eager((x, *weights, *(biases or ()))))
+    return (MIN_ROWS <= rows <= MAX_ROWS
+            and x.is_cpu and weight.is_cpu and x.dtype == f32 and weight.dtype == f32
+            and weight.dim() == 2 and weight.shape[1] == x.shape[-1] and weight.stride(1) == 1
+            and (bias is None or (bias.is_cpu and bias.dtype == f32 and bias.shape == weight.shape[:1]
+                                  and bias.stride(0) == 1))
+            and unobserved_eager((x, weight, bias)))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Sequence[torch.Tensor],
-           bias: torch.Tensor | Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | RowBlocks, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: ``x [..., K]``, ``weight [N, K]``, ``bias [N]`` -> ``[..., N]``.
 
-    ``weight`` may also be a tuple of up to three row blocks ``[N_i, K]`` of one weight (``bias`` then None or a
-    tuple of ``[N_i]``): the result is ``F.linear`` of their concatenation, read where they are. A decoder
-    layer's q/k/v or gate/up projections run as one call this way without a merged copy of their weights (which
-    costs ~0.25 s of page faults and copying for SmolLM2's 30 layers on the first call). Row blocks take the
-    kernel from one row up (at one row it streams the weight as fast as ``F.linear``'s GEMV, measured in
-    ``bench/cpu_gemm.py``); where the kernel cannot run, each block is an ``F.linear`` and the outputs are
-    concatenated."""
-    blocks = isinstance(weight, (tuple, list))
-    weights = tuple(weight) if blocks else (weight,)
-    biases = None if bias is None else (tuple(bias) if blocks else (bias,))
-    if blocks and not 1 <= len(weights) <= 3:
-        raise ValueError(f"cpu_linear.linear: weight must be a tensor or 1 to 3 row blocks, got {len(weights)}")
-    if biases is not None and len(biases) != len(weights):
-        raise ValueError(f"cpu_linear.linear: {len(weights)} weight blocks but {len(biases)} biases")
+    ``weight`` may also be a :class:`RowBlocks` (``bias`` None: the blocks carry theirs): ``F.linear`` of the
+    blocks' concatenation. Row blocks take the kernel from one row up (one kernel call; at one row it streams the
+    weight as fast as ``F.linear``'s GEMV, ``bench/cpu_gemm.py``); where the kernel cannot run, each block is an
+    ``F.linear`` and the outputs are concatenated."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if not _fast_ok(x, weights, biases, rows, 1 if blocks else MIN_ROWS) or (_kernel is None and _load() is None):
-        if not blocks:
-            return F.linear(x, weight, bias)
-        return torch.cat([F.linear(x, w, None if biases is None else b)
-                          for w, b in zip(weights, biases or weights)], -1)
-    return _run(_kernel, x, weights, biases, rows)
+    if type(weight) is RowBlocks:
+        if bias is not None:
+            raise ValueError("cpu_linear.linear: bias must be None with RowBlocks (the blocks carry their biases)")
+        return _run_blocks(x, weight, rows)
+    if not _fast_ok(x, weight, bias, rows) or (_kernel is None and _load() is None):
+        return F.linear(x, weight, bias)
+    return _run(_kernel, x, weight, bias, rows)
 
 
-def _run(kernel: _Kernel, x, weights, biases, rows):
+def _run(kernel: _Kernel, x, weight, bias, rows):
     x = x.contiguous()
-    k = x.shape[-1]
-    out = x.new_empty(x.shape[:-1] + (sum(w.shape[0] for w in weights),))
-    threads = torch.get_num_threads()
-    if len(weights) == 1:
-        w = weights[0]
-        kernel.one(x.data_ptr(), rows, w.data_ptr(), w.stride(0), k, w.shape[0],
-                   None if biases is None else biases[0].data_ptr(), out.data_ptr(), threads)
-        return out
-    args = []
-    for i in range(3):
-        if i < len(weights):
-            w = weights[i]
-            args += [w.data_ptr(), w.stride(0), w.shape[0], None if biases is None else biases[i].data_ptr()]
-        else:
-            args += [None, 0, 0, None]
-    kernel.three(x.data_ptr(), rows, k, *args, out.data_ptr(), threads)
+    k, n = x.shape[-1], weight.shape[0]
+    out = x.new_empty(x.shape[:-1] + (n,))
+    kernel.one(x.data_ptr(), rows, weight.data_ptr(), weight.stride(0), k, n,
+               None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def _run_blocks(x: torch.Tensor, blocks: RowBlocks, rows: int) -> torch.Tensor:
+    if (blocks.fast and 1 <= rows <= MAX_ROWS and x.is_cpu and x.dtype == torch.float32
+            and x.shape[-1] == blocks.in_features and unobserved_eager((x,))
+            and (_kernel is not None or _load() is not None)):
+        x = x.contiguous()
+        out = x.new_empty(x.shape[:-1] + (blocks.out_features,))
+        _kernel.three(x.data_ptr(), rows, blocks.in_features, *blocks.args, out.data_ptr(), torch.get_num_threads())
+        return out
+    biases = blocks.biases or (None,) * len(blocks.weights)
+    return torch.cat([F.linear(x, w, b) for w, b in zip(blocks.weights, biases)], -1)

@@ -14,6 +14,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from dflash.cpu_linear import RowBlocks
+
 
 def _views_of(merged: torch.Tensor, params: Sequence[torch.Tensor]) -> bool:
     """Whether ``params`` are consecutive row slices of ``merged``, in order."""
@@ -43,12 +45,12 @@ def _checked(linears: Sequence[nn.Linear], name: str) -> tuple[list[torch.Tensor
     return weights, biases
 
 
-def row_blocks(linears: Sequence[nn.Linear], name: str) -> tuple[tuple[torch.Tensor, ...], tuple | None]:
-    """``(weights, biases or None)`` of ``linears`` as the row blocks of one stacked projection, left where they
-    are (no copy, nothing re-pointed): for ``dflash.cpu_linear.linear``, which reads up to three blocks as one
-    weight. The same checks as :func:`merged_weight`."""
+def row_blocks(linears: Sequence[nn.Linear], name: str) -> tuple[RowBlocks, None]:
+    """``(blocks, None)``: ``linears`` as the row blocks of one stacked projection, left where they are (no copy,
+    nothing re-pointed), for ``dflash.cpu_linear.linear``, which reads up to three blocks as one weight in one
+    call (the blocks carry the biases). The same checks as :func:`merged_weight`."""
     weights, biases = _checked(linears, name)
-    return tuple(w.detach() for w in weights), (None if biases[0] is None else tuple(b.detach() for b in biases))
+    return RowBlocks(weights, None if biases[0] is None else biases), None
 
 
 def merged_weight(linears: Sequence[nn.Linear], owner: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -135,14 +135,14 @@ BLOCKS = {"qkv": (576, (576, 192, 192)), "gate_up": (576, (1536, 1536)), "ugly3"
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, cpu_linear.MAX_ROWS + 1])
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_row_blocks_are_the_stacked_weight(name, rows):
-    """weight = row blocks: F.linear of their concatenation (2x rule vs fp64), on the kernel and on the fallback."""
+    """RowBlocks: F.linear of the blocks' concatenation (2x rule vs fp64), on the kernel and on the fallback."""
     k, sizes = BLOCKS[name]
     g = torch.Generator().manual_seed(rows * 1000 + k)
     ws = [torch.randn(n, k, generator=g) * k**-0.5 for n in sizes]
     bs = [torch.randn(n, generator=g) for n in sizes]
     x = torch.randn(rows, k, generator=g)
     for bias in (None, bs):
-        out = cpu_linear.linear(x, tuple(ws), None if bias is None else tuple(bias))
+        out = cpu_linear.linear(x, cpu_linear.RowBlocks(ws, bias))
         cat_b = None if bias is None else torch.cat(bias)
         ref = F.linear(x.double(), torch.cat(ws).double(), None if cat_b is None else cat_b.double())
         assert_within_rule(out, ref, F.linear(x, torch.cat(ws), cat_b), f"{name} rows={rows}")
@@ -151,20 +151,28 @@ def test_row_blocks_are_the_stacked_weight(name, rows):
 @needs_fast
 def test_row_blocks_take_the_kernel_from_one_row(fast_calls):
     k = 64
-    ws = (torch.randn(8, k), torch.randn(4, k), torch.randn(4, k))
+    blocks = cpu_linear.RowBlocks([torch.randn(8, k), torch.randn(4, k), torch.randn(4, k)])
     for rows in (1, 8, cpu_linear.MAX_ROWS, cpu_linear.MAX_ROWS + 1):
-        cpu_linear.linear(torch.randn(rows, k), ws)
-    cpu_linear.linear(torch.randn(1, k), ws[0])  # one plain weight at one row: F.linear's GEMV
-    assert fast_calls == [1, 8, cpu_linear.MAX_ROWS]
+        cpu_linear.linear(torch.randn(rows, k), blocks)
+    cpu_linear.linear(torch.randn(1, k), blocks.weights[0])  # one plain weight at one row: F.linear's GEMV
+    w = torch.randn(8, k)
+    seen = cpu_linear.RowBlocks([w])
+    w.mul_(2)  # an in-place update is seen
+    torch.testing.assert_close(cpu_linear.linear(torch.randn(3, k).zero_() + 1, seen), (w.sum(1))[None].expand(3, 8))
+    assert fast_calls == [1, 8, cpu_linear.MAX_ROWS, 3]
 
 
 def test_row_blocks_bad_input():
     k = 16
-    ws = tuple(torch.randn(4, k) for _ in range(4))
+    ws = [torch.randn(4, k) for _ in range(4)]
     with pytest.raises(ValueError, match="1 to 3 row blocks"):
-        cpu_linear.linear(torch.randn(2, k), ws)
-    with pytest.raises(ValueError, match="2 weight blocks but 1 biases"):
-        cpu_linear.linear(torch.randn(2, k), ws[:2], (torch.randn(4),))
+        cpu_linear.RowBlocks(ws)
+    with pytest.raises(ValueError, match=r"weights\[1\] is \(4, 15\)"):
+        cpu_linear.RowBlocks([ws[0], torch.randn(4, 15)])
+    with pytest.raises(ValueError, match="one \\[N_i\\] per block"):
+        cpu_linear.RowBlocks(ws[:2], [torch.randn(4)])
+    with pytest.raises(ValueError, match="bias must be None with RowBlocks"):
+        cpu_linear.linear(torch.randn(2, k), cpu_linear.RowBlocks(ws[:2]), torch.randn(8))
 
 
 def test_weight_updated_in_place():

@@ -80,11 +80,12 @@ def test_row_blocks_are_the_parameters_in_place():
     from dflash.merged_linear import row_blocks
 
     lins = [nn.Linear(8, 3), nn.Linear(8, 5)]
-    ws, bs = row_blocks(lins, "_m")
-    assert [w.data_ptr() for w in ws] == [lin.weight.data_ptr() for lin in lins]
-    assert [b.data_ptr() for b in bs] == [lin.bias.data_ptr() for lin in lins]
+    blocks, bias = row_blocks(lins, "_m")
+    assert bias is None and blocks.out_features == 8
+    assert [w.data_ptr() for w in blocks.weights] == [lin.weight.data_ptr() for lin in lins]
+    assert [b.data_ptr() for b in blocks.biases] == [lin.bias.data_ptr() for lin in lins]
     assert all(isinstance(lin.weight, nn.Parameter) and not hasattr(lin, "_m") for lin in lins)
-    assert row_blocks([nn.Linear(8, 3, bias=False)], "_n")[1] is None
+    assert row_blocks([nn.Linear(8, 3, bias=False)], "_n")[0].biases is None
     with pytest.raises(ValueError, match="dtype, device and input size"):
         row_blocks([nn.Linear(8, 3), nn.Linear(7, 3)], "_n")
     with pytest.raises(ValueError, match="some projections have a bias"):
@@ -103,6 +104,6 @@ def test_lean_target_copies_weights_off_the_cpu_backend_only(backend):
     lean = LeanTarget(model, [0], batch=1, capacity=16, backend=backend)
     if backend == "cpu":
         assert a.q_proj.weight.data_ptr() == q_ptr and "_dflash_qkv" not in a.__dict__
-        assert lean.qkv[0][0][0].data_ptr() == q_ptr and len(lean.gate_up[0][0]) == 2
+        assert lean.qkv[0][0].weights[0].data_ptr() == q_ptr and len(lean.gate_up[0][0].weights) == 2
     else:
         assert lean.qkv[0][0].data_ptr() == a.q_proj.weight.data_ptr() != q_ptr

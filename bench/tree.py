@@ -8,8 +8,8 @@ target's own greedy ``generate`` (what a user runs without speculation). Prompts
 prompts of the generators that trained the draft (``dflash.train.prompts.eval_prompts``, the eval side
 of the hash split; the model card's τ is measured on them), chat template applied, the demo's stop tokens.
 
-Every configuration (HF ``generate``, then per draft the chain and ``tree_budget`` = each budget) decodes every prompt once
-per rep; per prompt the configurations run back to back in an order rotated by prompt and rep, so a slow spell
+Every configuration (HF ``generate``, then per draft the chain and ``tree_budget`` = each budget) decodes
+every prompt once per rep; per prompt the configurations run back to back in an order rotated by prompt and rep, so a slow spell
 of a shared machine hits all of them alike. Reported per configuration: τ pooled over the prompts
 (generated tokens / rounds; greedy, so the same in every rep), tokens/s end to end (prefill included)
 over all prompts, median and range over reps, its ratios to HF ``generate``'s and the chain's, the per-round
@@ -17,7 +17,8 @@ draft and verify milliseconds (medians over reps), and whether every output equa
 must: DFlash is lossless). One warm-up call per configuration first.
 
 Usage: python bench/tree.py [--budgets 4,8,16,32,64] [--prompts 6] [--prompt TEXT] [--max-new-tokens 96]
-       [--reps 2] [--threads 2] [--draft DIR [--draft DIR2 ...]] [--out FILE.md]       (``dflash bench tree`` runs this file)
+       [--reps 2] [--threads 2] [--draft DIR [--draft DIR2 ...]] [--out FILE.md]
+(``dflash bench tree`` runs this file)
 """
 from __future__ import annotations
 

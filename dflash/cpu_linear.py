@@ -10,8 +10,8 @@ one tile is 4 weight rows x up to 4 input rows (16 lanes; 8 rows take two passes
 weight rows in L1); on AVX2 + FMA (e.g. AMD Zen 2/3, which have no AVX-512) 1 weight row x up to 8 input rows
 (8 lanes, 16 registers). The x rows stay in L1, each weight row is read from memory once per call (prefetched
 4 rows ahead) and multiplied against every x row, with per-lane partial sums along K reduced at the end (as
-accurate as MKL's fp32). OpenMP splits the output
-columns over ``torch.get_num_threads()`` threads, in torch's own libgomp (one thread pool per process).
+accurate as MKL's fp32). OpenMP splits the output columns over ``torch.get_num_threads()`` threads, in torch's
+own libgomp (one thread pool per process).
 
 Where it lives: it computes exactly ``F.linear`` (the definition is torch's own), at the runtime's call
 sites, so it is a drop-in function of the runtime rather than a ``dflash_kernels`` op: a ``torch.library``
@@ -328,14 +328,15 @@ class RowBlocks:
                                  f"every block must be [N_i, {first.shape[-1]}] {first.dtype} on {first.device}")
         if biases is not None:
             biases = tuple(b.detach() for b in biases)
-            if len(biases) != len(weights) or any(b.shape != w.shape[:1] for w, b in zip(weights, biases)):
-                got = [tuple(b.shape) for b in biases]
-                raise ValueError(f"cpu_linear.RowBlocks: biases must be one [N_i] per block, got {got} for blocks of "
-                                 f"{[w.shape[0] for w in weights]} rows")
+            if len(biases) != len(weights) or any(b.shape != w.shape[:1] or b.dtype != first.dtype
+                                                  or b.device != first.device for w, b in zip(weights, biases)):
+                got = [f"{tuple(b.shape)} {b.dtype} on {b.device}" for b in biases]
+                raise ValueError(f"cpu_linear.RowBlocks: biases must be one [N_i] per block in the weights' dtype and "
+                                 f"device, got {got} for blocks of {[w.shape[0] for w in weights]} rows")
         self.weights, self.biases = weights, biases
         self.in_features, self.out_features = first.shape[1], sum(w.shape[0] for w in weights)
         self.fast = first.is_cpu and first.dtype == torch.float32 and all(w.stride(1) == 1 for w in weights) and (
-            biases is None or all(b.dtype == torch.float32 and b.stride(0) == 1 for b in biases))
+            biases is None or all(b.stride(0) == 1 for b in biases))
         args: list = []
         for i in range(3):  # the kernel's (pointer, row stride, rows, bias pointer) of each block; none: 0 rows
             if i < len(weights) and self.fast:

@@ -195,8 +195,9 @@ class DFlashEngine:
                 logits, feats = self.target.forward(prompt[None, c0:c1], start, c1, rows=row)
                 if self.use_draft:  # the chunk's context rows go straight into the draft cache
                     # the features in the draft's dtype, as the rounds' feature buffer holds them
-                    ctx = fused_context(feats[0].to(self.features.dtype), self.draft.fc.weight, self.draft.hidden_norm.weight,
-                                        self.draft.config.rms_norm_eps, backend=self.backend)
+                    ctx = fused_context(feats[0].to(self.features.dtype), self.draft.fc.weight,
+                                        self.draft.hidden_norm.weight, self.draft.config.rms_norm_eps,
+                                        backend=self.backend)
                     cu = torch.tensor([0, c1 - c0], device=self.device)
                     for li, layer in enumerate(self.draft.layers):
                         q_cols = layer.self_attn.num_heads * layer.self_attn.head_dim

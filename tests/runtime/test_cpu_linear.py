@@ -158,7 +158,7 @@ def test_row_blocks_take_the_kernel_from_one_row(fast_calls):
     w = torch.randn(8, k)
     seen = cpu_linear.RowBlocks([w])
     w.mul_(2)  # an in-place update is seen
-    torch.testing.assert_close(cpu_linear.linear(torch.randn(3, k).zero_() + 1, seen), (w.sum(1))[None].expand(3, 8))
+    torch.testing.assert_close(cpu_linear.linear(torch.ones(3, k), seen), w.sum(1)[None].expand(3, 8))
     assert fast_calls == [1, 8, cpu_linear.MAX_ROWS, 3]
 
 
@@ -171,6 +171,8 @@ def test_row_blocks_bad_input():
         cpu_linear.RowBlocks([ws[0], torch.randn(4, 15)])
     with pytest.raises(ValueError, match="one \\[N_i\\] per block"):
         cpu_linear.RowBlocks(ws[:2], [torch.randn(4)])
+    with pytest.raises(ValueError, match="in the weights' dtype and device"):
+        cpu_linear.RowBlocks(ws[:2], [torch.randn(4), torch.randn(4, dtype=torch.float64)])
     with pytest.raises(ValueError, match="bias must be None with RowBlocks"):
         cpu_linear.linear(torch.randn(2, k), cpu_linear.RowBlocks(ws[:2]), torch.randn(8))
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from dflash_kernels import cpu_native
 from dflash_kernels._dispatch import call_op, lean_version_bump, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, rms_norm_reference,
@@ -62,6 +63,8 @@ def add_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1
 def _add_rms_norm_cpu(x, weight, eps, residual, out) -> None:
     """The ``"cpu"`` backend: the reference's rounding steps with torch's fused RMSNorm (fp32 statistics, the
     normalised value rounded to the dtype, then the weight multiply, written into ``out``): fewer ops per call."""
+    if cpu_native.add_rms_norm(x, weight, eps, residual, out):
+        return
     s = x if residual is None else residual.add_(x)
     torch.mul(weight.to(s.dtype), F.rms_norm(s, (s.shape[-1],), eps=eps), out=out)
 

@@ -191,11 +191,14 @@ TREE_ATTN_CASES = [  # n, T nodes, nH, kvH, D, context lengths, capacity, paged
 ]
 
 
+@pytest.mark.parametrize("backend", ["triton", pytest.param("cpu", marks=pytest.mark.skipif(
+    torch.get_default_device().type != "cpu", reason="CPU tensors only"))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", TREE_ATTN_CASES, ids=["contiguous", "paged"])
-def test_verify_attention_tree_kernel(monkeypatch, dtype, case):
-    """The Triton kernel with a tree against the fp64 reference (2x rule): outputs, K rows written at
-    cache_lens + node index (V bit for bit), nothing else written; several context splits active."""
+def test_verify_attention_tree_kernel(monkeypatch, backend, dtype, case):
+    """The Triton kernel (several context splits active) and the "cpu" backend (fp32 on a contiguous cache: its
+    native kernel) with a tree against the fp64 reference (2x rule): outputs, K rows written at cache_lens + node
+    index (V bit for bit), nothing else written."""
     from _caches import random_block_table, to_paged
     from _splits import da
     from _tol import assert_within_rule
@@ -215,7 +218,7 @@ def test_verify_attention_tree_kernel(monkeypatch, dtype, case):
     if paged:
         table, pages = random_block_table(n, cap, 16)
         kc_in, vc_in, where = to_paged(kc, table, pages, 16), to_paged(vc, table, pages, 16), dict(block_table=table)
-    out = dk.verify_attention(q, k, v, kc_in, vc_in, cl, qw, kw, num_splits=4, backend="triton", **where, **tree)
+    out = dk.verify_attention(q, k, v, kc_in, vc_in, cl, qw, kw, num_splits=4, backend=backend, **where, **tree)
     assert_within_rule(out, refs[0][0], refs[1][0], "tree verify_attention output")
     if paged:
         rows = lambda r, s: (table[r, s // 16], s % 16)  # noqa: E731
@@ -234,10 +237,11 @@ def test_verify_attention_tree_kernel(monkeypatch, dtype, case):
 
 @pytest.mark.skipif(torch.get_default_device().type != "cpu" or torch.cuda.is_available(), reason="CPU tensors only")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_verify_attention_tree_cpu_backend_is_the_reference_bit_for_bit(dtype):
-    """backend="cpu" with a tree (positions from the depths, the block mask from the ancestor bits; two trees in a
-    row, the second written into the first's tensors, so the memoised RoPE tables and masks must follow the
-    values): output and caches identical to the reference's."""
+def test_verify_attention_tree_cpu_torch_formulas_are_the_reference_bit_for_bit(monkeypatch, dtype):
+    """backend="cpu" without its native kernel, with a tree (positions from the depths, the block mask from the
+    ancestor bits; two trees in a row, the second written into the first's tensors, so the memoised RoPE tables
+    and masks must follow the values): output and caches identical to the reference's."""
+    monkeypatch.setenv(dk.cpu_native.ENV, "0")
     n, t, nh, kvh, d, lens, cap = 3, 9, 4, 2, 16, [0, 5, 70], 96
     q, k, v, kc, vc, cl, qw, kw, inv = _attn_inputs(n, t, nh, kvh, d, lens, cap, dtype)
     depths = mask = None

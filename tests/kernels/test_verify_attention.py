@@ -4,7 +4,7 @@ unchanged bit for bit, splits sized from the live length."""
 import pytest
 import torch
 
-from dflash_kernels import verify_attention
+from dflash_kernels import cpu_native, verify_attention
 from dflash_kernels._triton_utils import rope_cos_sin_reference
 from _caches import random_block_table, to_paged
 from _splits import assert_slots, da, nan_partials
@@ -234,8 +234,10 @@ def test_bad_inputs():
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", [c for c in CASES if c[-1] != "paged"], ids=lambda c: f"{c[-1]}-b{c[1]}")
-def test_cpu_backend_is_the_reference_bit_for_bit(dtype, case):
-    """backend="cpu" runs the reference's formula with less Python per call: output and caches identical."""
+def test_cpu_backend_torch_formulas_are_the_reference_bit_for_bit(monkeypatch, dtype, case):
+    """backend="cpu" without its native kernel (bf16, a paged cache, no compiler, DFLASH_CPU_NATIVE=0) runs the
+    reference's formula with less Python per call: output and caches identical."""
+    monkeypatch.setenv(cpu_native.ENV, "0")
     n, b, nh, kvh, d, lens, cap, kind = case
     q, k, v, kc, vc, cl, qw, kw = _case(n, b, nh, kvh, d, lens, cap, dtype, True)
     rope = dict(inv_freq=_inv_freq(d), attention_scaling=1.1, scale=0.7 * d ** -0.5)
@@ -251,16 +253,23 @@ def test_cpu_backend_is_the_reference_bit_for_bit(dtype, case):
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only")
-def test_cpu_backend_sees_inv_freq_changed_in_place():
-    """The "cpu" path keeps the last RoPE tables; changing inv_freq in place (same tensor, same positions)
-    must not reuse them."""
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch_formulas"])
+def test_cpu_backend_sees_inv_freq_changed_in_place(monkeypatch, native):
+    """The "cpu" path keeps the last RoPE tables (both its native kernel and its torch formulas read them);
+    changing inv_freq in place (same tensor, same positions) must not reuse them. Torch formulas: the
+    reference's bits; native: the 2x rule against fp64 (stale tables would be off by O(1))."""
+    monkeypatch.setenv(cpu_native.ENV, native)
     n, b, nh, kvh, d, lens, cap, _ = CASES[0]
-    q, k, v, kc, vc, cl, qw, kw = _case(n, b, nh, kvh, d, lens, cap, torch.float32, True)
+    args = _case(n, b, nh, kvh, d, lens, cap, torch.float32, True)
+    q, k, v, kc, vc, cl, qw, kw = args
     for inference in (False, True):  # an inference tensor has no version counter
         with torch.inference_mode(inference):
             inv_freq = _inv_freq(d)
             for _ in range(2):
-                outs = [verify_attention(q, k, v, kc.clone(), vc.clone(), cl, qw, kw, inv_freq=inv_freq,
-                                         backend=backend) for backend in ("cpu", "torch")]
-                assert torch.equal(outs[0], outs[1])
+                got = verify_attention(q, k, v, kc.clone(), vc.clone(), cl, qw, kw, inv_freq=inv_freq, backend="cpu")
+                (ref, _, _), (lowp, _, _) = _reference(args, inv_freq=inv_freq.clone())
+                if native == "0":
+                    assert torch.equal(got, lowp)
+                else:
+                    assert_within_rule(got, ref, lowp, "cpu verify_attention after an in-place inv_freq change")
                 inv_freq.mul_(1.7)

@@ -1,0 +1,420 @@
+"""Native fp32 CPU kernels behind the ``"cpu"`` backend of ``verify_attention`` and ``add_rms_norm``, and the
+on-first-use C++ build they share with ``dflash.cpu_linear``.
+
+Why: on a CPU the small ops of a decoder layer cost more in dispatch than in arithmetic. Measured on SmolLM2-135M
+(2 threads, one lean target forward): the torch formulas of attention (q/k norm, RoPE, cache write, SDPA, per
+request Python) took 11-16 ms and the 61 residual-add + RMSNorm calls 6.5-7 ms of a 55-65 ms forward at 1-8
+rows, about as much as the projections' distance from their memory floor. Here each is one C call.
+
+What they compute (the ops' definitions, in fp32; only the order of fp32 sums differs, so the ops' tests hold
+them to the 2x error rule against fp64, not to the references' bits):
+
+* :func:`add_rms_norm`: ``residual += x`` (in place), then ``weight * (s * rsqrt(mean(s^2) + eps))``.
+* :func:`verify_attention`: per request n (cache row ``rows[n]``, ``C = lens[n]``) and block row i: q and k
+  get their per-head RMSNorm (when the weights are given) and RoPE from the given tables (``cos``, and ``sin``
+  with its first half negated, so ``rotate_half(x) * sin == roll(x, D/2) * sin_signed``); the block's K and
+  raw V rows are written to cache rows ``C + i``; query i attends to the context rows ``[0, C)`` and the block
+  rows j <= i (causal) or those whose bit is set in its ancestor mask (a tree), with scale ``scale``.
+
+The RoPE and norm follow the torch formulas' rounding steps (products and sums each rounded, no FMA
+contraction: ``-ffp-contract=off``), so a K row written without a norm is the reference's bits; the dot
+products, softmax and norms' sums of squares use 16 partial sums.
+
+Threads: OpenMP (torch's libgomp) with ``torch.get_num_threads()`` threads; attention splits (request, head,
+query row), the norm its rows once there are enough of them.
+
+Build: :func:`build_library` compiles a C++ source once per source, flags, compiler and CPU (``-O3
+-march=native -fopenmp``) into ``$DFLASH_CACHE/<name>/<hash>.so`` (default ``~/.cache/dflash``) and loads it
+with ctypes. Without Linux x86-64 or a compiler, :func:`available` is False (:func:`unavailable_reason` says why,
+one warning too) and the ops keep their torch formulas (bit-equal to the references). ``DFLASH_CPU_NATIVE=0``
+turns these kernels off (A/B runs, tests of the torch formulas).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import threading
+import warnings
+
+import torch
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+ENV = "DFLASH_CPU_NATIVE"
+
+
+def cache_root() -> str:
+    """The project's cache folder: ``$DFLASH_CACHE``, default ``~/.cache/dflash``."""
+    return os.environ.get("DFLASH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dflash")
+
+
+def cpu_flags() -> str:
+    """The ``flags`` line of ``/proc/cpuinfo`` (Linux x86-64 only: raises RuntimeError elsewhere)."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        raise RuntimeError(f"needs Linux x86-64, this is {platform.system()} {platform.machine()}")
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        return next((line for line in f if line.startswith("flags")), "")
+
+
+def build_library(name: str, source: str, flags) -> ctypes.CDLL:
+    """Compile ``source`` (C++) with ``flags`` once per source, flags, compiler and CPU into
+    ``<cache_root>/<name>/<hash>.so`` and load it. Raises RuntimeError (no compiler, compile error, not Linux
+    x86-64), OSError or SubprocessError."""
+    features = cpu_flags()
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler ($CXX, c++ or g++)")
+    key = hashlib.sha256("\0".join((source, *flags, cxx, features)).encode()).hexdigest()[:16]
+    path = os.path.join(cache_root(), name, f"{key}.so")
+    if not os.path.isfile(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        done = subprocess.run([cxx, *flags, "-x", "c++", "-", "-o", tmp], input=source, text=True,
+                              capture_output=True, timeout=300)
+        if done.returncode:
+            raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)  # atomic: concurrent builders each write their own tmp
+    return ctypes.CDLL(path)
+
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <memory>
+#include <vector>
+
+namespace {
+
+constexpr int L = 16;  // partial sums: one AVX-512 vector (two AVX2 ones)
+typedef float v16 __attribute__((vector_size(4 * L)));  // GCC/Clang vectors: the registers of the hot loops
+typedef int32_t v16i __attribute__((vector_size(4 * L)));
+
+inline v16 load(const float* p) {
+  v16 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// sum_i a[i] * b[i] over n floats, in L lane sums added in a fixed order.
+inline float dot(const float* a, const float* b, long n) {
+  float acc[L] = {0.f};
+  long i = 0;
+  for (; i + L <= n; i += L)
+    for (int l = 0; l < L; ++l) acc[l] += a[i + l] * b[i + l];
+  for (int l = 0; i < n; ++i, ++l) acc[l] += a[i] * b[i];
+  float s = 0.f;
+  for (int l = 0; l < L; ++l) s += acc[l];
+  return s;
+}
+
+// 1 / sqrt(mean(x^2) + eps) of n floats.
+inline float rstd(const float* x, long n, float eps) { return 1.f / sqrtf(dot(x, x, n) / (float)n + eps); }
+
+// y = RoPE(RMSNorm(x) * w) (w null: no norm) of one head of D floats; cos / sin_signed rows of the tables.
+inline void norm_rope(const float* x, const float* w, float eps, const float* cs, const float* sn, long D, float* y) {
+  float t[512];
+  const float* h = x;
+  if (w) {
+    float r = rstd(x, D, eps);
+    for (long d = 0; d < D; ++d) t[d] = w[d] * (x[d] * r);
+    h = t;
+  }
+  long half = D / 2;
+  for (long d = 0; d < D; ++d) {
+    float rolled = h[d < half ? d + half : d - half];
+    float a = h[d] * cs[d];
+    float b = rolled * sn[d];
+    y[d] = a + b;
+  }
+}
+
+inline long max_len(const int64_t* lens, long n) {
+  long m = 0;
+  for (long i = 0; i < n; ++i) m = lens[i] > m ? lens[i] : m;
+  return m;
+}
+
+// exp(t) for t <= 0; lanes below -87 (also -inf and NaN: hidden keys) give exactly 0. Cephes' expf: k = round(t /
+// ln 2), t - k ln 2 in two parts, a degree-7 polynomial, times 2^k built in the exponent bits (about 1 ulp).
+inline v16 exp_nonpositive(v16 t) {
+  v16i hidden = !(t >= -87.0f);
+  t = hidden ? 0.f : t;
+  v16 y = t * 1.44269504088896341f + 0.5f;
+  v16i k = __builtin_convertvector(y, v16i);  // toward zero: one less where that rounded up
+  k += __builtin_convertvector(k, v16) > y;   // (true is -1)
+  v16 kf = __builtin_convertvector(k, v16);
+  v16 r = t - kf * 0.693359375f;
+  r = r - kf * -2.12194440e-4f;
+  v16 p = 1.9875691500e-4f + 0.f * r;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  v16 two = (v16)((k + 127) << 23);
+  return hidden ? 0.f : p * two;
+}
+
+inline float lane_sum(v16 v) {
+  float s = 0.f;
+  for (int l = 0; l < L; ++l) s += v[l];
+  return s;
+}
+
+// The sum of the lanes by halving (8 + 4 + 2 + 1 lanes added pairwise).
+inline float hsum(v16 v) {
+  for (int w = L / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) v[l] += v[l + w];
+  return v[0];
+}
+
+inline float lane_max(v16 v) {
+  float m = v[0];
+  for (int l = 1; l < L; ++l) m = v[l] > m ? v[l] : m;
+  return m;
+}
+
+}  // namespace
+
+// out[r] = w * (s * rstd(s)) with s = x[r] (+ res[r], written back to res); x rows at stride ldx, res and out
+// contiguous [rows, H].
+extern "C" void dflash_cpu_add_rms_norm_f32(const float* x, long ldx, float* res, const float* w, float* out,
+                                            long rows, long H, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * H >= 32768)
+  for (long r = 0; r < rows; ++r) {
+    const float* xr = x + r * ldx;
+    float* o = out + r * H;
+    const float* s = xr;
+    if (res) {
+      float* sr = res + r * H;
+      for (long i = 0; i < H; ++i) sr[i] += xr[i];
+      s = sr;
+    }
+    float k = rstd(s, H, eps);
+    for (long i = 0; i < H; ++i) o[i] = w[i] * (s[i] * k);
+  }
+}
+
+// The verify step's attention (see the module docstring). q [N, B, nH, D], k / v [N, B, kvH, D]: rows at strides
+// (sq_n, sq_b) etc., heads contiguous; caches [R, cap, kvH, D] contiguous; lens / rows [N] (rows null: n);
+// cos / sin_signed [N * B, D]; tree_mask null (causal) or [N, B, words] ancestor bits; out [N, B, nH, D]
+// contiguous. The caller guarantees lens[n] + B <= cap, D <= 512 and D % 16 == 0.
+extern "C" void dflash_cpu_verify_attention_f32(
+    const float* q, long sq_n, long sq_b, const float* k, long sk_n, long sk_b, const float* v, long sv_n,
+    long sv_b, float* kc, float* vc, long cap, const int64_t* lens, const int64_t* rows, const float* qw,
+    const float* kw, float eps, const float* cos_t, const float* sin_t, const int64_t* tree_mask, long words,
+    float* out, long N, long B, long nH, long kvH, long D, float scale, int threads) {
+  const long group = nH / kvH, row_stride = kvH * D;
+  const long kmax = max_len(lens, N) + B, tiles = (kmax + L - 1) / L, kpad = tiles * L;
+  // Few query rows per KV head (a one-token step): a score is a dot product and a vector sum, cheaper than
+  // transposing the keys, which pays for itself from about 8 rows per head (64 moves per key vs ~8 ops per sum).
+  const bool transpose = B * group >= 8;
+  std::unique_ptr<v16[]> kt(new v16[transpose ? N * kvH * tiles * D : 1]);  // C++17: over-aligned, not zeroed
+#pragma omp parallel num_threads(threads)
+  {
+    // Phase 1: the block's K (normed, rotated) and V rows into the cache.
+#pragma omp for schedule(static)
+    for (long u = 0; u < N * B * kvH; ++u) {
+      long n = u / (B * kvH), i = (u / kvH) % B, g = u % kvH;
+      long base = ((rows ? rows[n] : n) * cap + lens[n] + i) * row_stride + g * D;
+      const float* cs = cos_t + (n * B + i) * D;
+      const float* sn = sin_t + (n * B + i) * D;
+      norm_rope(k + n * sk_n + i * sk_b + g * D, kw, eps, cs, sn, D, kc + base);
+      const float* vr = v + n * sv_n + i * sv_b + g * D;
+      for (long d = 0; d < D; ++d) vc[base + d] = vr[d];
+    }
+    // Phase 2 (after the barrier): each request's keys of each KV head, transposed in tiles of L keys to [D][L]
+    // (zero past the last key), so a score tile is L-lane FMAs over d with no per-key horizontal sum.
+#pragma omp for schedule(static)
+    for (long u = 0; u < (transpose ? N * kvH * tiles : 0); ++u) {
+      long n = u / (kvH * tiles), g = (u / tiles) % kvH, j0 = (u % tiles) * L;
+      long keys = lens[n] + B;
+      const float* kb = kc + (rows ? rows[n] : n) * cap * row_stride + g * D;
+      float* t = (float*)&kt[u * D];
+      for (long l = 0; l < L; ++l) {
+        const float* kr = kb + (j0 + l) * row_stride;
+        bool live = j0 + l < keys;
+        for (long d = 0; d < D; ++d) t[d * L + l] = live ? kr[d] : 0.f;
+      }
+    }
+    // Phase 3: one (request, head) per unit, its B query rows together (each V row read once per 4 rows).
+    std::vector<float> qr(B * D), s(B * kpad);
+#pragma omp for schedule(static)
+    for (long u = 0; u < N * nH; ++u) {
+      long n = u / nH, h = u % nH, g = h / group;
+      long ctx = lens[n], keys = ctx + B, ntile = (keys + L - 1) / L;
+      const float* vb = vc + (rows ? rows[n] : n) * cap * row_stride + g * D;
+      const v16* kt_g = &kt[(n * kvH + g) * tiles * D];
+      for (long i = 0; i < B; ++i)
+        norm_rope(q + n * sq_n + i * sq_b + h * D, qw, eps, cos_t + (n * B + i) * D, sin_t + (n * B + i) * D, D,
+                  &qr[i * D]);
+      for (long i = 0; i < (transpose ? 0 : B); ++i) {
+        const float* x = &qr[i * D];
+        float* si = &s[i * kpad];
+        for (long j = 0; j < keys; ++j) {
+          const float* kr = kc + ((rows ? rows[n] : n) * cap + j) * row_stride + g * D;
+          v16 a = {};
+          for (long d = 0; d < D; d += L) a += load(x + d) * load(kr + d);
+          si[j] = hsum(a) * scale;
+        }
+      }
+      for (long i0 = 0; i0 < (transpose ? B : 0); i0 += 4) {  // four query rows share each key tile load
+        long ni = B - i0 < 4 ? B - i0 : 4;
+        const float* x0 = &qr[i0 * D];
+        const float* x1 = &qr[(i0 + (ni > 1 ? 1 : 0)) * D];
+        const float* x2 = &qr[(i0 + (ni > 2 ? 2 : 0)) * D];
+        const float* x3 = &qr[(i0 + (ni > 3 ? 3 : 0)) * D];
+        for (long jt = 0; jt < ntile; ++jt) {
+          const v16* t = kt_g + jt * D;
+          v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+          for (long d = 0; d < D; ++d) {
+            v16 kd = t[d];
+            a0 += x0[d] * kd;
+            a1 += x1[d] * kd;
+            a2 += x2[d] * kd;
+            a3 += x3[d] * kd;
+          }
+          long j0 = jt * L;
+          const v16 acc[4] = {a0, a1, a2, a3};
+          for (long r = 0; r < ni; ++r)
+            for (long l = 0; l < L; ++l) s[(i0 + r) * kpad + j0 + l] = acc[r][l] * scale;
+        }
+      }
+      for (long i = 0; i < B; ++i) {
+        float* si = &s[i * kpad];
+        const int64_t* bits = tree_mask ? tree_mask + (n * B + i) * words : 0;
+        for (long bj = 0; bj < B; ++bj) {
+          bool seen = bits ? ((bits[bj >> 6] >> (bj & 63)) & 1) != 0 : bj <= i;
+          if (!seen) si[ctx + bj] = -INFINITY;
+        }
+        for (long j = keys; j < ntile * L; ++j) si[j] = -INFINITY;  // the last tile's padding
+        v16 mv = load(si);
+        for (long jt = 1; jt < ntile; ++jt) {
+          v16 x = load(si + jt * L);
+          mv = x > mv ? x : mv;
+        }
+        float m = lane_max(mv);
+        v16 sum = {};
+        for (long jt = 0; jt < ntile; ++jt) {
+          v16 e = exp_nonpositive(load(si + jt * L) - m);
+          __builtin_memcpy(si + jt * L, &e, sizeof e);
+          sum += e;
+        }
+        float l = lane_sum(sum);
+        float inv = l > 0.f ? 1.f / l : 0.f;
+        float* o = out + ((n * B + i) * nH + h) * D;
+        for (long d0 = 0; d0 < D; d0 += 4 * L) {  // 4 vectors of the output row in registers
+          long nv = (D - d0) / L < 4 ? (D - d0) / L : 4;
+          v16 o0 = {}, o1 = {}, o2 = {}, o3 = {};
+          for (long j = 0; j < keys; ++j) {
+            const float* vr = vb + j * row_stride + d0;
+            float e = si[j];
+            o0 += e * load(vr);
+            if (nv > 1) o1 += e * load(vr + L);
+            if (nv > 2) o2 += e * load(vr + 2 * L);
+            if (nv > 3) o3 += e * load(vr + 3 * L);
+          }
+          const v16 ov[4] = {o0, o1, o2, o3};
+          for (long c = 0; c < nv; ++c)
+            for (long l = 0; l < L; ++l) o[d0 + c * L + l] = ov[c][l] * inv;
+        }
+      }
+    }
+  }
+}
+"""
+
+MAX_HEAD_DIM = 512  # the kernels' per-head stack buffers (and D % 16 == 0: whole vectors)
+
+_lock = threading.Lock()
+_lib = None
+_reason: str | None = None
+_tried = False
+
+
+def _load():
+    global _lib, _reason, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            try:
+                lib = build_library("cpu_native", _SOURCE, FLAGS)
+                p, n, f, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
+                lib.dflash_cpu_add_rms_norm_f32.restype = None
+                lib.dflash_cpu_add_rms_norm_f32.argtypes = [p, n, p, p, p, n, n, f, i]
+                lib.dflash_cpu_verify_attention_f32.restype = None
+                lib.dflash_cpu_verify_attention_f32.argtypes = [
+                    p, n, n, p, n, n, p, n, n, p, p, n, p, p, p, p, f, p, p, p, n, p, n, n, n, n, n, f, i]
+                _lib = lib
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                _reason = f"dflash_kernels.cpu_native: unavailable ({e}); the \"cpu\" backend uses torch formulas"
+                warnings.warn(_reason, RuntimeWarning, stacklevel=3)
+            _tried = True
+    return _lib
+
+
+def enabled() -> bool:
+    """Whether the native kernels run (built and loaded, and not turned off by ``DFLASH_CPU_NATIVE=0``)."""
+    return os.environ.get(ENV, "1") != "0" and (_lib is not None or _load() is not None)
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernels are built and loaded (building them now if needed), else why not."""
+    _load()
+    return _reason
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                 out: torch.Tensor) -> bool:
+    """``add_rms_norm``'s "cpu" body for fp32 tensors (x rows viewable as ``[rows, H]`` with a row stride,
+    weight, residual and out contiguous); False (nothing done) where it does not apply."""
+    f32 = torch.float32
+    h = x.shape[-1]
+    if not (x.dtype == weight.dtype == out.dtype == f32 and weight.is_contiguous() and out.is_contiguous()
+            and x.stride(-1) == 1 and h > 0 and (residual is None or residual.is_contiguous()) and enabled()):
+        return False
+    x2 = x.reshape(-1, h)  # a view where the layout allows (validated: last dim contiguous)
+    if x2.stride(1) != 1:
+        return False
+    _lib.dflash_cpu_add_rms_norm_f32(x2.data_ptr(), x2.stride(0), _ptr(residual), weight.data_ptr(),
+                                     out.data_ptr(), x2.shape[0], h, eps, torch.get_num_threads())
+    return True
+
+
+def verify_attention(q, k, v, k_cache, v_cache, lens: list[int], cache_lens: torch.Tensor, rows, q_norm_weight,
+                     k_norm_weight, eps, scale, cos, sin_signed, tree_mask) -> torch.Tensor | None:
+    """``verify_attention``'s "cpu" body for fp32 tensors on a contiguous cache with room for every block
+    (``lens``: ``cache_lens`` on the host); None (nothing done) where it does not apply."""
+    f32 = torch.float32
+    n, b, nh, d = q.shape
+    kvh = k.shape[2]
+    cap = k_cache.shape[1]
+    norms = [t for t in (q_norm_weight, k_norm_weight) if t is not None]
+    if not (q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == f32 and d <= MAX_HEAD_DIM
+            and all(t.dtype == f32 and t.is_contiguous() for t in norms) and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and all(t.stride(3) == 1 and t.stride(2) == d for t in (q, k, v))
+            and d % 16 == 0 and max(lens) + b <= cap and min(lens) >= 0 and enabled()):
+        return None
+    cache_lens = cache_lens.contiguous()
+    rows = None if rows is None else rows.contiguous()
+    words = 0
+    if tree_mask is not None:
+        tree_mask = tree_mask.contiguous()
+        words = tree_mask.shape[-1]
+    cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
+    out = q.new_empty((n, b, nh, d))
+    _lib.dflash_cpu_verify_attention_f32(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
+        v.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), cap, cache_lens.data_ptr(), _ptr(rows),
+        _ptr(q_norm_weight), _ptr(k_norm_weight), eps, cos.data_ptr(), sin_signed.data_ptr(), _ptr(tree_mask),
+        words, out.data_ptr(), n, b, nh, kvh, d, scale, torch.get_num_threads())
+    return out

@@ -1,0 +1,103 @@
+"""The native fp32 kernels behind backend="cpu" (dflash_kernels.cpu_native): they build on this machine, the ops
+take them where they apply (and not where they do not), and their results hold the 2x rule against fp64 at the
+shapes the runtime uses (one row, a verify block, a prefill chunk) and at odd ones (a head dim with a tail)."""
+import pytest
+import torch
+
+from dflash_kernels import add_rms_norm, cpu_native, verify_attention
+from dflash_kernels.draft_attention import verify_attention_reference
+from dflash_kernels.layer_ops import add_rms_norm_reference
+from _device import DEVICE
+from _tol import assert_within_rule
+
+pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only")
+
+
+@pytest.fixture(autouse=True)
+def _fixed_seed():
+    torch.manual_seed(20261202)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Count the native entry points' calls (the library loaded first)."""
+    assert cpu_native.unavailable_reason() is None, "the native CPU kernels must build here (Linux x86-64, c++)"
+    seen = {"norm": 0, "attention": 0}
+    lib = cpu_native._lib
+    for key, name in (("norm", "dflash_cpu_add_rms_norm_f32"), ("attention", "dflash_cpu_verify_attention_f32")):
+        fn = getattr(lib, name)
+
+        def counted(*args, _fn=fn, _key=key):
+            seen[_key] += 1
+            return _fn(*args)
+        monkeypatch.setattr(lib, name, counted)
+    return seen
+
+
+def test_add_rms_norm_native(calls):
+    for shape, strided in (((7, 576), False), ((3, 2, 40), False), ((5, 19), True), ((64, 1536), False)):
+        x = torch.randn(shape[0], shape[-1] + 5)[:, 2:shape[-1] + 2] if strided else torch.randn(shape) * 2
+        res, w = torch.randn(x.shape), 1 + 0.5 * torch.randn(shape[-1])
+        for residual in (None, res):
+            before = None if residual is None else residual.clone()
+            out = add_rms_norm(x, w, 1e-5, residual=residual, backend="cpu")
+            ref64 = add_rms_norm_reference(x.double(), w.double(), 1e-5,
+                                           residual=None if before is None else before.double())
+            lowp = add_rms_norm_reference(x, w, 1e-5, residual=None if before is None else before.clone())
+            assert_within_rule(out, ref64, lowp, f"add_rms_norm {shape}")
+            if residual is not None:
+                assert torch.equal(residual, before + x)
+    assert calls["norm"] == 8
+    add_rms_norm(x.bfloat16(), w.bfloat16(), backend="cpu")  # bf16: the torch formula
+    assert calls["norm"] == 8
+
+
+def _inv_freq(d):
+    return 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+
+
+@pytest.mark.parametrize("n, b, nh, kvh, d, lens, cap, norm", [
+    (1, 1, 9, 3, 64, [200], 512, False),      # SmolLM2's one-token step
+    (2, 8, 9, 3, 64, [3, 180], 256, False),   # a verify block, ragged contexts
+    (1, 40, 4, 2, 48, [17], 64, True),        # a prefill chunk, Qwen3-style q/k norm, D = 3 vectors of 16
+    (3, 5, 6, 1, 32, [0, 9, 2], 16, True),    # G = 6, an empty context
+])
+def test_verify_attention_native(calls, n, b, nh, kvh, d, lens, cap, norm):
+    q, k, v = (torch.randn(n, b, h, d) for h in (nh, kvh, kvh))
+    kc, vc = (torch.randn(n + 1, cap, kvh, d) for _ in range(2))
+    for r, c in enumerate(lens):
+        kc[r + 1, c:c + b] = vc[r + 1, c:c + b] = float("nan")
+    rows = torch.arange(1, n + 1)  # cache rows 1..n: row 0 must stay untouched
+    cl = torch.tensor(lens)
+    qw, kw = ((1 + 0.3 * torch.randn(d)) for _ in range(2)) if norm else (None, None)
+    rope = dict(inv_freq=_inv_freq(d), attention_scaling=1.1, scale=0.7 * d ** -0.5, cache_batch_idx=rows)
+    refs = []
+    for conv in (torch.Tensor.double, torch.Tensor.clone):
+        kr, vr = conv(kc), conv(vc)
+        refs.append((verify_attention_reference(conv(q), conv(k), conv(v), kr, vr, cl, *(
+            None if w is None else conv(w) for w in (qw, kw)), **rope), kr, vr))
+    kn, vn = kc.clone(), vc.clone()
+    out = verify_attention(q, k, v, kn, vn, cl, qw, kw, backend="cpu", **rope)
+    assert calls["attention"] == 1
+    assert_within_rule(out, refs[0][0], refs[1][0], "native verify_attention")
+    assert_within_rule(kn, refs[0][1], refs[1][1], "native K cache")
+    assert torch.equal(vn, refs[1][2]) and torch.equal(kn[0], kc[0])
+
+
+def test_verify_attention_native_not_taken(calls):
+    """Where the native kernel does not apply the op keeps its torch formula: bf16, a block past the capacity,
+    or DFLASH_CPU_NATIVE=0."""
+    d = 16
+    q, k, v = (torch.randn(1, 4, h, d) for h in (2, 1, 1))
+    kc, vc = torch.zeros(1, 8, 1, d), torch.zeros(1, 8, 1, d)
+    args = dict(inv_freq=_inv_freq(d))
+    verify_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), kc.bfloat16(), vc.bfloat16(), torch.tensor([0]),
+                     backend="cpu", **args)
+    verify_attention(q, k, v, kc, vc, torch.tensor([6]), backend="cpu", **args)  # 6 + 4 > 8
+    assert calls["attention"] == 0
+    verify_attention(q, k, v, kc, vc, torch.tensor([2]), backend="cpu", **args)
+    assert calls["attention"] == 1
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv(cpu_native.ENV, "0")
+        verify_attention(q, k, v, kc, vc, torch.tensor([2]), backend="cpu", **args)
+    assert calls["attention"] == 1

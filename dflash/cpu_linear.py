@@ -42,10 +42,7 @@ graph emulator of ``dflash.graphs`` records dispatched ops and replays them: a c
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
 import subprocess
 import threading
 import warnings
@@ -54,11 +51,12 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
+from dflash_kernels import cpu_native
 from dflash_kernels._dispatch import unobserved_eager
 
 MIN_ROWS = 2
 MAX_ROWS = 16
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+FLAGS = cpu_native.FLAGS
 # The kernel's instruction sets, widest first, and the /proc/cpuinfo flags each needs.
 ISAS = {"avx512": {"avx512f"}, "avx2": {"avx2", "fma"}}
 ISA_ENV = "DFLASH_CPU_LINEAR_ISA"
@@ -238,29 +236,9 @@ def _pick_isa(cpu_flags: set[str], wanted: str | None = None) -> str:
 def _build(wanted: str | None = None):
     """Compile (once per source, flags and CPU) and load the kernel of ``wanted`` or the picked ISA; returns
     (kernel, ISA). Benchmarks call it with ``"avx2"`` for a second kernel next to the loaded one."""
-    from dflash.smollm2 import cache_path
-
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        raise RuntimeError(f"needs Linux x86-64, this is {platform.system()} {platform.machine()}")
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        cpu_flags = next((line for line in f if line.startswith("flags")), "")
-    isa = _pick_isa(set(cpu_flags.split()), wanted)
+    isa = _pick_isa(set(cpu_native.cpu_flags().split()), wanted)
     # -march=native tunes for this CPU; -mno-avx512f keeps the AVX2 build off AVX-512 on a CPU that has both.
-    flags = (*FLAGS, "-mno-avx512f") if isa == "avx2" else FLAGS
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not cxx:
-        raise RuntimeError("no C++ compiler ($CXX, c++ or g++)")
-    key = hashlib.sha256("\0".join((_SOURCE, *flags, cxx, cpu_flags)).encode()).hexdigest()[:16]
-    path = cache_path("cpu_linear", f"{key}.so")
-    if not os.path.isfile(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        done = subprocess.run([cxx, *flags, "-x", "c++", "-", "-o", tmp], input=_SOURCE, text=True,
-                              capture_output=True, timeout=300)
-        if done.returncode:
-            raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, path)  # atomic: concurrent builders each write their own tmp
-    lib = ctypes.CDLL(path)
+    lib = cpu_native.build_library("cpu_linear", _SOURCE, (*FLAGS, "-mno-avx512f") if isa == "avx2" else FLAGS)
     p, n = ctypes.c_void_p, ctypes.c_long
     one, three = lib.dflash_cpu_linear_f32, lib.dflash_cpu_linear3_f32
     one.restype = three.restype = None

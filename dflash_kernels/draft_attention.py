@@ -320,10 +320,11 @@ def _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_
     cache_rows = cache_batch_idx.tolist() if cache_batch_idx is not None else range(n)
     valid = block_lens.tolist() if block_lens is not None else [b] * n
     cos, sin_signed = _rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, q.dtype, tree_depths)
-    if write_kv and causal and sliding_window is None and block_lens is None:
-        native = cpu_native.verify_attention(q, k, v, k_cache, v_cache, lens, cache_lens, cache_batch_idx,
-                                             q_norm_weight, k_norm_weight, eps, d ** -0.5 if scale is None else scale,
-                                             cos, sin_signed, tree_mask)
+    if sliding_window is None:
+        native = cpu_native.block_attention(q, k, v, k_cache, v_cache, lens, cache_lens, cache_batch_idx, q_norm_weight,
+                                            k_norm_weight, eps, d ** -0.5 if scale is None else scale, cos, sin_signed,
+                                            causal=causal, write_kv=write_kv, block_lens=block_lens,
+                                            tree_mask=tree_mask)
         if native is not None:
             return native
     qk = _norm_rope_qk_cpu(q.reshape(n * b, nh, d), k.reshape(n * b, kvh, d), q_norm_weight, k_norm_weight, cos,

@@ -4,8 +4,8 @@ shapes the runtime uses (one row, a verify block, a prefill chunk) and at odd on
 import pytest
 import torch
 
-from dflash_kernels import add_rms_norm, cpu_native, verify_attention
-from dflash_kernels.draft_attention import verify_attention_reference
+from dflash_kernels import add_rms_norm, cpu_native, draft_attention, verify_attention
+from dflash_kernels.draft_attention import draft_attention_reference, verify_attention_reference
 from dflash_kernels.layer_ops import add_rms_norm_reference
 from _device import DEVICE
 from _tol import assert_within_rule
@@ -24,7 +24,7 @@ def calls(monkeypatch):
     assert cpu_native.unavailable_reason() is None, "the native CPU kernels must build here (Linux x86-64, c++)"
     seen = {"norm": 0, "attention": 0}
     lib = cpu_native._lib
-    for key, name in (("norm", "dflash_cpu_add_rms_norm_f32"), ("attention", "dflash_cpu_verify_attention_f32")):
+    for key, name in (("norm", "dflash_cpu_add_rms_norm_f32"), ("attention", "dflash_cpu_block_attention_f32")):
         fn = getattr(lib, name)
 
         def counted(*args, _fn=fn, _key=key):
@@ -101,3 +101,24 @@ def test_verify_attention_native_not_taken(calls):
         m.setenv(cpu_native.ENV, "0")
         verify_attention(q, k, v, kc, vc, torch.tensor([2]), backend="cpu", **args)
     assert calls["attention"] == 1
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_draft_attention_native(calls, causal):
+    """The draft step's attention: context rows from the cache (nothing written), the block's own keys aside,
+    block_lens masking the block keys past each request's valid rows (rows >= block_lens are unspecified)."""
+    n, b, nh, kvh, d, lens, cap = 3, 8, 8, 2, 32, [0, 13, 40], 48
+    q, k, v = (torch.randn(n, b, h, d) for h in (nh, kvh, kvh))
+    kc, vc = (torch.randn(n, cap, kvh, d) for _ in range(2))
+    qw, kw = ((1 + 0.3 * torch.randn(d)) for _ in range(2))
+    cl, block_lens = torch.tensor(lens), torch.tensor([8, 3, 1])
+    kw_ = dict(inv_freq=_inv_freq(d), attention_scaling=1.1, causal=causal, block_lens=block_lens)
+    ref64 = draft_attention_reference(q.double(), k.double(), v.double(), kc.double(), vc.double(), cl, qw.double(),
+                                      kw.double(), **kw_)
+    lowp = draft_attention_reference(q, k, v, kc, vc, cl, qw, kw, **kw_)
+    kc0, vc0 = kc.clone(), vc.clone()
+    out = draft_attention(q, k, v, kc, vc, cl, qw, kw, backend="cpu", **kw_)
+    assert calls["attention"] == 1
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0), "the draft's attention must not write its cache"
+    valid = torch.arange(b)[None, :] < block_lens[:, None]
+    assert_within_rule(out[valid], ref64[valid], lowp[valid], "native draft_attention")

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from dflash_kernels import cpu_native
 from dflash_kernels._triton_utils import rope_cos_sin_reference
 from dflash_kernels.draft_attention import draft_attention, draft_attention_reference
 from _caches import random_block_table, to_paged
@@ -408,9 +409,11 @@ def test_block_lens_bad_inputs():
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES)
-def test_cpu_backend_is_the_reference_bit_for_bit(dtype, case):
-    """backend="cpu" runs the reference's formula with less Python per call: the same output bits on the rows
-    the contract defines (i < block_lens), for every mask the reference builds, with and without q/k norm."""
+def test_cpu_backend_torch_formulas_are_the_reference_bit_for_bit(monkeypatch, dtype, case):
+    """backend="cpu" without its native kernel (bf16, a window, no compiler, DFLASH_CPU_NATIVE=0) runs the
+    reference's formula with less Python per call: the same output bits on the rows the contract defines
+    (i < block_lens), for every mask the reference builds, with and without q/k norm."""
+    monkeypatch.setenv(cpu_native.ENV, "0")
     n, b, nh, kvh, d, lens = case
     q, k, v, kc, vc, cl, qw, kw = _case(n, b, nh, kvh, d, lens, dtype)
     idx = torch.randperm(n)

@@ -1,5 +1,5 @@
-"""Native fp32 CPU kernels behind the ``"cpu"`` backend of ``verify_attention``, ``draft_attention`` and
-``add_rms_norm``, and the on-first-use C++ build they share with ``dflash.cpu_linear``.
+"""Native fp32 CPU kernels behind the ``"cpu"`` backend of ``verify_attention``, ``draft_attention``,
+``add_rms_norm`` and ``silu_mul``, and the on-first-use C++ build they share with ``dflash.cpu_linear``.
 
 Why: on a CPU the small ops of a decoder layer cost more in dispatch than in arithmetic. Measured on SmolLM2-135M
 (2 threads, one lean target forward): the torch formulas of attention (q/k norm, RoPE, cache write, SDPA, per
@@ -10,6 +10,7 @@ What they compute (the ops' definitions, in fp32; only the order of fp32 sums di
 them to the 2x error rule against fp64, not to the references' bits):
 
 * :func:`add_rms_norm`: ``residual += x`` (in place), then ``weight * (s * rsqrt(mean(s^2) + eps))``.
+* :func:`silu_mul`: ``silu(gate) * up`` of ``[gate | up]`` rows.
 * :func:`block_attention`: per request n (cache row ``rows[n]``, ``C = lens[n]``, ``v = block_lens[n]`` or B)
   and block row i: q and k get their per-head RMSNorm (when the weights are given) and RoPE from the given
   tables (``cos``, and ``sin`` with its first half negated, so ``rotate_half(x) * sin == roll(x, D/2) *
@@ -169,6 +170,16 @@ inline float lane_sum(v16 v) {
   return s;
 }
 
+// acc[c] += sum_j w[j] * p[j * stride + c * L ...] over `count` rows, NV vectors of each (in registers).
+template <int NV>
+inline void weighted_rows(const float* p, long stride, const float* w, long count, v16* acc) {
+  v16 a[NV];
+  for (int c = 0; c < NV; ++c) a[c] = acc[c];
+  for (long j = 0; j < count; ++j, p += stride)
+    for (int c = 0; c < NV; ++c) a[c] += w[j] * load(p + c * L);
+  for (int c = 0; c < NV; ++c) acc[c] = a[c];
+}
+
 // The sum of the lanes by halving (8 + 4 + 2 + 1 lanes added pairwise).
 inline float hsum(v16 v) {
   for (int w = L / 2; w >= 1; w /= 2)
@@ -200,6 +211,27 @@ extern "C" void dflash_cpu_add_rms_norm_f32(const float* x, long ldx, float* res
     }
     float k = rstd(s, H, eps);
     for (long i = 0; i < H; ++i) o[i] = w[i] * (s[i] * k);
+  }
+}
+
+// out[r] = silu(gate) * up of rows [gate (I) | up (I)] at stride ldx; out contiguous [rows, I]. silu(g) =
+// g * sigmoid(g) from e = exp(-|g|) (the polynomial's range): 1 / (1 + e) for g >= 0, e / (1 + e) below.
+extern "C" void dflash_cpu_silu_mul_f32(const float* x, long ldx, float* out, long rows, long I, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * I >= 32768)
+  for (long r = 0; r < rows; ++r) {
+    const float* g = x + r * ldx;
+    const float* u = g + I;
+    float* o = out + r * I;
+    long c = 0;
+    for (; c + L <= I; c += L) {
+      v16 gv = load(g + c);
+      v16 a = gv < 0.f ? gv : -gv;  // -|g|
+      v16 e = exp_nonpositive(a);
+      v16 sig = (gv < 0.f ? e : 1.f) / (1.f + e);  // sigmoid(g), no cancellation on either side
+      v16 y = gv * sig * load(u + c);
+      __builtin_memcpy(o + c, &y, sizeof y);
+    }
+    for (; c < I; ++c) o[c] = g[c] / (1.f + expf(-g[c])) * u[c];
   }
 }
 
@@ -324,20 +356,24 @@ extern "C" void dflash_cpu_block_attention_f32(
         float l = lane_sum(sum);
         float inv = l > 0.f ? 1.f / l : 0.f;
         float* o = out + ((n * B + i) * nH + h) * D;
-        for (long d0 = 0; d0 < D; d0 += 4 * L) {  // 4 vectors of the output row in registers
-          long nv = (D - d0) / L < 4 ? (D - d0) / L : 4;
-          v16 o0 = {}, o1 = {}, o2 = {}, o3 = {};
-          for (long j = 0; j < keys; ++j) {
-            const float* vr = row_of(vc, bv, n, g, j) + d0;
-            float e = si[j];
-            o0 += e * load(vr);
-            if (nv > 1) o1 += e * load(vr + L);
-            if (nv > 2) o2 += e * load(vr + 2 * L);
-            if (nv > 3) o3 += e * load(vr + 3 * L);
+        // The weighted sum of the V rows: the context rows in the cache, then the block's (in the cache after
+        // them, or aside), 64 output columns at a time in registers.
+        const float* ctx_v = vc + (rows ? rows[n] : n) * cap * row_stride + g * D;
+        const float* blk_v = write_kv ? ctx_v + ctx * row_stride : bv + (n * B * kvH + g) * D;
+        const long blk_stride = write_kv ? row_stride : kvH * D;
+        for (long d0 = 0; d0 < D; d0 += 4 * L) {
+          v16 acc[4] = {};
+          if (D - d0 >= 4 * L) {
+            weighted_rows<4>(ctx_v + d0, row_stride, si, ctx, acc);
+            weighted_rows<4>(blk_v + d0, blk_stride, si + ctx, B, acc);
+          } else {
+            for (long c = 0; c < (D - d0) / L; ++c) {
+              weighted_rows<1>(ctx_v + d0 + c * L, row_stride, si, ctx, acc + c);
+              weighted_rows<1>(blk_v + d0 + c * L, blk_stride, si + ctx, B, acc + c);
+            }
           }
-          const v16 ov[4] = {o0, o1, o2, o3};
-          for (long c = 0; c < nv; ++c)
-            for (long l = 0; l < L; ++l) o[d0 + c * L + l] = ov[c][l] * inv;
+          for (long c = 0; c < 4 && d0 + c * L < D; ++c)
+            for (long l = 0; l < L; ++l) o[d0 + c * L + l] = acc[c][l] * inv;
         }
       }
     }
@@ -364,6 +400,8 @@ def _load():
                 p, n, f, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
                 lib.dflash_cpu_add_rms_norm_f32.restype = None
                 lib.dflash_cpu_add_rms_norm_f32.argtypes = [p, n, p, p, p, n, n, f, i]
+                lib.dflash_cpu_silu_mul_f32.restype = None
+                lib.dflash_cpu_silu_mul_f32.argtypes = [p, n, p, n, n, i]
                 lib.dflash_cpu_block_attention_f32.restype = None
                 lib.dflash_cpu_block_attention_f32.argtypes = [
                     p, n, n, p, n, n, p, n, n, p, p, n, p, p, p, p, p, f, p, p, p, n, i, i, p, n, n, n, n, n, f, i]
@@ -404,6 +442,20 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
         return False
     _lib.dflash_cpu_add_rms_norm_f32(x2.data_ptr(), x2.stride(0), _ptr(residual), weight.data_ptr(),
                                      out.data_ptr(), x2.shape[0], h, eps, torch.get_num_threads())
+    return True
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> bool:
+    """``silu_mul``'s "cpu" body for fp32 rows viewable as ``[rows, 2I]`` with a row stride into a contiguous
+    ``out``; False (nothing done) where it does not apply."""
+    i2 = gate_up.shape[-1]
+    if not (gate_up.dtype == out.dtype == torch.float32 and gate_up.stride(-1) == 1 and i2 > 0 and enabled()):
+        return False
+    x2 = gate_up.reshape(-1, i2)
+    if x2.stride(1) != 1:
+        return False
+    _lib.dflash_cpu_silu_mul_f32(x2.data_ptr(), x2.stride(0), out.data_ptr(), x2.shape[0], i2 // 2,
+                                 torch.get_num_threads())
     return True
 
 

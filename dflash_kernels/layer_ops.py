@@ -28,8 +28,7 @@ from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, rms_norm_reference,
 )
 
-_BACKENDS = ("triton", "torch")
-_NORM_BACKENDS = ("triton", "cpu", "torch")
+_BACKENDS = ("triton", "cpu", "torch")
 
 
 @triton.jit
@@ -151,7 +150,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     """
     if validate:
         _validate_add_rms_norm(x, weight, eps, residual, out)
-    chosen = resolve_backend(ADD_RMS_NORM, backend, x.device, available=_NORM_BACKENDS)
+    chosen = resolve_backend(ADD_RMS_NORM, backend, x.device, available=_BACKENDS)
     if out is None:
         out = x.new_empty(x.shape)
     call_op(_add_rms_norm_op, x, weight, float(eps), residual, out, chosen, device=x.device)
@@ -162,7 +161,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
 def _add_rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor],
                      out: torch.Tensor, backend: str) -> None:
     """``torch.ops.dflash.add_rms_norm``: :func:`add_rms_norm` after validation (writes residual and out)."""
-    chosen = resolve_backend(ADD_RMS_NORM, backend, x.device, available=_NORM_BACKENDS)
+    chosen = resolve_backend(ADD_RMS_NORM, backend, x.device, available=_BACKENDS)
     if chosen == "torch":
         out.copy_(add_rms_norm_reference(x, weight, eps, residual=residual))
         return
@@ -225,7 +224,8 @@ def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto", validate: bool = T
     Args:
         gate_up: ``[..., 2I]`` fp32/bf16/fp16, last dim contiguous (rows may be strided): columns ``:I`` are
             the gate projection, ``I:`` the up projection (``x @ cat([W_gate, W_up]).T``). May be empty.
-        backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"`` runs the reference, this op's CPU path).
+        backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"``: the native kernel on fp32 rows, else the
+            reference).
         validate: check the argument first (default); ``False`` as in :func:`add_rms_norm`.
 
     Returns:
@@ -246,7 +246,11 @@ def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto", validate: bool = T
 def _silu_mul_op(gate_up: torch.Tensor, backend: str) -> torch.Tensor:
     """``torch.ops.dflash.silu_mul``: :func:`silu_mul` after validation."""
     chosen = resolve_backend(SILU_MUL, backend, gate_up.device, available=_BACKENDS)
-    if chosen == "torch":
+    if chosen == "cpu":
+        out = gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+        if cpu_native.silu_mul(gate_up, out):
+            return out
+    if chosen in ("torch", "cpu"):
         return silu_mul_reference(gate_up).contiguous()
     return _silu_mul_triton(gate_up)
 

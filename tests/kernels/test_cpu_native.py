@@ -22,9 +22,10 @@ def _fixed_seed():
 def calls(monkeypatch):
     """Count the native entry points' calls (the library loaded first)."""
     assert cpu_native.unavailable_reason() is None, "the native CPU kernels must build here (Linux x86-64, c++)"
-    seen = {"norm": 0, "attention": 0}
+    seen = {"norm": 0, "attention": 0, "silu": 0}
     lib = cpu_native._lib
-    for key, name in (("norm", "dflash_cpu_add_rms_norm_f32"), ("attention", "dflash_cpu_block_attention_f32")):
+    for key, name in (("norm", "dflash_cpu_add_rms_norm_f32"), ("attention", "dflash_cpu_block_attention_f32"),
+                      ("silu", "dflash_cpu_silu_mul_f32")):
         fn = getattr(lib, name)
 
         def counted(*args, _fn=fn, _key=key):
@@ -122,3 +123,20 @@ def test_draft_attention_native(calls, causal):
     assert torch.equal(kc, kc0) and torch.equal(vc, vc0), "the draft's attention must not write its cache"
     valid = torch.arange(b)[None, :] < block_lens[:, None]
     assert_within_rule(out[valid], ref64[valid], lowp[valid], "native draft_attention")
+
+
+def test_silu_mul_native(calls):
+    from dflash_kernels import silu_mul
+    from dflash_kernels.layer_ops import silu_mul_reference
+
+    for shape, strided in (((8, 2 * 1536), False), ((3, 2, 2 * 40), False), ((5, 2 * 21), True)):
+        gu = torch.randn(shape) * 6  # |g| up to ~25: both sides of the sigmoid, far tails included
+        if strided:
+            gu = torch.randn(shape[0], shape[1] + 6)[:, 3:shape[1] + 3] * 6
+        out = silu_mul(gu, backend="cpu")
+        assert out.is_contiguous() and out.shape == (*shape[:-1], shape[-1] // 2)
+        assert_within_rule(out, silu_mul_reference(gu.double()), silu_mul_reference(gu), f"silu_mul {shape}")
+        g, u = gu.double().chunk(2, -1)
+        rel = ((out.double() - g * torch.sigmoid(g) * u).abs() / (g * torch.sigmoid(g) * u).abs().clamp_min(1e-30))
+        assert rel.max() < 1e-5, "every element to relative accuracy (the far negative tail too)"
+    assert calls["silu"] == 3

@@ -6,9 +6,11 @@ and DFlash at ``--block`` (default: the draft's), all greedy on the demo's defau
 warm-up call. Reported: medians over reps of the end-to-end time (prefill included) and tokens/s, and medians
 over all rounds of all reps of the one-token step (the autoregressive verify), the B-row verify step and the
 draft step, plus τ and whether every output equals HF's. ``--backends torch`` is the ops' PyTorch references
-with ``F.linear`` (the CPU path before the ``"cpu"`` backend); ``cpu`` is the default on CPU now.
+with ``F.linear`` (the CPU path before the ``"cpu"`` backend); ``cpu`` is the default on CPU now;
+``cpu-no-native`` is ``cpu`` with its native kernels off (``DFLASH_CPU_NATIVE=0``: the torch formulas).
 
-Usage: python bench/cpu_steps.py [--reps 5] [--threads 2] [--max-new 128] [--backends torch,cpu] [--out FILE]
+Usage: python bench/cpu_steps.py [--reps 5] [--threads 2] [--max-new 128] [--backends torch,cpu,cpu-no-native]
+       [--out FILE]
 """
 from __future__ import annotations
 
@@ -27,6 +29,9 @@ import common  # noqa: E402  (puts the repository root on sys.path)
 from dflash import cpu_linear, generate, smollm2  # noqa: E402
 from dflash.demo import DEFAULT_DRAFT, DEFAULT_PROMPT  # noqa: E402
 from dflash.model import DFlashDraftModel  # noqa: E402
+from dflash_kernels import cpu_native  # noqa: E402
+
+NO_NATIVE = "-no-native"
 
 
 def _commit() -> str:
@@ -56,6 +61,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     backends = args.backends.split(",")
+    if cpu_native.ENV in os.environ:
+        raise SystemExit(f"bench/cpu_steps.py: unset {cpu_native.ENV}; choose with --backends cpu,cpu{NO_NATIVE}")
     load0 = os.getloadavg()[0]
 
     target, tok = smollm2.load(verbose=False)
@@ -68,7 +75,13 @@ def main(argv=None) -> int:
         return common.hf_greedy(target, ids, n, stops)
 
     def ours(n, b, kb):
-        return generate(target, draft, ids, n, block_size=b, stop_token_ids=stops, backend="fast", kernel_backend=kb)
+        native = not kb.endswith(NO_NATIVE)
+        os.environ[cpu_native.ENV] = "1" if native else "0"
+        try:
+            return generate(target, draft, ids, n, block_size=b, stop_token_ids=stops, backend="fast",
+                            kernel_backend=kb if native else kb[:-len(NO_NATIVE)])
+        finally:
+            os.environ.pop(cpu_native.ENV)
 
     runs = [("HF generate", None, None)] + [(f"{kind} ({kb})", kb, b) for kb in backends
                                             for kind, b in (("autoregressive", 1), (f"DFlash B={block}", block))]

@@ -26,7 +26,7 @@ output chunk of 64. Measured at SmolLM2's shapes (9 heads, 3 KV heads, D 64, 200
 107 and 182 us a call at 1, 8 and 16 rows (the torch formulas: 370-530 us a layer inside a forward).
 
 Threads: OpenMP (torch's libgomp) with ``torch.get_num_threads()`` threads over (request, KV head, key tile) and
-then (request, head); the norm splits its rows once there are enough of them.
+then (request, head, 4 query rows); the norm and silu_mul split their rows once there are enough of them.
 
 Build: :func:`build_library` compiles a C++ source once per source, flags, compiler and CPU (``-O3
 -march=native -fopenmp``) into ``$DFLASH_CACHE/<name>/<hash>.so`` (default ``~/.cache/dflash``) and loads it
@@ -290,17 +290,20 @@ extern "C" void dflash_cpu_block_attention_f32(
         for (long d = 0; d < D; ++d) t[d * L + l] = live ? kr[d] : 0.f;
       }
     }
-    // Phase 3: one (request, head) per unit, its B query rows together (each V row read once per 4 rows).
+    // Phase 3: one (request, head, 4 query rows) per unit (4 rows share each key tile load; smaller units
+    // than a whole head balance the threads: 9 heads on 2 threads would idle one for a ninth of the time).
     std::vector<float> qr(B * D), s(B * kpad);
+    const long chunks = (B + 3) / 4;
 #pragma omp for schedule(static)
-    for (long u = 0; u < N * nH; ++u) {
-      long n = u / nH, h = u % nH, g = h / group;
+    for (long u = 0; u < N * nH * chunks; ++u) {
+      long n = u / (nH * chunks), h = (u / chunks) % nH, g = h / group;
+      long ib = (u % chunks) * 4, ie = ib + 4 < B ? ib + 4 : B;
       long ctx = lens[n], keys = ctx + B, ntile = (keys + L - 1) / L;
       const v16* kt_g = &kt[(n * kvH + g) * tiles * D];
-      for (long i = 0; i < B; ++i)
+      for (long i = ib; i < ie; ++i)
         norm_rope(q + n * sq_n + i * sq_b + h * D, qw, eps, cos_t + (n * B + i) * D, sin_t + (n * B + i) * D, D,
                   &qr[i * D]);
-      for (long i = 0; i < (transpose ? 0 : B); ++i) {
+      for (long i = ib; i < (transpose ? ib : ie); ++i) {
         const float* x = &qr[i * D];
         float* si = &s[i * kpad];
         for (long j = 0; j < keys; ++j) {
@@ -310,8 +313,8 @@ extern "C" void dflash_cpu_block_attention_f32(
           si[j] = hsum(a) * scale;
         }
       }
-      for (long i0 = 0; i0 < (transpose ? B : 0); i0 += 4) {  // four query rows share each key tile load
-        long ni = B - i0 < 4 ? B - i0 : 4;
+      for (long i0 = ib; i0 < (transpose ? ie : ib); i0 += 4) {
+        long ni = ie - i0;
         const float* x0 = &qr[i0 * D];
         const float* x1 = &qr[(i0 + (ni > 1 ? 1 : 0)) * D];
         const float* x2 = &qr[(i0 + (ni > 2 ? 2 : 0)) * D];
@@ -332,7 +335,7 @@ extern "C" void dflash_cpu_block_attention_f32(
             for (long l = 0; l < L; ++l) s[(i0 + r) * kpad + j0 + l] = acc[r][l] * scale;
         }
       }
-      for (long i = 0; i < B; ++i) {
+      for (long i = ib; i < ie; ++i) {
         float* si = &s[i * kpad];
         const int64_t* bits = tree_mask ? tree_mask + (n * B + i) * words : 0;
         long nb = block_lens ? block_lens[n] : B;

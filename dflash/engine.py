@@ -192,7 +192,7 @@ class DFlashEngine:
             for c0 in range(0, p, self.prefill_chunk):
                 c1 = min(p, c0 + self.prefill_chunk)
                 start = torch.full((1,), c0, dtype=torch.long, device=self.device)
-                logits, feats = self.target.forward(prompt[None, c0:c1], start, c1, rows=row)
+                logits, feats = self.target.forward(prompt[None, c0:c1], start, c1, rows=row, last_logits_only=True)
                 if self.use_draft:  # the chunk's context rows go straight into the draft cache
                     # the features in the draft's dtype, as the rounds' feature buffer holds them
                     ctx = fused_context(feats[0].to(self.features.dtype), self.draft.fc.weight,

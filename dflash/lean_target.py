@@ -132,8 +132,8 @@ class LeanTarget:
         self.capacity = capacity
 
     def forward(self, input_ids: torch.Tensor, start: torch.Tensor, kv_bound: int,
-                rows: torch.Tensor | None = None, tree: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                rows: torch.Tensor | None = None, tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+                last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``q`` new tokens per request.
 
         Args:
@@ -145,8 +145,11 @@ class LeanTarget:
                 [N, q, ceil(q/64)])`` (``build_tree``, ``tree_ancestor_mask``): token i sits at position
                 ``start[n] + depths[n, i]``, its K/V at cache row ``start[n] + i``, and it attends to the
                 cached rows and its ancestors.
+            last_logits_only: the LM head of the last token only (a prefill chunk, whose other logits nobody
+                reads: a 50-token prompt's head would be ~3 GFLOP).
         Returns:
-            logits [N, q, V] and the tapped features [N, q, T*H] (None when there are no taps).
+            logits [N, q, V] ([N, 1, V] with ``last_logits_only``) and the tapped features [N, q, T*H] (None when
+            there are no taps).
         """
         model, linear = self.model, self.linear
         n, q = input_ids.shape
@@ -184,6 +187,8 @@ class LeanTarget:
         norm = model.model.norm
         x = add_rms_norm(delta, norm.weight, norm.variance_epsilon, residual=h, backend=self.backend)
         self._tap(features, taps, len(self.layers) - 1, h)
+        if last_logits_only:
+            x = x[:, -1:]
         return linear(x, model.lm_head.weight, model.lm_head.bias), features
 
     @staticmethod

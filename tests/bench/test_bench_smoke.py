@@ -160,3 +160,23 @@ def test_tree_bench_compares_drafts(tmp_path):
         assert rows[f"{lab}: tree 2"][header.index("tau")] == rows["shipped draft: tree 2"][header.index("tau")]
     with pytest.raises(SystemExit, match="different names"):
         tree.main(["--draft", str(tree.DRAFT), "--draft", str(tree.DRAFT)])
+
+
+def test_cpu_forward_bench_smoke(tmp_path):
+    """bench/cpu_forward.py at one row, one rep: both settings of the native kernels, every part's column, the
+    weights' floor; the environment restored."""
+    from dflash import smollm2
+
+    if smollm2.unavailable_reason():
+        pytest.skip(smollm2.unavailable_reason())
+    import cpu_forward
+
+    out = tmp_path / "forward.md"
+    assert cpu_forward.main(["--rows", "1", "--reps", "1", "--threads", "1", "--out", str(out)]) == 0
+    text = out.read_text(encoding="utf-8")
+    cells = [[c.strip() for c in line.strip("| ").split("|")] for line in text.splitlines() if line.startswith("|")]
+    header, rows = cells[0], cells[2:]
+    assert [r[header.index("cpu kernels")] for r in rows] == ["native", "torch formulas"], text
+    assert all(float(r[header.index("whole_ms")]) > 0 and float(r[header.index("weights_floor_ms")]) > 0
+               for r in rows), text
+    assert "MiB" in text and os.environ.get("DFLASH_CPU_NATIVE") is None

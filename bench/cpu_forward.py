@@ -1,0 +1,151 @@
+"""Where one SmolLM2 target forward's time goes on the CPU (issue 13): the lean forward at 1 / 8 / 16 rows, whole and
+with one part replaced by a stand-in, with the native CPU kernels on and off, in one run.
+
+The forward is ``dflash.lean_target.LeanTarget`` on the "cpu" kernel backend (the verify step's and our
+autoregressive step's target pass), at 200 cached tokens. A part's cost is the whole forward's time minus the time
+of the same forward with that part replaced by a stand-in that returns a precomputed tensor of the right shape (the
+projections incl. the LM head: ``cpu_linear``; the attention: ``verify_attention``; the residual-add + RMSNorm
+calls: ``add_rms_norm``, which still does the residual add); "rest" = whole - the three parts (activation, taps,
+embedding, Python). The configurations run interleaved, rep by rep, and each cell is a median over reps.
+
+Floor: the bytes of the weights a forward reads (every projection and the LM head, fp32) over the read bandwidth
+measured here (``torch.dot`` of a 256 MiB vector with itself, 2 threads) - the time the projections cannot beat.
+
+Usage: python bench/cpu_forward.py [--rows 1,8,16] [--reps 15] [--threads 2] [--out FILE.md]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import torch  # noqa: E402
+
+CONTEXT = 200
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="1,8,16")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None, help="also write the markdown table here")
+    args = ap.parse_args(argv)
+
+    from dflash import lean_target, smollm2
+    from dflash_kernels import cpu_native
+
+    reason = smollm2.unavailable_reason()
+    if reason:
+        print(f"bench/cpu_forward.py: {reason}", file=sys.stderr)
+        return 1
+    if cpu_native.ENV in os.environ:
+        raise SystemExit(f"bench/cpu_forward.py: unset {cpu_native.ENV} (the run compares both settings)")
+    torch.set_num_threads(args.threads)
+    target, _ = smollm2.load(verbose=False)
+    lt = lean_target.LeanTarget(target, [1, 27], batch=1, capacity=CONTEXT + 64, backend="cpu")
+    real = {"linear": lt.linear, "attention": lean_target.verify_attention, "norm": lean_target.add_rms_norm}
+    outputs: dict = {}
+
+    def fake_linear(x, w, b=None):
+        n = w.out_features if hasattr(w, "out_features") else w.shape[0]
+        key = (tuple(x.shape), n)
+        if key not in outputs:
+            outputs[key] = torch.randn(*x.shape[:-1], n) * 0.1
+        return outputs[key]
+
+    def fake_attention(q, *args, **kwargs):
+        key = ("attention", tuple(q.shape))
+        if key not in outputs:
+            outputs[key] = torch.randn(q.shape) * 0.1
+        return outputs[key]
+
+    def fake_norm(x, weight, eps=1e-6, *, residual=None, **kwargs):
+        if residual is not None:
+            residual.add_(x)
+        key = ("norm", tuple(x.shape))
+        if key not in outputs:
+            outputs[key] = torch.randn(x.shape)
+        return outputs[key]
+
+    stand_ins = {"whole": {}, "projections": {"linear": fake_linear}, "attention": {"attention": fake_attention},
+                 "norms": {"norm": fake_norm}}
+
+    def forward(ids, start, parts: dict):
+        lt.linear = parts.get("linear", real["linear"])
+        lean_target.verify_attention = parts.get("attention", real["attention"])
+        lean_target.add_rms_norm = parts.get("norm", real["norm"])
+        try:
+            t = time.perf_counter()
+            with torch.inference_mode():
+                lt.forward(ids, start, CONTEXT + ids.shape[1])
+            return 1e3 * (time.perf_counter() - t)
+        finally:
+            lt.linear, lean_target.verify_attention, lean_target.add_rms_norm = (
+                real["linear"], real["attention"], real["norm"])
+
+    weight_bytes = sum(p.numel() * p.element_size() for name, p in target.named_parameters()
+                       if p.dim() == 2 and "embed_tokens" not in name)
+    if target.config.tie_word_embeddings:
+        weight_bytes += target.lm_head.weight.numel() * target.lm_head.weight.element_size()
+    vec = torch.randn(64 * 2**20)
+    for _ in range(2):
+        torch.dot(vec, vec)
+    reads = []
+    for _ in range(7):
+        t = time.perf_counter()
+        torch.dot(vec, vec)
+        reads.append(time.perf_counter() - t)
+    gbps = vec.numel() * 4 / statistics.median(reads) / 1e9
+    del vec
+    floor_ms = weight_bytes / (gbps * 1e9) * 1e3
+
+    rows_list = common.parse_ints(args.rows)
+    times: dict = {}
+    for rep in range(args.reps + 2):  # two warm-up reps, not kept
+        for q in rows_list:
+            ids = torch.randint(0, target.config.vocab_size, (1, q))
+            start = torch.tensor([CONTEXT])
+            for native in ("1", "0"):
+                os.environ[cpu_native.ENV] = native
+                try:
+                    for name, parts in stand_ins.items():
+                        ms = forward(ids, start, parts)
+                        if rep >= 2:
+                            times.setdefault((q, native, name), []).append(ms)
+                finally:
+                    del os.environ[cpu_native.ENV]
+        print(f"[cpu_forward] rep {rep + 1}/{args.reps + 2}", file=sys.stderr, flush=True)
+
+    rows = []
+    for q in rows_list:
+        for native in ("1", "0"):
+            med = {name: statistics.median(times[(q, native, name)]) for name in stand_ins}
+            parts = {name: med["whole"] - med[name] for name in ("projections", "attention", "norms")}
+            rows.append({"rows": q, "cpu kernels": "native" if native == "1" else "torch formulas",
+                         "whole_ms": round(med["whole"], 1), "projections_ms": round(parts["projections"], 1),
+                         "attention_ms": round(parts["attention"], 1), "norms_ms": round(parts["norms"], 1),
+                         "rest_ms": round(med["whole"] - sum(parts.values()), 1),
+                         "weights_floor_ms": round(floor_ms, 1)})
+    env = common.environment(torch.device("cpu"))
+    head = (f"SmolLM2-135M lean target forward, {CONTEXT} cached tokens, fp32, {args.reps} reps (medians); "
+            f"weights {weight_bytes / 2**20:.0f} MiB, read bandwidth {gbps:.1f} GB/s (torch.dot, 256 MiB); "
+            f"{env['hardware']}, torch {env['torch']}, commit {env['commit']}, {env['date']}")
+    columns = ["rows", "cpu kernels", "whole_ms", "projections_ms", "attention_ms", "norms_ms", "rest_ms",
+               "weights_floor_ms"]
+    table = common.table(rows, columns, markdown=True)
+    print(head)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(head + "\n\n" + table + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -437,8 +437,11 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     weight, residual and out contiguous); False (nothing done) where it does not apply."""
     f32 = torch.float32
     h = x.shape[-1]
+    # Shapes too, even after the op's validation (validate=False skips it): a wrong one must not become a read or
+    # write past a buffer; the torch formula then raises.
     if not (x.dtype == weight.dtype == out.dtype == f32 and weight.is_contiguous() and out.is_contiguous()
-            and x.stride(-1) == 1 and h > 0 and (residual is None or residual.is_contiguous()) and enabled()):
+            and x.stride(-1) == 1 and h > 0 and weight.numel() == h and out.shape == x.shape
+            and (residual is None or (residual.is_contiguous() and residual.shape == x.shape)) and enabled()):
         return False
     x2 = x.reshape(-1, h)  # a view where the layout allows (validated: last dim contiguous)
     if x2.stride(1) != 1:
@@ -452,7 +455,8 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> bool:
     """``silu_mul``'s "cpu" body for fp32 rows viewable as ``[rows, 2I]`` with a row stride into a contiguous
     ``out``; False (nothing done) where it does not apply."""
     i2 = gate_up.shape[-1]
-    if not (gate_up.dtype == out.dtype == torch.float32 and gate_up.stride(-1) == 1 and i2 > 0 and enabled()):
+    if not (gate_up.dtype == out.dtype == torch.float32 and gate_up.stride(-1) == 1 and i2 > 0 and i2 % 2 == 0
+            and out.is_contiguous() and out.shape == (*gate_up.shape[:-1], i2 // 2) and enabled()):
         return False
     x2 = gate_up.reshape(-1, i2)
     if x2.stride(1) != 1:
@@ -464,20 +468,30 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> bool:
 
 def block_attention(q, k, v, k_cache, v_cache, lens: list[int], cache_lens: torch.Tensor, rows, q_norm_weight,
                     k_norm_weight, eps, scale, cos, sin_signed, *, causal: bool, write_kv: bool, block_lens=None,
-                    tree_mask=None) -> torch.Tensor | None:
+                    tree_mask=None, row_list=None) -> torch.Tensor | None:
     """The "cpu" body of ``verify_attention`` (``write_kv``, causal or a tree) and ``draft_attention`` (no write,
     ``block_lens``) for fp32 tensors on a contiguous cache (with room for the block where it is written; ``lens``:
-    ``cache_lens`` on the host); None (nothing done) where it does not apply."""
+    ``cache_lens`` on the host, ``row_list``: ``rows`` on the host, None for 0..N-1); None (nothing done) where it
+    does not apply, including cache rows outside the cache (the torch formulas then raise the IndexError)."""
     f32 = torch.float32
     n, b, nh, d = q.shape
     kvh = k.shape[2]
     cap = k_cache.shape[1]
     norms = [t for t in (q_norm_weight, k_norm_weight) if t is not None]
-    if not (q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == f32 and d <= MAX_HEAD_DIM
+    # Every extent the kernel indexes with, checked here whatever the op validated: a mismatch falls back to the
+    # torch formula (which raises) instead of reaching memory past a buffer.
+    shapes_ok = (k.shape == v.shape == (n, b, kvh, d) and nh % kvh == 0 and k_cache.dim() == 4
+                 and k_cache.shape[2:] == (kvh, d) and v_cache.shape == k_cache.shape
+                 and cache_lens.numel() == len(lens) == n and all(t.numel() == d for t in norms)
+                 and cos.shape == sin_signed.shape == (n * b, d)
+                 and (rows is None or rows.numel() == n) and (block_lens is None or block_lens.numel() == n)
+                 and (tree_mask is None or (tree_mask.shape[:2] == (n, b) and tree_mask.shape[2] * 64 >= b)))
+    if not (shapes_ok and q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == f32 and d <= MAX_HEAD_DIM
             and all(t.dtype == f32 and t.is_contiguous() for t in norms) and k_cache.is_contiguous()
             and v_cache.is_contiguous() and all(t.stride(3) == 1 and t.stride(2) == d for t in (q, k, v))
             and d % 16 == 0 and n > 0 and max(lens) + (b if write_kv else 0) <= cap and min(lens) >= 0
-            and enabled()):
+            and (row_list is None or all(0 <= r < k_cache.shape[0] for r in row_list))
+            and (rows is not None or n <= k_cache.shape[0]) and enabled()):
         return None
     words = 0
     if tree_mask is not None:

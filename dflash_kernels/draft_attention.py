@@ -324,7 +324,7 @@ def _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_
         native = cpu_native.block_attention(q, k, v, k_cache, v_cache, lens, cache_lens, cache_batch_idx, q_norm_weight,
                                             k_norm_weight, eps, d ** -0.5 if scale is None else scale, cos, sin_signed,
                                             causal=causal, write_kv=write_kv, block_lens=block_lens,
-                                            tree_mask=tree_mask)
+                                            tree_mask=tree_mask, row_list=cache_rows)
         if native is not None:
             return native
     qk = _norm_rope_qk_cpu(q.reshape(n * b, nh, d), k.reshape(n * b, kvh, d), q_norm_weight, k_norm_weight, cos,

@@ -140,3 +140,15 @@ def test_silu_mul_native(calls):
         rel = ((out.double() - g * torch.sigmoid(g) * u).abs() / (g * torch.sigmoid(g) * u).abs().clamp_min(1e-30))
         assert rel.max() < 1e-5, "every element to relative accuracy (the far negative tail too)"
     assert calls["silu"] == 3
+
+
+def test_cache_rows_outside_the_cache_never_reach_the_kernel(calls):
+    """A cache row index past the cache (not value-checked by the op: that would read the device) must not become a
+    pointer past the buffer: the native kernel is skipped and the torch formula raises its IndexError."""
+    d = 16
+    q, k, v = (torch.randn(2, 3, h, d) for h in (2, 1, 1))
+    kc, vc = torch.zeros(2, 8, 1, d), torch.zeros(2, 8, 1, d)
+    with pytest.raises(IndexError):
+        verify_attention(q, k, v, kc, vc, torch.tensor([0, 1]), cache_batch_idx=torch.tensor([0, 2]),
+                         inv_freq=_inv_freq(d), backend="cpu")
+    assert calls["attention"] == 0

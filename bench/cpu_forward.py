@@ -14,7 +14,7 @@ Floor: the bytes of the weights a forward reads (every projection and the LM hea
 measured here (``torch.dot`` of a 1 GiB vector with itself, larger than the L3, 2 threads) - the time the
 projections cannot beat.
 
-Usage: python bench/cpu_forward.py [--rows 1,8,16] [--reps 25] [--threads 2] [--out FILE.md]
+Usage: python bench/cpu_forward.py [--rows 1,8,16] [--reps 25] [--threads 2] [--read-mib 1024] [--out FILE.md]
 """
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,8,16")
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--read-mib", type=int, default=1024,
+                    help="size of the vector read for the bandwidth floor (default 1024: past this machine's L3)")
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     args = ap.parse_args(argv)
 
@@ -97,7 +99,7 @@ def main(argv=None) -> int:
                        if p.dim() == 2 and "embed_tokens" not in name)
     if target.config.tie_word_embeddings:
         weight_bytes += target.lm_head.weight.numel() * target.lm_head.weight.element_size()
-    vec = torch.randn(256 * 2**20)
+    vec = torch.randn(args.read_mib * 2**18)  # fp32: 2^18 values a MiB
     for _ in range(2):
         torch.dot(vec, vec)
     reads = []
@@ -137,7 +139,7 @@ def main(argv=None) -> int:
                          "norms_ms": round(parts["norms"], 1), "weights_floor_ms": round(floor_ms, 1)})
     env = common.environment(torch.device("cpu"))
     head = (f"SmolLM2-135M lean target forward, {CONTEXT} cached tokens, fp32, {args.reps} reps (medians); "
-            f"weights {weight_bytes / 2**20:.0f} MiB, read bandwidth {gbps:.1f} GB/s (torch.dot, 1 GiB); "
+            f"weights {weight_bytes / 2**20:.0f} MiB, read bandwidth {gbps:.1f} GB/s (torch.dot, {args.read_mib} MiB); "
             f"{env['hardware']}, torch {env['torch']}, commit {env['commit']}, {env['date']}")
     columns = ["rows", "cpu kernels", "whole_ms", "without_projections_ms", "projections_ms", "attention_ms",
                "norms_ms", "weights_floor_ms"]

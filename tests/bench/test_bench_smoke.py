@@ -172,7 +172,9 @@ def test_cpu_forward_bench_smoke(tmp_path):
     import cpu_forward
 
     out = tmp_path / "forward.md"
-    assert cpu_forward.main(["--rows", "1", "--reps", "1", "--threads", "1", "--out", str(out)]) == 0
+    # a 16 MiB read: the suite's process must stay small (test_traffic bounds its peak memory)
+    assert cpu_forward.main(["--rows", "1", "--reps", "1", "--threads", "1", "--read-mib", "16",
+                             "--out", str(out)]) == 0
     text = out.read_text(encoding="utf-8")
     cells = [[c.strip() for c in line.strip("| ").split("|")] for line in text.splitlines() if line.startswith("|")]
     header, rows = cells[0], cells[2:]

@@ -71,3 +71,30 @@ def test_control_full_block_at_the_tail_changes_acceptance(monkeypatch):
     monkeypatch.setattr(DFlashEngine, "draft_step", full_block_draft_step)
     differing = [block for block in range(3, 17) if compare(*make_pair(block, seed=block), block)]
     assert differing, "no pair distinguishes a full tail block from the reference's shortened one"
+
+
+@pytest.mark.parametrize("block, tree_budget", [(2, None), (5, None), (8, None), (16, None), (5, 9), (8, 17)])
+def test_cpu_kernel_backend_equals_reference(monkeypatch, block, tree_budget):
+    """The engine on the "cpu" kernel backend (what CPU users run when the Triton interpreter is off), with its
+    native kernels (head_dim 16: the attention kernels apply), against the reference loop: the same tokens, ragged
+    requests, chains and trees; the native attention, norm and SwiGLU kernels are seen to run."""
+    from dflash_kernels import cpu_native
+
+    assert cpu_native.unavailable_reason() is None
+    calls = {"dflash_cpu_block_attention_f32": 0, "dflash_cpu_add_rms_norm_f32": 0, "dflash_cpu_silu_mul_f32": 0}
+    for name in calls:
+        fn = getattr(cpu_native._lib, name)
+
+        def counted(*args, _fn=fn, _name=name):
+            calls[_name] += 1
+            return _fn(*args)
+        monkeypatch.setattr(cpu_native._lib, name, counted)
+    torch.manual_seed(block)
+    target = make_target("qwen3" if block % 2 else "llama", vocab=VOCAB, hidden=64)
+    draft = make_draft(target, layers=2, block_size=block, mask_token_id=VOCAB - 1)
+    prompts, limits = requests(block)
+    fast = generate(target, draft, prompts, limits, backend="fast", kernel_backend="cpu", tree_budget=tree_budget)
+    for r, (p, m) in enumerate(zip(prompts, limits)):
+        ref = generate(target, draft, p, m, backend="reference")
+        assert torch.equal(fast.sequences[r], ref.sequences[0]), (block, tree_budget, r)
+    assert all(calls.values()), calls

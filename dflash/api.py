@@ -176,8 +176,9 @@ def generate(
             it can run (LLaMA/Qwen3 targets, supported draft layers), else reference.
         seed: makes sampling reproducible (the two backends draw different random streams).
         attention_mask, max_length (the engine's capacity, default prompt + max_new_tokens rounded up to
-            64), kernel_backend ("auto" | "triton" | "torch" | "ext"), use_cuda_graphs (None = on CUDA;
-            True; False; "emulate" = record each step once and replay it, with CUDA-graph semantics, on
+            64), kernel_backend ("auto" | "triton" | "cpu" | "torch" | "ext"; "cpu": the eager CPU path with
+            its native kernels, what "auto" picks on a CPU without the Triton interpreter), use_cuda_graphs
+            (None = on CUDA; True; False; "emulate" = record each step once and replay it, with CUDA-graph semantics, on
             any device): backend "fast" only.
         on_tokens: called as tokens are committed, with (request index, the new token ids): the first
             token after the prefill, then each round's tokens (for streaming output; the engine then

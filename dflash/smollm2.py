@@ -26,8 +26,6 @@ class SmolLM2NotInstalled(RuntimeError):
     pass
 
 
-
-
 def cache_path(*parts: str) -> str:
     """A path under the project's cache folder (``$DFLASH_CACHE``, default ``~/.cache/dflash``)."""
     return os.path.join(cache_root(), *parts)

@@ -164,12 +164,6 @@ inline v16 exp_nonpositive(v16 t) {
   return hidden ? 0.f : p * two;
 }
 
-inline float lane_sum(v16 v) {
-  float s = 0.f;
-  for (int l = 0; l < L; ++l) s += v[l];
-  return s;
-}
-
 // acc[c] += sum_j w[j] * p[j * stride + c * L ...] over `count` rows, NV vectors of each (in registers).
 template <int NV>
 inline void weighted_rows(const float* p, long stride, const float* w, long count, v16* acc) {
@@ -253,9 +247,10 @@ extern "C" void dflash_cpu_block_attention_f32(
   std::unique_ptr<float[]> scratch(new float[write_kv ? 1 : 2 * N * B * kvH * D]);
   float* bk = scratch.get();
   float* bv = bk + N * B * kvH * D;
+  auto cache_row = [&](long n) { return rows ? rows[n] : n; };  // request n's row of the caches
   // Row j of request n's keys (or values) of KV head g: the cache below lens[n], then the block rows.
   auto row_of = [&](const float* cache, const float* block, long n, long g, long j) -> const float* {
-    if (write_kv || j < lens[n]) return cache + ((rows ? rows[n] : n) * cap + j) * row_stride + g * D;
+    if (write_kv || j < lens[n]) return cache + (cache_row(n) * cap + j) * row_stride + g * D;
     return block + ((n * B + j - lens[n]) * kvH + g) * D;
   };
   // Few query rows per KV head (a one-token step): a score is a dot product and a vector sum, cheaper than
@@ -268,7 +263,7 @@ extern "C" void dflash_cpu_block_attention_f32(
 #pragma omp for schedule(static)
     for (long u = 0; u < N * B * kvH; ++u) {
       long n = u / (B * kvH), i = (u / kvH) % B, g = u % kvH;
-      float* kr = write_kv ? kc + ((rows ? rows[n] : n) * cap + lens[n] + i) * row_stride + g * D
+      float* kr = write_kv ? kc + (cache_row(n) * cap + lens[n] + i) * row_stride + g * D
                            : bk + ((n * B + i) * kvH + g) * D;
       float* vr = write_kv ? vc + (kr - kc) : bv + (kr - bk);
       const float* cs = cos_t + (n * B + i) * D;
@@ -356,12 +351,12 @@ extern "C" void dflash_cpu_block_attention_f32(
           __builtin_memcpy(si + jt * L, &e, sizeof e);
           sum += e;
         }
-        float l = lane_sum(sum);
+        float l = hsum(sum);
         float inv = l > 0.f ? 1.f / l : 0.f;
         float* o = out + ((n * B + i) * nH + h) * D;
         // The weighted sum of the V rows: the context rows in the cache, then the block's (in the cache after
         // them, or aside), 64 output columns at a time in registers.
-        const float* ctx_v = vc + (rows ? rows[n] : n) * cap * row_stride + g * D;
+        const float* ctx_v = vc + cache_row(n) * cap * row_stride + g * D;
         const float* blk_v = write_kv ? ctx_v + ctx * row_stride : bv + (n * B * kvH + g) * D;
         const long blk_stride = write_kv ? row_stride : kvH * D;
         for (long d0 = 0; d0 < D; d0 += 4 * L) {

@@ -309,16 +309,15 @@ def _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_
     requests, the cache rows written by slicing, the block keys read from the cache rows just written (no
     concatenation), and no mask where every key is visible. A tree (``verify_attention``'s ``tree_depths`` and
     ``tree_mask``) takes its positions from the depths and its block mask from the ancestor bits, unpacked once
-    for all requests. Reads the lengths on the host."""
+    for all requests. Reads the lengths on the host. fp32 without a window runs ``cpu_native.block_attention``
+    where it applies (the same tables; within the 2x rule, not the same bits)."""
     causal = (sliding_window is not None) if causal is None else causal
     n, b, nh, d = q.shape
     kvh = k.shape[2]
-    out = torch.empty((n, b, nh, d), dtype=q.dtype, device=q.device)
     if n == 0:
-        return out
+        return torch.empty((n, b, nh, d), dtype=q.dtype, device=q.device)
     lens = cache_lens.tolist()
     cache_rows = cache_batch_idx.tolist() if cache_batch_idx is not None else range(n)
-    valid = block_lens.tolist() if block_lens is not None else [b] * n
     cos, sin_signed = _rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, q.dtype, tree_depths)
     if sliding_window is None:
         native = cpu_native.block_attention(q, k, v, k_cache, v_cache, lens, cache_lens, cache_batch_idx, q_norm_weight,
@@ -327,6 +326,8 @@ def _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_
                                             tree_mask=tree_mask, row_list=cache_rows)
         if native is not None:
             return native
+    out = torch.empty((n, b, nh, d), dtype=q.dtype, device=q.device)
+    valid = block_lens.tolist() if block_lens is not None else [b] * n
     qk = _norm_rope_qk_cpu(q.reshape(n * b, nh, d), k.reshape(n * b, kvh, d), q_norm_weight, k_norm_weight, cos,
                            sin_signed, eps).view(n, b, nh + kvh, d)
     qn, kn = qk[:, :, :nh], qk[:, :, nh:]

@@ -60,8 +60,9 @@ def add_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1
 
 
 def _add_rms_norm_cpu(x, weight, eps, residual, out) -> None:
-    """The ``"cpu"`` backend: the reference's rounding steps with torch's fused RMSNorm (fp32 statistics, the
-    normalised value rounded to the dtype, then the weight multiply, written into ``out``): fewer ops per call."""
+    """The ``"cpu"`` backend: ``cpu_native.add_rms_norm`` for fp32 rows, else the reference's rounding steps with
+    torch's fused RMSNorm (fp32 statistics, the normalised value rounded to the dtype, then the weight multiply,
+    written into ``out``): fewer ops per call."""
     if cpu_native.add_rms_norm(x, weight, eps, residual, out):
         return
     s = x if residual is None else residual.add_(x)

@@ -1,17 +1,31 @@
-"""``linear(x, weight, bias)``: fp32 CPU linear layer for the 2-16 rows of a verify block.
+"""``linear(x, weight, bias)``: fp32 CPU linear layer for the rows of decode, verify and draft steps.
 
 Why: torch's CPU ``F.linear`` (MKL) streams the weight once for one row (GEMV), but for 2-16 rows it
 takes the GEMM path, which costs up to ~2x per weight byte (the LM head at 8 rows: more). A verify
 forward at B = 8 then costs ~1.85x a one-token step instead of the ~1.1x that weight streaming allows.
 Measurements: ``bench/cpu_gemm.py``, results in ``bench/results/*-cpu-gemm.md``.
 
-How: a small SIMD kernel (``_SOURCE``) reads the weight in place, in its own ``[N, K]`` layout. On AVX-512
+Two kernels, both computing ``F.linear`` in fp32 (only the order of fp32 sums differs, as between any two GEMMs;
+the tests hold them to the 2x error rule against fp64):
+
+* **AMX** (CPUs with AMX-BF16, e.g. Xeon Sapphire/Emerald Rapids, when the OS grants the tile state), for a weight
+  whose fp32 values are all exactly bf16 values: SmolLM2's (dequantized from GGUF into bf16) and any model or draft
+  loaded from bf16 into fp32. The weight is packed once into AMX tiles (bf16: half the bytes to stream); each x row
+  is split into three bf16 parts, ``x = hi + mid + lo`` exactly, so every product is exact in fp32 and the tiles
+  accumulate in fp32 (the hi sums moved out every 256 deep, so they carry no more rounding than a vector GEMM's).
+  Any number of rows; the weight leaves memory once per call. Measured on SmolLM2 at 8 and 16 rows (2 threads): a
+  verify step 35 and 39-42 ms against 49 and 68 ms on the fp32 kernel (``bench/results``). Memory: the packed
+  copy, 2 bytes a weight (SmolLM2: 270 MB), made on first use of each weight (one C pass that also checks
+  exactness) and kept while the weight lives; an in-place update (which bumps the tensor's version) repacks.
+* **fp32 SIMD** (AVX-512 or AVX2 + FMA) for 2-16 rows of any fp32 weight: ``_SOURCE``, below.
+
+The fp32 kernel reads the weight in place, in its own ``[N, K]`` layout. On AVX-512
 one tile is 4 weight rows x up to 4 input rows (16 lanes; 8 rows take two passes, the second finding the
 weight rows in L1); on AVX2 + FMA (e.g. AMD Zen 2/3, which have no AVX-512) 1 weight row x up to 8 input rows
 (8 lanes, 16 registers). The x rows stay in L1, each weight row is read from memory once per call (prefetched
 4 rows ahead) and multiplied against every x row, with per-lane partial sums along K reduced at the end (as
 accurate as MKL's fp32). OpenMP splits the output columns over ``torch.get_num_threads()`` threads, in torch's
-own libgomp (one thread pool per process).
+own libgomp (one thread pool per process); the AMX kernel too.
 
 Where it lives: it computes exactly ``F.linear`` (the definition is torch's own), at the runtime's call
 sites, so it is a drop-in function of the runtime rather than a ``dflash_kernels`` op: a ``torch.library``
@@ -19,25 +33,23 @@ op would add its dispatch (about 10 us per call measured here, the non-mutating 
 ~120 projections of a SmolLM2 step, and under ``torch.compile`` or a dispatch mode (the graph emulator) this
 function is ``F.linear`` anyway. The price: captured steps (the emulator) replay ``F.linear``, not this kernel.
 
-Memory: nothing is packed or cached, so no weight copy (0 extra bytes for SmolLM2) and a weight changed
-in place is seen by the next call: there is nothing to repack or invalidate.
-
 Build: compiled on first use with ``$CXX`` (else ``c++``) ``-O3 -march=native -fopenmp`` (the AVX2 build adds
-``-mno-avx512f``) into ``$DFLASH_CACHE/cpu_linear/<hash>.so`` (about 1 s; the hash covers the source, flags,
-compiler and CPU flags), then loaded with ctypes. The widest ISA the CPU has is used;
-``DFLASH_CPU_LINEAR_ISA=avx2`` asks for the AVX2 build on an AVX-512 CPU (tests, benchmarks). Without Linux,
-AVX-512F or AVX2 + FMA, or a working compiler, :func:`linear` is ``F.linear`` (one warning says why;
-:func:`unavailable_reason` too); :func:`isa` says which build runs.
+``-mno-avx512f``; the AMX one ``-mamx-tile -mamx-bf16``) into ``$DFLASH_CACHE/cpu_linear*/<hash>.so`` (about 1 s;
+the hash covers the source, flags, compiler and CPU flags), then loaded with ctypes. The widest ISA the CPU has is
+used; ``DFLASH_CPU_LINEAR_ISA=avx2`` asks for the AVX2 build on an AVX-512 CPU (tests, benchmarks), and
+``DFLASH_CPU_LINEAR_AMX=0`` (or :func:`set_amx`) turns the AMX path off. Without Linux, AVX-512F or AVX2 + FMA,
+or a working compiler, the fp32 kernel is ``F.linear`` (one warning says why; :func:`unavailable_reason` too);
+:func:`isa` says which build runs, :func:`amx_unavailable_reason` why AMX does not (no warning: most CPUs lack it).
 
 Row blocks: ``weight`` may be a :class:`RowBlocks`, up to three ``[N_i, K]`` blocks of one weight (a layer's
 q/k/v or gate/up projections), computed as their concatenation in one call, without a merged copy.
 
 Falls back to ``F.linear`` (same result up to fp32 rounding order; row blocks: one ``F.linear`` each, then a
-concatenation) for: fewer than :data:`MIN_ROWS` rows (row blocks: from one row the kernel runs) or
-more than :data:`MAX_ROWS` rows (``F.linear`` is as fast at 1 row and faster for many), non-CPU or
-non-fp32 tensors, a weight or bias whose last dimension is not contiguous, autograd (grad enabled and
-a ``requires_grad`` input), tracing under ``torch.compile``, and an active ``TorchDispatchMode`` (the
-graph emulator of ``dflash.graphs`` records dispatched ops and replays them: a ctypes call is not one).
+concatenation) for: non-CPU or non-fp32 tensors, a weight or bias whose last dimension is not contiguous, autograd
+(grad enabled and a ``requires_grad`` input), tracing under ``torch.compile``, an active ``TorchDispatchMode``
+(the graph emulator of ``dflash.graphs`` records dispatched ops and replays them: a ctypes call is not one), and,
+off the AMX path, fewer than :data:`MIN_ROWS` rows (row blocks: from one row the kernel runs) or more than
+:data:`MAX_ROWS` rows (``F.linear`` is as fast at 1 row and faster for many).
 """
 from __future__ import annotations
 
@@ -46,6 +58,7 @@ import os
 import subprocess
 import threading
 import warnings
+import weakref
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -211,6 +224,158 @@ extern "C" void dflash_cpu_linear3_f32(const float* x, long M, long K, const flo
 }
 """
 
+# The AMX path: a weight whose fp32 values are all exactly bf16 values (SmolLM2's, dequantized from GGUF into bf16,
+# and drafts saved in bf16) is packed once into AMX B tiles, half the bytes of the fp32 weight. Each input row x is
+# split into three bf16 parts with x = hi + mid + lo exactly (each the top 8 significant bits of what is left), so
+# every product w * part is exact in fp32 and TDPBF16PS accumulates them in fp32: the fp32 dot product, only the
+# order of its fp32 sums differs (as between any two GEMMs). Tile registers: C 0-2 (hi, mid, lo sums), A 3-5
+# (the parts of up to 16 rows), B 6 (16 columns x 32 deep, 1 KiB).
+_AMX_SOURCE = r"""
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace {
+constexpr long TN = 16;  // output columns of a tile
+constexpr long TK = 32;  // reduction depth of a tile (16 bf16 pairs)
+constexpr long TR = 16;  // rows of an A and a C tile at most
+constexpr long TILE = TN * TK;  // bf16 elements of a B tile
+constexpr long PREFETCH = 4;  // B tiles requested ahead (4 KiB): 2, 8 and 16 were slower here
+// A tile accumulates its products one after another in fp32 (round to nearest each time), so one long sum carries
+// the error of K additions where a vector GEMM's partial sums carry ~K/16. The hi sums (the part that matters; mid
+// and lo are 2^-8 and 2^-16 of it) are moved out every FLUSH steps (256 deep) and summed in fp32 outside: measured
+// error at K 1536, 8 rows: 2.2x torch's without it.
+constexpr long FLUSH = 8;
+
+struct TileConfig { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+
+inline uint32_t bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+inline float from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+// x [M, K] (row stride ldx) -> three planes [Mp, Kp] of bf16 (hi, mid, lo), zero padded. Truncating to the top 16
+// bits keeps a float's sign, exponent and top 8 significant bits, so each remainder is exact in fp32 and the
+// third part has at most 8 significant bits: x = hi + mid + lo exactly. Inf and NaN go whole into hi.
+void split(const float* x, long ldx, long M, long K, long Mp, long Kp, uint16_t* a) {
+  memset(a, 0, sizeof(uint16_t) * 3 * Mp * Kp);
+  uint16_t *hi = a, *mid = a + Mp * Kp, *lo = a + 2 * Mp * Kp;
+  for (long m = 0; m < M; ++m)
+    for (long k = 0; k < K; ++k) {
+      float v = x[m * ldx + k];
+      uint32_t u = bits(v);
+      if (!isfinite(v)) { hi[m * Kp + k] = (uint16_t)((u >> 16) | (isnan(v) ? 0x40 : 0)); continue; }
+      float r = v - from_bits(u & 0xffff0000u);
+      uint32_t ur = bits(r);
+      float r2 = r - from_bits(ur & 0xffff0000u);
+      hi[m * Kp + k] = (uint16_t)(u >> 16);
+      mid[m * Kp + k] = (uint16_t)(ur >> 16);
+      lo[m * Kp + k] = (uint16_t)(bits(r2) >> 16);
+    }
+}
+
+struct Block { const uint16_t* tiles; long n; const float* b; };
+}  // namespace
+
+// Linux grants a process the AMX tile state only on request; 0 = granted.
+extern "C" int dflash_amx_request(void) { return (int)syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                                              18 /* XFEATURE_XTILEDATA */); }
+
+// w [N, K] (row stride ldw) -> B tiles: per group of 16 output columns, per 32-deep step, [16 pairs][16 cols][2]
+// (zero padded). Returns how many elements are not exactly bf16 (then the tiles are not the weight).
+extern "C" long dflash_amx_pack(const float* w, long ldw, long N, long K, uint16_t* tiles, int threads) {
+  const long groups = (N + TN - 1) / TN, steps = (K + TK - 1) / TK;
+  long inexact = 0;
+#pragma omp parallel for num_threads(threads) reduction(+ : inexact) schedule(static)
+  for (long g = 0; g < groups; ++g) {
+    uint16_t* out = tiles + g * steps * TILE;
+    for (long t = 0; t < steps; ++t)
+      for (long p = 0; p < TK / 2; ++p)
+        for (long n = 0; n < TN; ++n)
+          for (long j = 0; j < 2; ++j) {
+            const long row = g * TN + n, col = t * TK + 2 * p + j;
+            const uint32_t u = row < N && col < K ? bits(w[row * ldw + col]) : 0u;
+            inexact += (u & 0xffffu) != 0;
+            *out++ = (uint16_t)(u >> 16);
+          }
+  }
+  return inexact;
+}
+
+// y [M, N] = x [M, K] (row stride ldx) times the weight made of up to three packed row blocks (n = 0: none), plus
+// their biases. Each thread takes a contiguous range of 16-column groups of each block; per group, the rows in
+// chunks of at most 16 (the B tiles of the later chunks come from L1/L2: the weight leaves memory once).
+extern "C" int dflash_amx_linear3(const float* x, long ldx, long M, long K, const uint16_t* t0, long n0,
+                                  const float* b0, const uint16_t* t1, long n1, const float* b1, const uint16_t* t2,
+                                  long n2, const float* b2, float* y, int threads) {
+  const Block blk[3] = {{t0, n0, b0}, {t1, n1, b1}, {t2, n2, b2}};
+  const long N = n0 + n1 + n2, steps = (K + TK - 1) / TK, Kp = steps * TK;
+  const long R = M < TR ? M : TR, chunks = (M + R - 1) / R, Mp = chunks * R;
+  uint16_t* a = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * 3 * Mp * Kp);  // a multiple of 64 bytes
+  if (!a) return -1;
+  split(x, ldx, M, K, Mp, Kp, a);
+#pragma omp parallel num_threads(threads)
+  {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 6; ++t) { cfg.rows[t] = (uint8_t)R; cfg.colsb[t] = 64; }
+    cfg.rows[6] = 16;
+    cfg.colsb[6] = 64;
+    _tile_loadconfig(&cfg);  // per call: other code (oneDNN) may have configured the tiles differently
+    alignas(64) float c[3][TR * TN];
+    alignas(64) float hi[TR * TN];
+    long col = 0;
+    for (int s = 0; s < 3; ++s) {
+      const Block bk = blk[s];
+      const long groups = (bk.n + TN - 1) / TN;
+#pragma omp for schedule(static) nowait
+      for (long g = 0; g < groups; ++g) {
+        const uint16_t* wt = bk.tiles + g * steps * TILE;
+        const long nv = bk.n - g * TN < TN ? bk.n - g * TN : TN;
+        for (long ch = 0; ch < chunks; ++ch) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          const uint16_t* ah = a + ch * R * Kp;
+          for (long i = 0; i < R * TN; ++i) hi[i] = 0.f;
+          for (long t = 0; t < steps; ++t) {
+            if (ch == 0) {  // without it the tile loads wait on memory: ~1.5x slower here
+              const char* pf = (const char*)(wt + (t + PREFETCH) * TILE);
+              for (int l = 0; l < 16; ++l) _mm_prefetch(pf + 64 * l, _MM_HINT_T0);
+            }
+            _tile_loadd(6, wt + t * TILE, 64);
+            _tile_loadd(3, ah + t * TK, Kp * 2);
+            _tile_loadd(4, ah + Mp * Kp + t * TK, Kp * 2);
+            _tile_loadd(5, ah + 2 * Mp * Kp + t * TK, Kp * 2);
+            _tile_dpbf16ps(0, 3, 6);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_dpbf16ps(2, 5, 6);
+            if ((t + 1) % FLUSH == 0 || t + 1 == steps) {  // the hi sums, FLUSH steps at a time, into hi[]
+              _tile_stored(0, c[0], 64);
+              _tile_zero(0);
+              for (long i = 0; i < R * TN; ++i) hi[i] += c[0][i];
+            }
+          }
+          _tile_stored(1, c[1], 64);
+          _tile_stored(2, c[2], 64);
+          for (long m = 0; m < R && ch * R + m < M; ++m)
+            for (long n = 0; n < nv; ++n)
+              y[(ch * R + m) * N + col + g * TN + n] =
+                  (hi[m * TN + n] + c[1][m * TN + n]) + c[2][m * TN + n] + (bk.b ? bk.b[g * TN + n] : 0.f);
+        }
+      }
+      col += bk.n;
+    }
+    _tile_release();
+  }
+  free(a);
+  return 0;
+}
+"""
+
 _lock = threading.Lock()
 _kernel = None
 _reason: str | None = None
@@ -278,6 +443,93 @@ def isa() -> str | None:
     return _isa
 
 
+AMX_ENV = "DFLASH_CPU_LINEAR_AMX"
+AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
+_amx = None
+_amx_reason: str | None = None
+_amx_tried = False
+_amx_on = os.environ.get(AMX_ENV, "1") != "0"
+
+
+def _load_amx():
+    global _amx, _amx_reason, _amx_tried
+    if _amx_tried:
+        return _amx
+    with _lock:
+        if not _amx_tried:
+            try:
+                missing = set(AMX_CPU_FLAGS) - set(cpu_native.cpu_flags().split())
+                if missing:
+                    raise RuntimeError(f"the CPU lacks {sorted(missing)}")
+                lib = cpu_native.build_library("cpu_linear_amx", _AMX_SOURCE, (*FLAGS, "-mamx-tile", "-mamx-bf16"))
+                if lib.dflash_amx_request() != 0:
+                    raise RuntimeError("the OS did not grant the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
+                p, n = ctypes.c_void_p, ctypes.c_long
+                lib.dflash_amx_pack.restype = n
+                lib.dflash_amx_pack.argtypes = [p, n, n, n, p, ctypes.c_int]
+                lib.dflash_amx_linear3.restype = ctypes.c_int
+                lib.dflash_amx_linear3.argtypes = [p, n, n, n, *[p, n, p] * 3, p, ctypes.c_int]
+                _amx = lib
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                # No warning: most CPUs have no AMX, and the fp32 kernel is the path then.
+                _amx_reason = f"dflash.cpu_linear: the AMX path is unavailable ({e})"
+            _amx_tried = True
+    return _amx
+
+
+def amx_unavailable_reason() -> str | None:
+    """None when the AMX path can run (building it now if needed), else why not."""
+    _load_amx()
+    return _amx_reason
+
+
+def set_amx(enabled: bool) -> None:
+    """Turn the AMX path on or off for this process (A/B runs; ``DFLASH_CPU_LINEAR_AMX=0`` starts it off)."""
+    global _amx_on
+    _amx_on = bool(enabled)
+
+
+def amx_active() -> bool:
+    """Whether :func:`linear` takes the AMX path for weights that are exactly bf16 (available and turned on)."""
+    return _amx_on and _load_amx() is not None
+
+
+# id(weight) -> (weak reference, version, data pointer, tiles or None): one packing per tensor and version.
+_packed: dict[int, tuple] = {}
+
+
+def _version(t: torch.Tensor):
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter: only its data pointer is checked
+        return None
+
+
+def bf16_tiles(weight: torch.Tensor) -> torch.Tensor | None:
+    """The AMX tiles of ``weight`` [N, K] (fp32 on the CPU, unit stride along K), or None when any of its values
+    is not exactly a bf16 value (or the AMX path is unavailable). Packed on first use (one C pass, checking
+    exactness as it goes) and kept while the tensor lives: an in-place update (which bumps its version) or a new
+    storage repacks; a write that bypasses the version counter (``weight.data.copy_``) is not seen."""
+    key = id(weight)
+    entry = _packed.get(key)
+    version = _version(weight)
+    if entry is not None and entry[0]() is weight and entry[1] == version and entry[2] == weight.data_ptr():
+        return entry[3]
+    lib = _load_amx()
+    tiles = None
+    if (lib is not None and weight.numel() and weight.dim() == 2 and weight.is_cpu and weight.dtype == torch.float32
+            and weight.stride(1) == 1):
+        n, k = weight.shape
+        tiles = torch.empty(-(-n // 16) * -(-k // 32) * 512, dtype=torch.int16)
+        inexact = lib.dflash_amx_pack(weight.data_ptr(), weight.stride(0), n, k, tiles.data_ptr(),
+                                      torch.get_num_threads())
+        tiles = None if inexact else tiles
+    # The callback drops the entry with the tensor (a later tensor may reuse its id).
+    _packed[key] = (weakref.ref(weight, lambda _ref, key=key: _packed.pop(key, None)), version,
+                    weight.data_ptr(), tiles)
+    return tiles
+
+
 class _Kernel(NamedTuple):
     """The loaded kernel's two entry points: one weight, and up to three row blocks of one."""
 
@@ -293,9 +545,10 @@ class RowBlocks:
     the tensors (their memory stays valid): a block updated in place is seen, a parameter replaced by another
     tensor is not (as with ``merged_weight``)."""
 
-    __slots__ = ("weights", "biases", "in_features", "out_features", "fast", "args")
+    __slots__ = ("sources", "weights", "biases", "in_features", "out_features", "fast", "args")
 
     def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] | None = None):
+        self.sources = tuple(weights)  # the tensors as given (e.g. Parameters): the keys of their AMX tiles
         weights = tuple(w.detach() for w in weights)
         if not 1 <= len(weights) <= 3:
             raise ValueError(f"cpu_linear.RowBlocks: weights must be 1 to 3 row blocks, got {len(weights)}")
@@ -325,10 +578,9 @@ class RowBlocks:
         self.args = tuple(args)
 
 
-def _fast_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> bool:
+def _fast_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     f32 = torch.float32
-    return (MIN_ROWS <= rows <= MAX_ROWS
-            and x.is_cpu and weight.is_cpu and x.dtype == f32 and weight.dtype == f32
+    return (x.is_cpu and weight.is_cpu and x.dtype == f32 and weight.dtype == f32
             and weight.dim() == 2 and weight.shape[1] == x.shape[-1] and weight.stride(1) == 1
             and (bias is None or (bias.is_cpu and bias.dtype == f32 and bias.shape == weight.shape[:1]
                                   and bias.stride(0) == 1))
@@ -348,7 +600,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor | RowBlocks, bias: torch.Tensor
         if bias is not None:
             raise ValueError("cpu_linear.linear: bias must be None with RowBlocks (the blocks carry their biases)")
         return _run_blocks(x, weight, rows)
-    if not _fast_ok(x, weight, bias, rows) or (_kernel is None and _load() is None):
+    if not rows or not _fast_ok(x, weight, bias):
+        return F.linear(x, weight, bias)
+    if _amx_on and (_amx is not None or _load_amx() is not None):
+        tiles = bf16_tiles(weight)
+        if tiles is not None:
+            return _run_amx(x, ((tiles, weight.shape[0], bias),), weight.shape[0], rows)
+    if not MIN_ROWS <= rows <= MAX_ROWS or (_kernel is None and _load() is None):
         return F.linear(x, weight, bias)
     return _run(_kernel, x, weight, bias, rows)
 
@@ -362,10 +620,33 @@ def _run(kernel: _Kernel, x, weight, bias, rows):
     return out
 
 
+def _run_amx(x: torch.Tensor, blocks, n: int, rows: int) -> torch.Tensor:
+    """``blocks``: up to three (tiles, rows N_i, bias or None); ``n`` = sum N_i."""
+    x = x.contiguous()
+    out = x.new_empty(x.shape[:-1] + (n,))
+    args: list = []
+    for i in range(3):
+        if i < len(blocks):
+            tiles, rows_i, bias = blocks[i]
+            args += [tiles.data_ptr(), rows_i, None if bias is None else bias.data_ptr()]
+        else:
+            args += [None, 0, None]
+    if _amx.dflash_amx_linear3(x.data_ptr(), x.shape[-1], rows, x.shape[-1], *args, out.data_ptr(),
+                               torch.get_num_threads()):
+        raise MemoryError(f"cpu_linear: no memory for the split input rows ({rows} x {x.shape[-1]})")
+    return out
+
+
 def _run_blocks(x: torch.Tensor, blocks: RowBlocks, rows: int) -> torch.Tensor:
-    if (blocks.fast and 1 <= rows <= MAX_ROWS and x.is_cpu and x.dtype == torch.float32
-            and x.shape[-1] == blocks.in_features and unobserved_eager((x,))
-            and (_kernel is not None or _load() is not None)):
+    ok = (blocks.fast and rows >= 1 and x.is_cpu and x.dtype == torch.float32 and x.shape[-1] == blocks.in_features
+          and unobserved_eager((x,)))
+    if ok and _amx_on and (_amx is not None or _load_amx() is not None):
+        tiles = [bf16_tiles(w) for w in blocks.sources]
+        if all(t is not None for t in tiles):
+            biases = blocks.biases or (None,) * len(tiles)
+            return _run_amx(x, [(t, w.shape[0], b) for t, w, b in zip(tiles, blocks.weights, biases)],
+                            blocks.out_features, rows)
+    if ok and rows <= MAX_ROWS and (_kernel is not None or _load() is not None):
         x = x.contiguous()
         out = x.new_empty(x.shape[:-1] + (blocks.out_features,))
         _kernel.three(x.data_ptr(), rows, blocks.in_features, *blocks.args, out.data_ptr(), torch.get_num_threads())

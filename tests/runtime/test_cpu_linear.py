@@ -256,3 +256,162 @@ def test_dispatch_mode_takes_f_linear(fast_calls):
         out = cpu_linear.linear(x, w)
     torch.testing.assert_close(out, F.linear(x, w))
     assert fast_calls == []
+
+
+# ------------------------------------------------------------------------------------------------ the AMX path
+AMX = cpu_linear.amx_active()
+needs_amx = pytest.mark.skipif(not AMX, reason=f"{cpu_linear.amx_unavailable_reason()}")
+
+
+def _bf16_values(t: torch.Tensor) -> torch.Tensor:
+    return t.bfloat16().float()
+
+
+@functools.lru_cache(maxsize=1)
+def _bf16_weight(k: int, n: int) -> torch.Tensor:
+    return _bf16_values(_weight(k, n))
+
+
+@pytest.fixture
+def amx_calls(monkeypatch):
+    """The rows of each call that reached the AMX kernel, and of each that reached the fp32 kernel."""
+    calls = {"amx": [], "fp32": []}
+    amx = cpu_linear._amx.dflash_amx_linear3
+
+    def counted(*args):
+        calls["amx"].append(args[2])  # rows
+        return amx(*args)
+    monkeypatch.setattr(cpu_linear._amx, "dflash_amx_linear3", counted)
+    kernel = cpu_linear._kernel
+
+    def spy(entry):
+        def call(*args):
+            calls["fp32"].append(args[1])
+            return entry(*args)
+        return call
+    monkeypatch.setattr(cpu_linear, "_kernel", cpu_linear._Kernel(spy(kernel.one), spy(kernel.three)))
+    return calls
+
+
+@needs_amx
+def test_amx_split_is_exact():
+    """x times a power-of-two identity: one exact product per output, so the output is x itself, bit for bit, only
+    if hi + mid + lo == x (a two-part split, or a lost remainder, fails this). Values over the whole exponent range,
+    24-bit significands, both signs."""
+    g = torch.Generator().manual_seed(7)
+    k = 96
+    x = torch.randn(9, k, generator=g) * torch.exp2(torch.randint(-60, 60, (9, k), generator=g).float())
+    x[0, :4] = torch.tensor([1 + 2.0**-23, -(1 - 2.0**-24), 3.0e-30, -7.5e30])
+    for scale in (1.0, 0.5, 4.0):
+        out = cpu_linear.linear(x, torch.eye(k) * scale)
+        assert torch.equal(out, x * scale), (scale, (out - x * scale).abs().max())
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 16, 17, 40])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_amx_smollm2_shapes(shape, rows, amx_calls):
+    k, n = SHAPES[shape]
+    bias = torch.randn(n) if rows % 2 else None
+    _check(torch.randn(rows, k), _bf16_weight(k, n), bias, f"amx {shape} rows={rows}")
+    assert amx_calls == {"amx": [rows], "fp32": []}
+
+
+@needs_amx
+@pytest.mark.parametrize("k,n", [(1, 1), (5, 3), (15, 17), (17, 33), (100, 7), (577, 61), (1536, 576)])
+@pytest.mark.parametrize("rows", [1, 3, 16, 33])
+def test_amx_ugly_shapes(k, n, rows, amx_calls):
+    """Columns that leave a tile part empty, depths that are not a multiple of 32, rows over a 16-row tile."""
+    w = _bf16_values(torch.randn(n, k))
+    for bias in (None, torch.randn(n)):
+        _check(torch.randn(rows, k), w, bias, f"amx K={k} N={n} rows={rows}")
+    assert amx_calls["amx"] == [rows, rows] and not amx_calls["fp32"]
+
+
+@needs_amx
+def test_amx_only_for_bf16_values(amx_calls):
+    """A weight with a value that is not a bf16 value takes the fp32 kernel; set_amx(False) too."""
+    k, n = 64, 48
+    w = _bf16_values(torch.randn(n, k))
+    x = torch.randn(8, k)
+    _check(x, w)
+    near = w.clone()
+    near[5, 7] = torch.nextafter(near[5, 7], torch.tensor(9.0))
+    _check(x, near, what="one value off the bf16 grid")
+    cpu_linear.set_amx(False)
+    try:
+        _check(x, w, what="amx off")
+    finally:
+        cpu_linear.set_amx(True)
+    assert amx_calls == {"amx": [8], "fp32": [8, 8]}
+
+
+@needs_amx
+def test_amx_sees_in_place_updates(amx_calls):
+    """The packed copy follows the tensor's version: updates in place repack (and one that leaves the bf16 grid
+    goes to the fp32 kernel); a new tensor at a reused id is not mistaken for the old one."""
+    k, n = 64, 40
+    w, x = _bf16_values(torch.randn(n, k)), torch.randn(4, k)
+    _check(x, w)
+    w.mul_(-2)
+    _check(x, w, what="after mul_")
+    with torch.no_grad():
+        lin = torch.nn.Linear(k, n, bias=False)
+        lin.weight.copy_(_bf16_values(torch.randn(n, k)))
+        _check(x, lin.weight, what="Linear after copy_")
+        lin.weight.copy_(_bf16_values(torch.randn(n, k)))
+        _check(x, lin.weight, what="Linear after a second copy_")
+    w.add_(1e-3)
+    _check(x, w, what="off the bf16 grid")
+    for _ in range(3):  # fresh tensors (ids may repeat once the last one is freed)
+        _check(x, _bf16_values(torch.randn(n, k)), what="fresh weight")
+    assert amx_calls == {"amx": [4] * 7, "fp32": [4]}
+
+
+@needs_amx
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_amx_row_blocks(name, amx_calls):
+    k, sizes = BLOCKS[name]
+    g = torch.Generator().manual_seed(k)
+    ws = [_bf16_values(torch.randn(n, k, generator=g) * k**-0.5) for n in sizes]
+    bs = [torch.randn(n, generator=g) for n in sizes]
+    for rows in (1, 8, 20):
+        x = torch.randn(rows, k, generator=g)
+        for bias in (None, bs):
+            out = cpu_linear.linear(x, cpu_linear.RowBlocks(ws, bias))
+            cat_b = None if bias is None else torch.cat(bias)
+            ref = F.linear(x.double(), torch.cat(ws).double(), None if cat_b is None else cat_b.double())
+            assert_within_rule(out, ref, F.linear(x, torch.cat(ws), cat_b), f"amx {name} rows={rows}")
+    mixed = cpu_linear.RowBlocks([ws[0], torch.randn(3, k)])  # one block off the bf16 grid: the fp32 kernel
+    cpu_linear.linear(torch.randn(8, k), mixed)
+    assert amx_calls == {"amx": [1, 1, 8, 8, 20, 20], "fp32": [8]}
+
+
+@needs_amx
+def test_amx_non_finite_inputs():
+    """inf and NaN in x: the rows they reach equal F.linear's (inf, -inf or NaN), the other rows stay finite."""
+    k, n = 40, 24
+    w = _bf16_values(torch.randn(n, k))
+    w[3, 5] = 0.0  # inf * 0 = NaN in that column, as in F.linear
+    x = torch.randn(4, k)
+    x[1, 5], x[2, 9] = float("inf"), float("nan")
+    out, ref = cpu_linear.linear(x, w), F.linear(x, w)
+    torch.testing.assert_close(out[1:3], ref[1:3], equal_nan=True)
+    assert torch.isfinite(out[[0, 3]]).all()
+    assert_within_rule(out[[0, 3]], F.linear(x[[0, 3]].double(), w.double()), ref[[0, 3]], "finite rows")
+
+
+@needs_amx
+def test_amx_dispatch_mode_and_autograd_take_f_linear(amx_calls):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x, w = torch.randn(8, 64), _bf16_values(torch.randn(48, 64))
+    with Seen():
+        torch.testing.assert_close(cpu_linear.linear(x, w), F.linear(x, w))
+    out = cpu_linear.linear(x, w.clone().requires_grad_())
+    assert out.grad_fn is not None
+    assert amx_calls == {"amx": [], "fp32": []}

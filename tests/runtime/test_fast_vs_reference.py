@@ -73,14 +73,20 @@ def test_control_full_block_at_the_tail_changes_acceptance(monkeypatch):
     assert differing, "no pair distinguishes a full tail block from the reference's shortened one"
 
 
-@pytest.mark.parametrize("block, tree_budget", [(2, None), (5, None), (8, None), (16, None), (5, 9), (8, 17)])
-def test_cpu_kernel_backend_equals_reference(monkeypatch, block, tree_budget):
+@pytest.mark.parametrize("block, tree_budget, bf16_values", [(2, None, False), (5, None, False), (8, None, False),
+                                                              (16, None, False), (5, 9, False), (8, 17, False),
+                                                              (8, None, True), (5, 9, True)])
+def test_cpu_kernel_backend_equals_reference(monkeypatch, block, tree_budget, bf16_values):
     """The engine on the "cpu" kernel backend (what CPU users run when the Triton interpreter is off), with its
     native kernels (head_dim 16: the attention kernels apply), against the reference loop: the same tokens, ragged
-    requests, chains and trees; the native attention, norm and SwiGLU kernels are seen to run."""
+    requests, chains and trees; the native attention, norm and SwiGLU kernels are seen to run. ``bf16_values``:
+    every weight rounded to a bf16 value (as SmolLM2's are), so the projections take cpu_linear's AMX path."""
+    from dflash import cpu_linear
     from dflash_kernels import cpu_native
 
     assert cpu_native.unavailable_reason() is None
+    if bf16_values and not cpu_linear.amx_active():
+        pytest.skip(f"{cpu_linear.amx_unavailable_reason()}")
     calls = {"dflash_cpu_block_attention_f32": 0, "dflash_cpu_add_rms_norm_f32": 0, "dflash_cpu_silu_mul_f32": 0}
     for name in calls:
         fn = getattr(cpu_native._lib, name)
@@ -89,9 +95,21 @@ def test_cpu_kernel_backend_equals_reference(monkeypatch, block, tree_budget):
             calls[_name] += 1
             return _fn(*args)
         monkeypatch.setattr(cpu_native._lib, name, counted)
+    if bf16_values:
+        calls["dflash_amx_linear3"] = 0
+        amx = cpu_linear._amx.dflash_amx_linear3
+
+        def counted_amx(*args):
+            calls["dflash_amx_linear3"] += 1
+            return amx(*args)
+        monkeypatch.setattr(cpu_linear._amx, "dflash_amx_linear3", counted_amx)
     torch.manual_seed(block)
     target = make_target("qwen3" if block % 2 else "llama", vocab=VOCAB, hidden=64)
     draft = make_draft(target, layers=2, block_size=block, mask_token_id=VOCAB - 1)
+    if bf16_values:
+        with torch.no_grad():
+            for p in [*target.parameters(), *draft.parameters()]:
+                p.copy_(p.bfloat16().float())
     prompts, limits = requests(block)
     fast = generate(target, draft, prompts, limits, backend="fast", kernel_backend="cpu", tree_budget=tree_budget)
     for r, (p, m) in enumerate(zip(prompts, limits)):

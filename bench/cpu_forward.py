@@ -1,5 +1,6 @@
 """Where one SmolLM2 target forward's time goes on the CPU (issue 13): the lean forward at 1 / 8 / 16 rows, whole and
-with one part replaced by a stand-in, with the native CPU kernels on and off, in one run.
+with one part replaced by a stand-in, with the native CPU kernels on and off and ``cpu_linear``'s AMX path on and
+off, in one run.
 
 The forward is ``dflash.lean_target.LeanTarget`` on the "cpu" kernel backend (the verify step's and our
 autoregressive step's target pass), at 200 cached tokens. A part's cost is the whole forward's time minus the time
@@ -10,9 +11,9 @@ streaming keeps the KV cache in L3, for one), so their costs need not add up to 
 is everything else measured directly. The configurations run interleaved, rep by rep; each cell is a median over
 reps (this machine's speed drifts by 10-20 %: a difference under ~2 ms is noise).
 
-Floor: the bytes of the weights a forward reads (every projection and the LM head, fp32) over the read bandwidth
-measured here (``torch.dot`` of a 1 GiB vector with itself, larger than the L3, 2 threads) - the time the
-projections cannot beat.
+Floor: the bytes of the weights a forward reads (every projection and the LM head: fp32, or bf16 tiles on the AMX
+path) over the read bandwidth measured here (``torch.dot`` of a 1 GiB vector with itself, larger than the L3, 2
+threads) - the time the projections cannot beat.
 
 Usage: python bench/cpu_forward.py [--rows 1,8,16] [--reps 25] [--threads 2] [--read-mib 1024] [--out FILE.md]
 """
@@ -43,7 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     args = ap.parse_args(argv)
 
-    from dflash import lean_target, smollm2
+    from dflash import cpu_linear, lean_target, smollm2
     from dflash_kernels import cpu_native
 
     reason = smollm2.unavailable_reason()
@@ -112,34 +113,40 @@ def main(argv=None) -> int:
     floor_ms = weight_bytes / (gbps * 1e9) * 1e3
 
     rows_list = common.parse_ints(args.rows)
+    # (label, DFLASH_CPU_NATIVE, AMX path on); the AMX rows only where the CPU has it
+    settings = [("native + AMX", "1", True)] * cpu_linear.amx_active() + [("native, fp32 GEMM", "1", False),
+                                                                         ("torch formulas", "0", False)]
     times: dict = {}
     for rep in range(args.reps + 2):  # two warm-up reps, not kept
         for q in rows_list:
             ids = torch.randint(0, target.config.vocab_size, (1, q))
             start = torch.tensor([CONTEXT])
-            for native in ("1", "0"):
+            for label, native, amx in settings:
                 os.environ[cpu_native.ENV] = native
+                amx_before = cpu_linear.set_amx(amx)
                 try:
                     for name, parts in stand_ins.items():
                         ms = forward(ids, start, parts)
                         if rep >= 2:
-                            times.setdefault((q, native, name), []).append(ms)
+                            times.setdefault((q, label, name), []).append(ms)
                 finally:
                     del os.environ[cpu_native.ENV]
+                    cpu_linear.set_amx(amx_before)
         print(f"[cpu_forward] rep {rep + 1}/{args.reps + 2}", file=sys.stderr, flush=True)
 
     rows = []
     for q in rows_list:
-        for native in ("1", "0"):
-            med = {name: statistics.median(times[(q, native, name)]) for name in stand_ins}
+        for label, _native, amx in settings:
+            med = {name: statistics.median(times[(q, label, name)]) for name in stand_ins}
             parts = {name: med["whole"] - med[name] for name in ("projections", "attention", "norms")}
-            rows.append({"rows": q, "cpu kernels": "native" if native == "1" else "torch formulas",
+            rows.append({"rows": q, "cpu kernels": label,
                          "whole_ms": round(med["whole"], 1), "without_projections_ms": round(med["projections"], 1),
                          "projections_ms": round(parts["projections"], 1), "attention_ms": round(parts["attention"], 1),
-                         "norms_ms": round(parts["norms"], 1), "weights_floor_ms": round(floor_ms, 1)})
+                         "norms_ms": round(parts["norms"], 1),
+                         "weights_floor_ms": round(floor_ms / 2 if amx else floor_ms, 1)})
     env = common.environment(torch.device("cpu"))
     head = (f"SmolLM2-135M lean target forward, {CONTEXT} cached tokens, fp32, {args.reps} reps (medians); "
-            f"weights {weight_bytes / 2**20:.0f} MiB, read bandwidth {gbps:.1f} GB/s (torch.dot, {args.read_mib} MiB); "
+            f"weights {weight_bytes / 2**20:.0f} MiB fp32, read bandwidth {gbps:.1f} GB/s (torch.dot, {args.read_mib} MiB); "
             f"{env['hardware']}, torch {env['torch']}, commit {env['commit']}, {env['date']}")
     columns = ["rows", "cpu kernels", "whole_ms", "without_projections_ms", "projections_ms", "attention_ms",
                "norms_ms", "weights_floor_ms"]

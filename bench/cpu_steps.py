@@ -7,9 +7,10 @@ warm-up call. Reported: medians over reps of the end-to-end time (prefill includ
 over all rounds of all reps of the one-token step (the autoregressive verify), the B-row verify step and the
 draft step, plus τ and whether every output equals HF's. ``--backends torch`` is the ops' PyTorch references
 with ``F.linear`` (the CPU path before the ``"cpu"`` backend); ``cpu`` is the default on CPU now;
-``cpu-no-native`` is ``cpu`` with its native kernels off (``DFLASH_CPU_NATIVE=0``: the torch formulas).
+``cpu-no-native`` is ``cpu`` with its native kernels off (``DFLASH_CPU_NATIVE=0``: the torch formulas);
+``cpu-no-amx`` is ``cpu`` with ``cpu_linear``'s AMX path off (its fp32 kernel).
 
-Usage: python bench/cpu_steps.py [--reps 5] [--threads 2] [--max-new 128] [--backends torch,cpu,cpu-no-native]
+Usage: python bench/cpu_steps.py [--reps 5] [--threads 2] [--max-new 128] [--backends torch,cpu,cpu-no-amx]
        [--out FILE]
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dflash.model import DFlashDraftModel  # noqa: E402
 from dflash_kernels import cpu_native  # noqa: E402
 
 NO_NATIVE = "-no-native"
+NO_AMX = "-no-amx"
 
 
 def _commit() -> str:
@@ -75,13 +77,15 @@ def main(argv=None) -> int:
         return common.hf_greedy(target, ids, n, stops)
 
     def ours(n, b, kb):
-        native = not kb.endswith(NO_NATIVE)
+        native, amx = not kb.endswith(NO_NATIVE), not kb.endswith(NO_AMX)
         os.environ[cpu_native.ENV] = "1" if native else "0"
+        amx_before = cpu_linear.set_amx(amx)
         try:
             return generate(target, draft, ids, n, block_size=b, stop_token_ids=stops, backend="fast",
-                            kernel_backend=kb if native else kb[:-len(NO_NATIVE)])
+                            kernel_backend=kb.removesuffix(NO_NATIVE).removesuffix(NO_AMX))
         finally:
             os.environ.pop(cpu_native.ENV)
+            cpu_linear.set_amx(amx_before)
 
     runs = [("HF generate", None, None)] + [(f"{kind} ({kb})", kb, b) for kb in backends
                                             for kind, b in (("autoregressive", 1), (f"DFlash B={block}", block))]
@@ -97,7 +101,8 @@ def main(argv=None) -> int:
         lines = [f"Machine: {_cpu_model()}, {os.cpu_count()} cores visible, shared with other jobs (load average "
                  f"{load0:.1f} at start, {os.getloadavg()[0]:.1f} at end); torch {torch.__version__}, "
                  f"{args.threads} threads, fp32; python {platform.python_version()}; commit {_commit()}; "
-                 f"cpu_linear: {cpu_linear.isa() or cpu_linear.unavailable_reason()}.",
+                 f"cpu_linear: {cpu_linear.isa() or cpu_linear.unavailable_reason()}, AMX "
+                 f"{'on' if cpu_linear.amx_active() else 'off'}.",
                  f"Command: `python bench/cpu_steps.py --reps {args.reps} --threads {args.threads} --max-new "
                  f"{args.max_new} --backends {args.backends}` ({reps_done} reps done). Default demo prompt, greedy, up "
                  f"to {args.max_new} new tokens; per rep, each runtime after its own warm-up call, in the order of "

@@ -17,7 +17,7 @@ draft and verify milliseconds (medians over reps), and whether every output equa
 must: DFlash is lossless). One warm-up call per configuration first.
 
 Usage: python bench/tree.py [--budgets 4,8,16,32,64] [--prompts 6] [--prompt TEXT] [--max-new-tokens 96]
-       [--reps 2] [--threads 2] [--draft DIR [--draft DIR2 ...]] [--without-native] [--out FILE.md]
+       [--reps 2] [--threads 2] [--draft DIR [--draft DIR2 ...]] [--without-native] [--without-amx] [--out FILE.md]
 (``dflash bench tree`` runs this file)
 """
 from __future__ import annotations
@@ -53,9 +53,12 @@ def main(argv=None) -> int:
     ap.add_argument("--without-native", action="store_true",
                     help="also run every DFlash configuration with the native CPU kernels off (DFLASH_CPU_NATIVE=0: "
                          "the \"cpu\" backend's torch formulas), in the same rotation")
+    ap.add_argument("--without-amx", action="store_true",
+                    help="also run every DFlash configuration with cpu_linear's AMX path off (its fp32 kernel), in "
+                         "the same rotation")
     args = ap.parse_args(argv)
 
-    from dflash import generate, smollm2
+    from dflash import cpu_linear, generate, smollm2
     from dflash.model import DFlashDraftModel
     from dflash.train.prompts import eval_prompts
     from dflash_kernels import cpu_native
@@ -75,9 +78,10 @@ def main(argv=None) -> int:
     prompts = eval_prompts(args.prompts) + args.prompt
     inputs = [torch.tensor([tok(smollm2.chat_prompt(tok, p), add_special_tokens=False)["input_ids"]]) for p in prompts]
     HF = "hf"
-    # a configuration: HF, or (draft label, tree budget or None for the chain, native CPU kernels on)
-    natives = (True, False) if args.without_native else (True,)
-    configs: list = [HF] + [(lab, b, nat) for nat in natives for lab in labels
+    # a configuration: HF, or (draft label, tree budget or None for the chain, what is turned off: "" nothing,
+    # "torch formulas" the native CPU kernels, "fp32 GEMM" cpu_linear's AMX path)
+    variants = [""] + ["torch formulas"] * args.without_native + ["fp32 GEMM"] * args.without_amx
+    configs: list = [HF] + [(lab, b, var) for var in variants for lab in labels
                             for b in [None] + common.parse_ints(args.budgets)]
 
     def name(c) -> str:
@@ -85,20 +89,22 @@ def main(argv=None) -> int:
             return "HF generate"
         mode = "chain" if c[1] is None else f"tree {c[1]}"
         mode = mode if len(labels) == 1 else f"{c[0]}: {mode}"
-        return mode if c[2] else f"{mode} (torch formulas)"
+        return f"{mode} ({c[2]})" if c[2] else mode
 
     def run(ids, config, max_new):
         if config == HF:
             seqs, secs = common.hf_greedy(target, ids, max_new, stops)
             return SimpleNamespace(sequences=seqs, num_generated_tokens=seqs.shape[1] - ids.shape[1],
                                    acceptance_lengths=(), total_time=secs, draft_time=0.0, verify_time=0.0)
-        lab, budget, native = config
+        lab, budget, off = config
         before = os.environ.get(cpu_native.ENV)
-        os.environ[cpu_native.ENV] = "1" if native else "0"
+        os.environ[cpu_native.ENV] = "0" if off == "torch formulas" else "1"
+        amx_before = cpu_linear.set_amx(off != "fp32 GEMM")
         try:
             return generate(target, drafts[lab], ids, max_new, stop_token_ids=stops, block_size=args.block_size,
                             tree_budget=budget)
         finally:
+            cpu_linear.set_amx(amx_before)
             if before is None:
                 del os.environ[cpu_native.ENV]
             else:

@@ -483,10 +483,12 @@ def amx_unavailable_reason() -> str | None:
     return _amx_reason
 
 
-def set_amx(enabled: bool) -> None:
-    """Turn the AMX path on or off for this process (A/B runs; ``DFLASH_CPU_LINEAR_AMX=0`` starts it off)."""
+def set_amx(enabled: bool) -> bool:
+    """Turn the AMX path on or off for this process (A/B runs; ``DFLASH_CPU_LINEAR_AMX=0`` starts it off);
+    returns the previous setting."""
     global _amx_on
-    _amx_on = bool(enabled)
+    before, _amx_on = _amx_on, bool(enabled)
+    return before
 
 
 def amx_active() -> bool:

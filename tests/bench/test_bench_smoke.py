@@ -126,12 +126,16 @@ def test_tree_bench_smoke(tmp_path, capsys):
 
     out = tmp_path / "tree.md"
     assert tree.main(["--budgets", "3", "--prompts", "1", "--max-new-tokens", "6", "--reps", "1", "--threads", "1",
-                      "--without-native", "--out", str(out)]) == 0
+                      "--without-native", "--without-amx", "--out", str(out)]) == 0
     text = out.read_text(encoding="utf-8")
     cells = [[c.strip() for c in line.strip("| ").split("|")] for line in text.splitlines() if line.startswith("|")]
     header, rows = cells[0], {r[0]: r for r in cells[2:]}
-    assert set(rows) == {"HF generate", "chain", "tree 3", "chain (torch formulas)", "tree 3 (torch formulas)"}, text
+    assert set(rows) == {"HF generate", "chain", "tree 3", "chain (torch formulas)", "tree 3 (torch formulas)",
+                         "chain (fp32 GEMM)", "tree 3 (fp32 GEMM)"}, text
     assert os.environ.get("DFLASH_CPU_NATIVE") is None, "the bench must restore the environment"
+    from dflash import cpu_linear
+
+    assert cpu_linear.set_amx(True) is True, "the bench must restore the AMX setting"
     for r in rows.values():
         assert r[header.index("identical_to_hf")] == "yes" and r[header.index("vs_hf")].endswith("x"), text
     assert "shipped draft" in text
@@ -163,8 +167,8 @@ def test_tree_bench_compares_drafts(tmp_path):
 
 
 def test_cpu_forward_bench_smoke(tmp_path):
-    """bench/cpu_forward.py at one row, one rep: both settings of the native kernels, every part's column, the
-    weights' floor; the environment restored."""
+    """bench/cpu_forward.py at one row, one rep: every setting of the native kernels and the AMX path, every part's
+    column, the weights' floor; the environment restored."""
     from dflash import smollm2
 
     if smollm2.unavailable_reason():
@@ -178,7 +182,10 @@ def test_cpu_forward_bench_smoke(tmp_path):
     text = out.read_text(encoding="utf-8")
     cells = [[c.strip() for c in line.strip("| ").split("|")] for line in text.splitlines() if line.startswith("|")]
     header, rows = cells[0], cells[2:]
-    assert [r[header.index("cpu kernels")] for r in rows] == ["native", "torch formulas"], text
+    from dflash import cpu_linear
+
+    amx = ["native + AMX"] if cpu_linear.amx_active() else []
+    assert [r[header.index("cpu kernels")] for r in rows] == amx + ["native, fp32 GEMM", "torch formulas"], text
     assert all(float(r[header.index("whole_ms")]) > 0 and float(r[header.index("weights_floor_ms")]) > 0
                for r in rows), text
     assert "MiB" in text and os.environ.get("DFLASH_CPU_NATIVE") is None

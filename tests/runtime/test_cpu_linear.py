@@ -338,11 +338,11 @@ def test_amx_only_for_bf16_values(amx_calls):
     near = w.clone()
     near[5, 7] = torch.nextafter(near[5, 7], torch.tensor(9.0))
     _check(x, near, what="one value off the bf16 grid")
-    cpu_linear.set_amx(False)
+    before = cpu_linear.set_amx(False)
     try:
         _check(x, w, what="amx off")
     finally:
-        cpu_linear.set_amx(True)
+        assert cpu_linear.set_amx(before) is False
     assert amx_calls == {"amx": [8], "fp32": [8, 8]}
 
 

@@ -10,8 +10,10 @@ Each round also times a 256 MiB copy; floor = weight bytes / that copy's GB/s (r
 Candidates: F.linear; torch.mm with a pre-transposed weight; one GEMV per row; oneDNN-prepacked
 (mkldnn._reorder_linear_weight + _linear_pointwise); MKL-packed (mkl._mkl_reorder_linear_weight +
 _mkl_linear, what inductor emits for an fp32 linear under freezing); torch.compile with freezing of a
-module holding all the copies; dflash.cpu_linear.linear. Each is checked against fp64 with the 2x rule
-of tests/kernels/_tol.py (ok column; err_x = its max error / F.linear's).
+module holding all the copies; dflash.cpu_linear.linear with its AMX path (where the CPU has AMX-BF16) and
+with its fp32 kernel (AMX off), and the fp32 kernel's AVX2 build. The weights are random values rounded to bf16
+(as SmolLM2's are: the AMX path takes only such weights; the others do not care). Each is checked against fp64
+with the 2x rule of tests/kernels/_tol.py (ok column; err_x = its max error / F.linear's).
 
 e2e: SmolLM2 fp32: HF generate's greedy per-token time ((64 new tokens - 1 new token) / 63, 30-token
 prompt), and a forward of 1 and 8 new rows on a DynamicCache holding the prompt, with F.linear, with
@@ -104,15 +106,31 @@ def candidates(ws: list[torch.Tensor], x: torch.Tensor, with_compile: bool) -> d
         "onednn_packed": onednn,
         "mkl_packed": mkl,
         "compile_freezing": compiled,
-        "dflash_cpu_linear": lambda: per_copy(lambda i: cpu_linear.linear(x, ws[i])),
+        "dflash_cpu_linear_amx": amx_pass,
+        "dflash_cpu_linear": lambda: without_amx(per_copy(lambda i: cpu_linear.linear(x, ws[i]))),
         "dflash_cpu_linear_avx2": lambda: avx2_pass(),
     }
+
+    def without_amx(run):
+        def call():
+            before = cpu_linear.set_amx(False)
+            try:
+                return run()
+            finally:
+                cpu_linear.set_amx(before)
+        return call
+
+    def amx_pass():
+        reason = cpu_linear.amx_unavailable_reason()
+        if reason:
+            raise RuntimeError(reason)
+        return per_copy(lambda i: cpu_linear.linear(x, ws[i]))
 
     def avx2_pass():  # the AVX2 + FMA build (CPUs without AVX-512) on this CPU, next to the loaded kernel
         if m < cpu_linear.MIN_ROWS or m > cpu_linear.MAX_ROWS:
             return per_copy(lambda i: F.linear(x, ws[i]))
         kernel, _ = cpu_linear._build("avx2")
-        return per_copy(lambda i: cpu_linear._run(kernel, x, (ws[i],), None, m))
+        return per_copy(lambda i: cpu_linear._run(kernel, x, ws[i], None, m))
     if not with_compile:
         del out["compile_freezing"]
     return out
@@ -121,7 +139,7 @@ def candidates(ws: list[torch.Tensor], x: torch.Tensor, with_compile: bool) -> d
 @torch.no_grad()
 def bench_shape(name: str, k: int, n: int, m: int, args) -> list[dict]:
     copies = max(2, -(-args.working_set_mb * 2**20 // (4 * k * n)))
-    ws = [torch.randn(n, k) * k**-0.5 for _ in range(copies)]
+    ws = [(torch.randn(n, k) * k**-0.5).bfloat16().float() for _ in range(copies)]
     x = torch.randn(m, k)
     ref = x.double() @ ws[0].double().T
     base = F.linear(x, ws[0])

@@ -97,20 +97,6 @@ def candidates(ws: list[torch.Tensor], x: torch.Tensor, with_compile: bool) -> d
             fn(x)
         return lambda: fn(x)
 
-    x1 = x[:1].clone()
-    out = {
-        "F.linear_1row": lambda: per_copy(lambda i: F.linear(x1, ws[i])),  # the GEMV reference, same rounds
-        "F.linear": lambda: per_copy(lambda i: F.linear(x, ws[i])),
-        "mm_pretransposed": mm_pretransposed,
-        "gemv_per_row": lambda: per_copy(lambda i: torch.stack([torch.mv(ws[i], r) for r in x])),
-        "onednn_packed": onednn,
-        "mkl_packed": mkl,
-        "compile_freezing": compiled,
-        "dflash_cpu_linear_amx": amx_pass,
-        "dflash_cpu_linear": lambda: without_amx(per_copy(lambda i: cpu_linear.linear(x, ws[i]))),
-        "dflash_cpu_linear_avx2": lambda: avx2_pass(),
-    }
-
     def without_amx(run):
         def call():
             before = cpu_linear.set_amx(False)
@@ -125,6 +111,20 @@ def candidates(ws: list[torch.Tensor], x: torch.Tensor, with_compile: bool) -> d
         if reason:
             raise RuntimeError(reason)
         return per_copy(lambda i: cpu_linear.linear(x, ws[i]))
+
+    x1 = x[:1].clone()
+    out = {
+        "F.linear_1row": lambda: per_copy(lambda i: F.linear(x1, ws[i])),  # the GEMV reference, same rounds
+        "F.linear": lambda: per_copy(lambda i: F.linear(x, ws[i])),
+        "mm_pretransposed": mm_pretransposed,
+        "gemv_per_row": lambda: per_copy(lambda i: torch.stack([torch.mv(ws[i], r) for r in x])),
+        "onednn_packed": onednn,
+        "mkl_packed": mkl,
+        "compile_freezing": compiled,
+        "dflash_cpu_linear_amx": amx_pass,
+        "dflash_cpu_linear": lambda: without_amx(per_copy(lambda i: cpu_linear.linear(x, ws[i]))),
+        "dflash_cpu_linear_avx2": lambda: avx2_pass(),
+    }
 
     def avx2_pass():  # the AVX2 + FMA build (CPUs without AVX-512) on this CPU, next to the loaded kernel
         if m < cpu_linear.MIN_ROWS or m > cpu_linear.MAX_ROWS:

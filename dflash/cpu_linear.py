@@ -13,8 +13,9 @@ the tests hold them to the 2x error rule against fp64):
   loaded from bf16 into fp32. The weight is packed once into AMX tiles (bf16: half the bytes to stream); each x row
   is split into three bf16 parts, ``x = hi + mid + lo`` exactly, so every product is exact in fp32 and the tiles
   accumulate in fp32 (the hi sums moved out every 256 deep, so they carry no more rounding than a vector GEMM's).
-  Any number of rows; the weight leaves memory once per call. Measured on SmolLM2 at 8 and 16 rows (2 threads): a
-  verify step 35 and 39-42 ms against 49 and 68 ms on the fp32 kernel (``bench/results``). Memory: the packed
+  Any number of rows; the weight leaves memory once per call. Measured on SmolLM2 (2 threads, AMX against the fp32
+  kernel in the same run): the one-token step 30.2 against 39.5 ms, the 8-row verify step 36.8 against 49.8, the
+  16-row (trees of 15) 42.9 against 67.2 (``bench/results/*-amx-linear.md``). Memory: the packed
   copy, 2 bytes a weight (SmolLM2: 270 MB), made on first use of each weight (one C pass that also checks
   exactness) and kept while the weight lives; an in-place update (which bumps the tensor's version) repacks.
 * **fp32 SIMD** (AVX-512 or AVX2 + FMA) for 2-16 rows of any fp32 weight: ``_SOURCE``, below.
@@ -518,7 +519,8 @@ def bf16_tiles(weight: torch.Tensor) -> torch.Tensor | None:
     """The AMX tiles of ``weight`` [N, K] (fp32 on the CPU, unit stride along K), or None when any of its values
     is not exactly a bf16 value (or the AMX path is unavailable). Packed on first use (one C pass, checking
     exactness as it goes) and kept while the tensor lives: an in-place update (which bumps its version) or a new
-    storage repacks; a write that bypasses the version counter (``weight.data.copy_``) is not seen."""
+    storage repacks; a write that bypasses the version counter (``weight.data.copy_``, or any in-place write to an
+    inference-mode tensor, which has no counter) is not seen."""
     key = id(weight)
     entry = _packed.get(key)
     version = _version(weight)

@@ -3,6 +3,7 @@ its CSV, so the scripts cannot rot. Timings are not checked (see bench/README.md
 from __future__ import annotations
 
 import csv
+import importlib
 import os
 import shutil
 import sys
@@ -115,21 +116,32 @@ def test_step_latency_through_cli(tmp_path):
     assert not (tmp_path / "step_latency-cpu.partial.csv").exists()
 
 
-def test_tree_bench_smoke(tmp_path, capsys):
-    """bench/tree.py on the SmolLM2 pair at its smallest: HF generate, the chain and one tree budget, one
-    held-out prompt; every row's output identical to HF's, the markdown table written."""
+def _markdown_cells(text: str) -> list[list[str]]:
+    """The cells of a markdown table's lines (header, separator, rows)."""
+    return [[c.strip() for c in line.strip("| ").split("|")] for line in text.splitlines() if line.startswith("|")]
+
+
+def _smollm2_bench_table(script: str, argv: list[str], out) -> tuple[str, list[str], list[list[str]]]:
+    """Run ``bench/<script>.py``'s main on the SmolLM2 pair (skip without it) writing its table to ``out``; it must
+    exit 0. Returns the file's text, the table's header and its rows."""
     from dflash import smollm2
 
     if smollm2.unavailable_reason():
         pytest.skip(smollm2.unavailable_reason())
-    import tree
-
-    out = tmp_path / "tree.md"
-    assert tree.main(["--budgets", "3", "--prompts", "1", "--max-new-tokens", "6", "--reps", "1", "--threads", "1",
-                      "--without-native", "--without-amx", "--out", str(out)]) == 0
+    module = importlib.import_module(script)
+    assert module.main([*argv, "--out", str(out)]) == 0
     text = out.read_text(encoding="utf-8")
-    cells = [[c.strip() for c in line.strip("| ").split("|")] for line in text.splitlines() if line.startswith("|")]
-    header, rows = cells[0], {r[0]: r for r in cells[2:]}
+    cells = _markdown_cells(text)
+    return text, cells[0], cells[2:]
+
+
+def test_tree_bench_smoke(tmp_path, capsys):
+    """bench/tree.py on the SmolLM2 pair at its smallest: HF generate, the chain and one tree budget, one
+    held-out prompt; every row's output identical to HF's, the markdown table written."""
+    text, header, table = _smollm2_bench_table(
+        "tree", ["--budgets", "3", "--prompts", "1", "--max-new-tokens", "6", "--reps", "1", "--threads", "1",
+                 "--without-native", "--without-amx"], tmp_path / "tree.md")
+    rows = {r[0]: r for r in table}
     assert set(rows) == {"HF generate", "chain", "tree 3", "chain (torch formulas)", "tree 3 (torch formulas)",
                          "chain (fp32 GEMM)", "tree 3 (fp32 GEMM)"}, text
     assert os.environ.get("DFLASH_CPU_NATIVE") is None, "the bench must restore the environment"
@@ -155,7 +167,7 @@ def test_tree_bench_compares_drafts(tmp_path):
     assert tree.main(["--budgets", "2", "--prompts", "1", "--max-new-tokens", "5", "--reps", "1", "--threads", "1",
                       "--draft", str(tree.DRAFT), "--draft", str(other), "--out", str(out)]) == 0
     text = out.read_text(encoding="utf-8")
-    cells = [[c.strip() for c in line.strip("| ").split("|")] for line in text.splitlines() if line.startswith("|")]
+    cells = _markdown_cells(text)
     header, rows = cells[0], {r[0]: r for r in cells[2:]}
     assert set(rows) == {"HF generate", "shipped draft: chain", "shipped draft: tree 2", "other-draft: chain",
                          "other-draft: tree 2"}, text
@@ -169,19 +181,9 @@ def test_tree_bench_compares_drafts(tmp_path):
 def test_cpu_forward_bench_smoke(tmp_path):
     """bench/cpu_forward.py at one row, one rep: every setting of the native kernels and the AMX path, every part's
     column, the weights' floor; the environment restored."""
-    from dflash import smollm2
-
-    if smollm2.unavailable_reason():
-        pytest.skip(smollm2.unavailable_reason())
-    import cpu_forward
-
-    out = tmp_path / "forward.md"
     # a 16 MiB read: the suite's process must stay small (test_traffic bounds its peak memory)
-    assert cpu_forward.main(["--rows", "1", "--reps", "1", "--threads", "1", "--read-mib", "16",
-                             "--out", str(out)]) == 0
-    text = out.read_text(encoding="utf-8")
-    cells = [[c.strip() for c in line.strip("| ").split("|")] for line in text.splitlines() if line.startswith("|")]
-    header, rows = cells[0], cells[2:]
+    text, header, rows = _smollm2_bench_table(
+        "cpu_forward", ["--rows", "1", "--reps", "1", "--threads", "1", "--read-mib", "16"], tmp_path / "forward.md")
     from dflash import cpu_linear
 
     amx = ["native + AMX"] if cpu_linear.amx_active() else []
@@ -189,3 +191,15 @@ def test_cpu_forward_bench_smoke(tmp_path):
     assert all(float(r[header.index("whole_ms")]) > 0 and float(r[header.index("weights_floor_ms")]) > 0
                for r in rows), text
     assert "MiB" in text and os.environ.get("DFLASH_CPU_NATIVE") is None
+
+
+def test_first_call_bench_smoke(tmp_path):
+    """bench/first_call.py at its smallest: one round of fresh processes (HF, trees of 3), a few tokens; outputs
+    identical, the table written."""
+    text, header, table = _smollm2_bench_table(
+        "first_call", ["--pairs", "1", "--tree-budgets", "3", "--max-new-tokens", "6", "--threads", "1"],
+        tmp_path / "first.md")
+    rows = {r[0]: r for r in table}
+    assert set(rows) == {"HF generate", "DFlash tree 3"}, text
+    assert all(r[header.index("identical_to_hf")] == "yes" for r in rows.values()), text
+    assert rows["DFlash tree 3"][header.index("vs_hf_first")].endswith("x"), text

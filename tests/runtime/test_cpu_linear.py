@@ -142,10 +142,14 @@ def test_row_blocks_are_the_stacked_weight(name, rows):
     bs = [torch.randn(n, generator=g) for n in sizes]
     x = torch.randn(rows, k, generator=g)
     for bias in (None, bs):
-        out = cpu_linear.linear(x, cpu_linear.RowBlocks(ws, bias))
-        cat_b = None if bias is None else torch.cat(bias)
-        ref = F.linear(x.double(), torch.cat(ws).double(), None if cat_b is None else cat_b.double())
-        assert_within_rule(out, ref, F.linear(x, torch.cat(ws), cat_b), f"{name} rows={rows}")
+        _check_blocks(x, ws, bias, f"{name} rows={rows}")
+
+
+def _check_blocks(x, ws, bias, what):
+    out = cpu_linear.linear(x, cpu_linear.RowBlocks(ws, bias))
+    cat_b = None if bias is None else torch.cat(bias)
+    ref = F.linear(x.double(), torch.cat(ws).double(), None if cat_b is None else cat_b.double())
+    assert_within_rule(out, ref, F.linear(x, torch.cat(ws), cat_b), what)
 
 
 @needs_fast
@@ -378,10 +382,7 @@ def test_amx_row_blocks(name, amx_calls):
     for rows in (1, 8, 20):
         x = torch.randn(rows, k, generator=g)
         for bias in (None, bs):
-            out = cpu_linear.linear(x, cpu_linear.RowBlocks(ws, bias))
-            cat_b = None if bias is None else torch.cat(bias)
-            ref = F.linear(x.double(), torch.cat(ws).double(), None if cat_b is None else cat_b.double())
-            assert_within_rule(out, ref, F.linear(x, torch.cat(ws), cat_b), f"amx {name} rows={rows}")
+            _check_blocks(x, ws, bias, f"amx {name} rows={rows}")
     mixed = cpu_linear.RowBlocks([ws[0], torch.randn(3, k)])  # one block off the bf16 grid: the fp32 kernel
     cpu_linear.linear(torch.randn(8, k), mixed)
     assert amx_calls == {"amx": [1, 1, 8, 8, 20, 20], "fp32": [8]}

@@ -604,7 +604,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor | RowBlocks, bias: torch.Tensor
     ``weight`` may also be a :class:`RowBlocks` (``bias`` None: the blocks carry theirs): ``F.linear`` of the
     blocks' concatenation. Row blocks take the kernel from one row up (one kernel call; at one row it streams the
     weight as fast as ``F.linear``'s GEMV, ``bench/cpu_gemm.py``); where the kernel cannot run, each block is an
-    ``F.linear`` and the outputs are concatenated."""
+    ``F.linear`` and the outputs are concatenated.
+
+    A weight (every block of row blocks) whose values are all bf16 values takes the AMX path, at any row count,
+    where the CPU has it (:func:`amx_active`); see the module docstring."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if type(weight) is RowBlocks:

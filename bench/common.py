@@ -7,6 +7,7 @@ arithmetic rate), never taken from a datasheet; inputs are random, never zeros.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import platform
@@ -25,6 +26,26 @@ if str(ROOT) not in sys.path:  # run as a plain script (python bench/x.py) from 
 
 
 # ---------------------------------------------------------------------------------------- device
+@contextlib.contextmanager
+def cpu_kernels(*, native: bool = True, amx: bool = True):
+    """For the calls inside: the "cpu" backend's native kernels (``DFLASH_CPU_NATIVE``) and ``cpu_linear``'s AMX path
+    on or off (A/B runs in one process); both settings restored after."""
+    from dflash import cpu_linear
+    from dflash_kernels import cpu_native
+
+    before = os.environ.get(cpu_native.ENV)
+    os.environ[cpu_native.ENV] = "1" if native else "0"
+    amx_before = cpu_linear.set_amx(amx)
+    try:
+        yield
+    finally:
+        cpu_linear.set_amx(amx_before)
+        if before is None:
+            del os.environ[cpu_native.ENV]
+        else:
+            os.environ[cpu_native.ENV] = before
+
+
 def pick_device(name: str | None) -> torch.device:
     if name in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -113,25 +113,20 @@ def main(argv=None) -> int:
     floor_ms = weight_bytes / (gbps * 1e9) * 1e3
 
     rows_list = common.parse_ints(args.rows)
-    # (label, DFLASH_CPU_NATIVE, AMX path on); the AMX rows only where the CPU has it
-    settings = [("native + AMX", "1", True)] * cpu_linear.amx_active() + [("native, fp32 GEMM", "1", False),
-                                                                         ("torch formulas", "0", False)]
+    # (label, native CPU kernels on, AMX path on); the AMX rows only where the CPU has it
+    settings = [("native + AMX", True, True)] * cpu_linear.amx_active() + [("native, fp32 GEMM", True, False),
+                                                                          ("torch formulas", False, False)]
     times: dict = {}
     for rep in range(args.reps + 2):  # two warm-up reps, not kept
         for q in rows_list:
             ids = torch.randint(0, target.config.vocab_size, (1, q))
             start = torch.tensor([CONTEXT])
             for label, native, amx in settings:
-                os.environ[cpu_native.ENV] = native
-                amx_before = cpu_linear.set_amx(amx)
-                try:
+                with common.cpu_kernels(native=native, amx=amx):
                     for name, parts in stand_ins.items():
                         ms = forward(ids, start, parts)
                         if rep >= 2:
                             times.setdefault((q, label, name), []).append(ms)
-                finally:
-                    del os.environ[cpu_native.ENV]
-                    cpu_linear.set_amx(amx_before)
         print(f"[cpu_forward] rep {rep + 1}/{args.reps + 2}", file=sys.stderr, flush=True)
 
     rows = []

@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, environment, fmt, out_dir, parse_ints, table, write_csv  # noqa: E402
+from common import ROOT, cpu_kernels, environment, fmt, out_dir, parse_ints, table, write_csv  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests" / "kernels"))
 from _tol import assert_within_rule  # noqa: E402
@@ -99,11 +99,8 @@ def candidates(ws: list[torch.Tensor], x: torch.Tensor, with_compile: bool) -> d
 
     def without_amx(run):
         def call():
-            before = cpu_linear.set_amx(False)
-            try:
+            with cpu_kernels(amx=False):
                 return run()
-            finally:
-                cpu_linear.set_amx(before)
         return call
 
     def amx_pass():

@@ -77,15 +77,9 @@ def main(argv=None) -> int:
         return common.hf_greedy(target, ids, n, stops)
 
     def ours(n, b, kb):
-        native, amx = not kb.endswith(NO_NATIVE), not kb.endswith(NO_AMX)
-        os.environ[cpu_native.ENV] = "1" if native else "0"
-        amx_before = cpu_linear.set_amx(amx)
-        try:
+        with common.cpu_kernels(native=not kb.endswith(NO_NATIVE), amx=not kb.endswith(NO_AMX)):
             return generate(target, draft, ids, n, block_size=b, stop_token_ids=stops, backend="fast",
                             kernel_backend=kb.removesuffix(NO_NATIVE).removesuffix(NO_AMX))
-        finally:
-            os.environ.pop(cpu_native.ENV)
-            cpu_linear.set_amx(amx_before)
 
     runs = [("HF generate", None, None)] + [(f"{kind} ({kb})", kb, b) for kb in backends
                                             for kind, b in (("autoregressive", 1), (f"DFlash B={block}", block))]

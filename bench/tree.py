@@ -23,7 +23,6 @@ Usage: python bench/tree.py [--budgets 4,8,16,32,64] [--prompts 6] [--prompt TEX
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -58,10 +57,9 @@ def main(argv=None) -> int:
                          "the same rotation")
     args = ap.parse_args(argv)
 
-    from dflash import cpu_linear, generate, smollm2
+    from dflash import generate, smollm2
     from dflash.model import DFlashDraftModel
     from dflash.train.prompts import eval_prompts
-    from dflash_kernels import cpu_native
 
     reason = smollm2.unavailable_reason()
     if reason:
@@ -97,18 +95,9 @@ def main(argv=None) -> int:
             return SimpleNamespace(sequences=seqs, num_generated_tokens=seqs.shape[1] - ids.shape[1],
                                    acceptance_lengths=(), total_time=secs, draft_time=0.0, verify_time=0.0)
         lab, budget, off = config
-        before = os.environ.get(cpu_native.ENV)
-        os.environ[cpu_native.ENV] = "0" if off == "torch formulas" else "1"
-        amx_before = cpu_linear.set_amx(off != "fp32 GEMM")
-        try:
+        with common.cpu_kernels(native=off != "torch formulas", amx=off != "fp32 GEMM"):
             return generate(target, drafts[lab], ids, max_new, stop_token_ids=stops, block_size=args.block_size,
                             tree_budget=budget)
-        finally:
-            cpu_linear.set_amx(amx_before)
-            if before is None:
-                del os.environ[cpu_native.ENV]
-            else:
-                os.environ[cpu_native.ENV] = before
 
     for c in configs:  # warm-up: engine buffers, first-call costs
         run(inputs[0], c, 8)

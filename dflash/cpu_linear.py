@@ -616,7 +616,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | RowBlocks, bias: torch.Tensor
         return _run_blocks(x, weight, rows)
     if not rows or not _fast_ok(x, weight, bias):
         return F.linear(x, weight, bias)
-    if _amx_on and (_amx is not None or _load_amx() is not None):
+    if amx_active():
         tiles = bf16_tiles(weight)
         if tiles is not None:
             return _run_amx(x, ((tiles, weight.shape[0], bias),), weight.shape[0], rows)
@@ -654,7 +654,7 @@ def _run_amx(x: torch.Tensor, blocks, n: int, rows: int) -> torch.Tensor:
 def _run_blocks(x: torch.Tensor, blocks: RowBlocks, rows: int) -> torch.Tensor:
     ok = (blocks.fast and rows >= 1 and x.is_cpu and x.dtype == torch.float32 and x.shape[-1] == blocks.in_features
           and unobserved_eager((x,)))
-    if ok and _amx_on and (_amx is not None or _load_amx() is not None):
+    if ok and amx_active():
         tiles = [bf16_tiles(w) for w in blocks.sources]
         if all(t is not None for t in tiles):
             biases = blocks.biases or (None,) * len(tiles)

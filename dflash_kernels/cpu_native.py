@@ -21,9 +21,12 @@ them to the 2x error rule against fp64, not to the references' bits):
 How (attention): the block's K/V rows are written first; then, with 8 or more query rows per KV head (a verify
 block), each request's keys of each KV head are transposed into tiles of 16 keys, so a tile of scores is 16-lane
 FMAs over d (four query rows per tile load) with no per-key horizontal sum; with fewer (a one-token step) a score
-is a dot product and a halving sum. Softmax in 16 lanes with a polynomial exp; each V row is read once per
-output chunk of 64. Measured at SmolLM2's shapes (9 heads, 3 KV heads, D 64, 200 context rows, 2 threads): 51,
-107 and 182 us a call at 1, 8 and 16 rows (the torch formulas: 370-530 us a layer inside a forward).
+is a dot product and a halving sum. Softmax in 16 lanes with a polynomial exp; the weighted sum of the V rows
+takes the same four query rows together (each V row loaded once for the four, 16 accumulators), 64 output
+columns a pass. Measured at SmolLM2's shapes (9 heads, 3 KV heads, D 64, 200 context rows, 2 threads, one run,
+medians): 34, 72, 116, 158 and 208 us a call at 1, 8, 16, 24 and 32 rows, against 35, 82, 136, 189 and 253 us
+with one query row per V pass (0.77x at 24 rows and 400 context rows); the torch formulas took 370-530 us a
+layer inside a forward.
 
 Threads: OpenMP (torch's libgomp) with ``torch.get_num_threads()`` threads over (request, KV head, key tile) and
 then (request, head, 4 query rows); the norm and silu_mul split their rows once there are enough of them.
@@ -164,14 +167,55 @@ inline v16 exp_nonpositive(v16 t) {
   return hidden ? 0.f : p * two;
 }
 
-// acc[c] += sum_j w[j] * p[j * stride + c * L ...] over `count` rows, NV vectors of each (in registers).
-template <int NV>
-inline void weighted_rows(const float* p, long stride, const float* w, long count, v16* acc) {
-  v16 a[NV];
-  for (int c = 0; c < NV; ++c) a[c] = acc[c];
-  for (long j = 0; j < count; ++j, p += stride)
-    for (int c = 0; c < NV; ++c) a[c] += w[j] * load(p + c * L);
-  for (int c = 0; c < NV; ++c) acc[c] = a[c];
+// acc[r][c] += sum_j w[r * ldw + j] * p[j * stride + c * L ...] over `count` rows j, for NR weight rows r and NV
+// vectors c (NR x NV accumulators in registers): each row of p is loaded once for all NR weight rows.
+template <int NR, int NV>
+inline void weighted_rows(const float* p, long stride, const float* w, long ldw, long count, v16 (*acc)[4]) {
+  v16 a[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NV; ++c) a[r][c] = acc[r][c];
+  for (long j = 0; j < count; ++j, p += stride) {
+    v16 x[NV];
+    for (int c = 0; c < NV; ++c) x[c] = load(p + c * L);
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < NV; ++c) a[r][c] += w[r * ldw + j] * x[c];
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = a[r][c];
+}
+
+// weighted_rows with NV known at run time (1-4).
+template <int NR>
+inline void weighted_rows_nv(const float* p, long stride, const float* w, long ldw, long count, int nv,
+                             v16 (*acc)[4]) {
+  switch (nv) {
+    case 4: weighted_rows<NR, 4>(p, stride, w, ldw, count, acc); break;
+    case 3: weighted_rows<NR, 3>(p, stride, w, ldw, count, acc); break;
+    case 2: weighted_rows<NR, 2>(p, stride, w, ldw, count, acc); break;
+    default: weighted_rows<NR, 1>(p, stride, w, ldw, count, acc);
+  }
+}
+
+// weighted_rows with NR and NV known at run time (1-4 each).
+inline void weighted_rows_any(const float* p, long stride, const float* w, long ldw, long count, int nr, int nv,
+                              v16 (*acc)[4]) {
+  switch (nr) {
+    case 4: weighted_rows_nv<4>(p, stride, w, ldw, count, nv, acc); break;
+    case 3: weighted_rows_nv<3>(p, stride, w, ldw, count, nv, acc); break;
+    case 2: weighted_rows_nv<2>(p, stride, w, ldw, count, nv, acc); break;
+    default: weighted_rows_nv<1>(p, stride, w, ldw, count, nv, acc);
+  }
+}
+
+// One tile of L scores for NR query rows: a[r] = sum_d x[r][d] * t[d] (t: L keys transposed to [D][L]).
+template <int NR>
+inline void score_tile(const v16* t, long D, const float* const* x, v16* a) {
+  v16 acc[NR] = {};
+  for (long d = 0; d < D; ++d) {
+    v16 kd = t[d];
+    for (int r = 0; r < NR; ++r) acc[r] += x[r][d] * kd;
+  }
+  for (int r = 0; r < NR; ++r) a[r] = acc[r];
 }
 
 // The sum of the lanes by halving (8 + 4 + 2 + 1 lanes added pairwise).
@@ -285,14 +329,16 @@ extern "C" void dflash_cpu_block_attention_f32(
         for (long d = 0; d < D; ++d) t[d * L + l] = live ? kr[d] : 0.f;
       }
     }
-    // Phase 3: one (request, head, 4 query rows) per unit (4 rows share each key tile load; smaller units
-    // than a whole head balance the threads: 9 heads on 2 threads would idle one for a ninth of the time).
+    // Phase 3: one (request, head, UR query rows) per unit (the unit's rows share each key tile and V row load;
+    // smaller units than a whole head balance the threads: 9 heads on 2 threads would idle one for a ninth of the
+    // time; 8-row units were no faster here).
+    constexpr long UR = 4;
     std::vector<float> qr(B * D), s(B * kpad);
-    const long chunks = (B + 3) / 4;
+    const long chunks = (B + UR - 1) / UR;
 #pragma omp for schedule(static)
     for (long u = 0; u < N * nH * chunks; ++u) {
       long n = u / (nH * chunks), h = (u / chunks) % nH, g = h / group;
-      long ib = (u % chunks) * 4, ie = ib + 4 < B ? ib + 4 : B;
+      long ib = (u % chunks) * UR, ie = ib + UR < B ? ib + UR : B;
       long ctx = lens[n], keys = ctx + B, ntile = (keys + L - 1) / L;
       const v16* kt_g = &kt[(n * kvH + g) * tiles * D];
       for (long i = ib; i < ie; ++i)
@@ -308,28 +354,18 @@ extern "C" void dflash_cpu_block_attention_f32(
           si[j] = hsum(a) * scale;
         }
       }
-      for (long i0 = ib; i0 < (transpose ? ie : ib); i0 += 4) {
-        long ni = ie - i0;
-        const float* x0 = &qr[i0 * D];
-        const float* x1 = &qr[(i0 + (ni > 1 ? 1 : 0)) * D];
-        const float* x2 = &qr[(i0 + (ni > 2 ? 2 : 0)) * D];
-        const float* x3 = &qr[(i0 + (ni > 3 ? 3 : 0)) * D];
+      if (transpose) {
+        const long ni = ie - ib;
+        const float* x[UR];
+        for (long r = 0; r < UR; ++r) x[r] = &qr[(ib + (r < ni ? r : 0)) * D];  // past ni: any row, not stored
         for (long jt = 0; jt < ntile; ++jt) {
-          const v16* t = kt_g + jt * D;
-          v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-          for (long d = 0; d < D; ++d) {
-            v16 kd = t[d];
-            a0 += x0[d] * kd;
-            a1 += x1[d] * kd;
-            a2 += x2[d] * kd;
-            a3 += x3[d] * kd;
-          }
-          long j0 = jt * L;
-          const v16 acc[4] = {a0, a1, a2, a3};
+          v16 acc[UR];
+          score_tile<UR>(kt_g + jt * D, D, x, acc);
           for (long r = 0; r < ni; ++r)
-            for (long l = 0; l < L; ++l) s[(i0 + r) * kpad + j0 + l] = acc[r][l] * scale;
+            for (long l = 0; l < L; ++l) s[(ib + r) * kpad + jt * L + l] = acc[r][l] * scale;
         }
       }
+      float inv[UR];
       for (long i = ib; i < ie; ++i) {
         float* si = &s[i * kpad];
         const int64_t* bits = tree_mask ? tree_mask + (n * B + i) * words : 0;
@@ -352,26 +388,24 @@ extern "C" void dflash_cpu_block_attention_f32(
           sum += e;
         }
         float l = hsum(sum);
-        float inv = l > 0.f ? 1.f / l : 0.f;
-        float* o = out + ((n * B + i) * nH + h) * D;
-        // The weighted sum of the V rows: the context rows in the cache, then the block's (in the cache after
-        // them, or aside), 64 output columns at a time in registers.
-        const float* ctx_v = vc + cache_row(n) * cap * row_stride + g * D;
-        const float* blk_v = write_kv ? ctx_v + ctx * row_stride : bv + (n * B * kvH + g) * D;
-        const long blk_stride = write_kv ? row_stride : kvH * D;
-        for (long d0 = 0; d0 < D; d0 += 4 * L) {
-          v16 acc[4] = {};
-          if (D - d0 >= 4 * L) {
-            weighted_rows<4>(ctx_v + d0, row_stride, si, ctx, acc);
-            weighted_rows<4>(blk_v + d0, blk_stride, si + ctx, B, acc);
-          } else {
-            for (long c = 0; c < (D - d0) / L; ++c) {
-              weighted_rows<1>(ctx_v + d0 + c * L, row_stride, si, ctx, acc + c);
-              weighted_rows<1>(blk_v + d0 + c * L, blk_stride, si + ctx, B, acc + c);
-            }
-          }
-          for (long c = 0; c < 4 && d0 + c * L < D; ++c)
-            for (long l = 0; l < L; ++l) o[d0 + c * L + l] = acc[c][l] * inv;
+        inv[i - ib] = l > 0.f ? 1.f / l : 0.f;
+      }
+      // The weighted sums of the V rows for the unit's query rows together (each V row loaded once for all of
+      // them): the context rows in the cache, then the block's (in the cache after them, or aside), 64 output
+      // columns at a time in registers.
+      const int nr = (int)(ie - ib);
+      const float* ctx_v = vc + cache_row(n) * cap * row_stride + g * D;
+      const float* blk_v = write_kv ? ctx_v + ctx * row_stride : bv + (n * B * kvH + g) * D;
+      const long blk_stride = write_kv ? row_stride : kvH * D;
+      for (long d0 = 0; d0 < D; d0 += 4 * L) {
+        const int nv = D - d0 >= 4 * L ? 4 : (int)((D - d0) / L);
+        v16 acc[UR][4] = {};
+        weighted_rows_any(ctx_v + d0, row_stride, &s[ib * kpad], kpad, ctx, nr, nv, acc);
+        weighted_rows_any(blk_v + d0, blk_stride, &s[ib * kpad + ctx], kpad, B, nr, nv, acc);
+        for (int r = 0; r < nr; ++r) {
+          float* o = out + ((n * B + ib + r) * nH + h) * D;
+          for (int c = 0; c < nv; ++c)
+            for (long l = 0; l < L; ++l) o[d0 + c * L + l] = acc[r][c][l] * inv[r];
         }
       }
     }

@@ -7,6 +7,7 @@ import torch
 from dflash_kernels import add_rms_norm, cpu_native, draft_attention, verify_attention
 from dflash_kernels.draft_attention import draft_attention_reference, verify_attention_reference
 from dflash_kernels.layer_ops import add_rms_norm_reference
+from dflash_kernels.tree import tree_ancestor_mask_reference
 from _device import DEVICE
 from _tol import assert_within_rule
 
@@ -83,6 +84,34 @@ def test_verify_attention_native(calls, n, b, nh, kvh, d, lens, cap, norm):
     assert_within_rule(out, refs[0][0], refs[1][0], "native verify_attention")
     assert_within_rule(kn, refs[0][1], refs[1][1], "native K cache")
     assert torch.equal(vn, refs[1][2]) and torch.equal(kn[0], kc[0])
+
+
+@pytest.mark.parametrize("n, t, lens, cap", [
+    (1, 24, [150], 256),       # trees of 23 (SmolLM2's shapes): units of 4 query rows, all full
+    (2, 23, [40, 0], 96),      # a 3-row tail unit, an empty context
+    (1, 70, [33], 128),        # two mask words, a 2-row tail unit
+])
+def test_tree_attention_native(calls, n, t, lens, cap):
+    """A draft tree's verify attention (each node sees the context and its ancestors, at position start + depth)
+    on the native kernel, against the fp64 definition."""
+    nh, kvh, d = 9, 3, 64
+    parents = torch.full((n, t), -1, dtype=torch.int64)
+    depths = torch.zeros((n, t), dtype=torch.int64)
+    for r in range(n):
+        for i in range(1, t):
+            parents[r, i] = int(torch.randint(0, i, ()))
+            depths[r, i] = depths[r, parents[r, i]] + 1
+    mask = tree_ancestor_mask_reference(parents)
+    q, k, v = (torch.randn(n, t, h, d) for h in (nh, kvh, kvh))
+    kc, vc = (torch.randn(n, cap, kvh, d) for _ in range(2))
+    cl = torch.tensor(lens)
+    qw, kw = ((1 + 0.3 * torch.randn(d)) for _ in range(2))
+    rope = dict(inv_freq=_inv_freq(d), scale=d ** -0.5, tree_depths=depths, tree_mask=mask)
+    refs = [verify_attention_reference(conv(q), conv(k), conv(v), conv(kc), conv(vc), cl, conv(qw), conv(kw), **rope)
+            for conv in (torch.Tensor.double, torch.Tensor.clone)]
+    out = verify_attention(q, k, v, kc.clone(), vc.clone(), cl, qw, kw, backend="cpu", **rope)
+    assert calls["attention"] == 1
+    assert_within_rule(out, refs[0], refs[1], "native tree attention")
 
 
 def test_verify_attention_native_not_taken(calls):

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dflash_kernels import cpu_native
 from dflash_kernels._dispatch import call_op, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, argmax_cpu, check_last_dim_contiguous, check_tensor, interpreting, next_pow2,
@@ -32,7 +33,8 @@ from dflash_kernels.verify import (
 
 _INDEX_DTYPES = (torch.int64,)
 _BACKENDS = ("triton", "torch")
-_GREEDY_WALK_BACKENDS = ("triton", "cpu", "torch")  # tree_accept_greedy's "cpu": the argmax by NumPy
+# "cpu": build_tree's and tree_ancestor_mask's in C (cpu_native), tree_accept_greedy's argmax by NumPy
+_HOST_BACKENDS = ("triton", "cpu", "torch")
 MASK_WORD_BITS = 64
 
 
@@ -289,7 +291,7 @@ def build_tree(draft_logits: torch.Tensor, anchor: torch.Tensor, budget: int, *,
             (``sum_d V'^d``, d = 1..B-1), else ValueError.
         vocab_ids: ``[V']`` int64 or None: draft logit index j means target token ``vocab_ids[j]`` (a draft with
             a vocabulary subset; ids must be distinct). None: j is the token id.
-        backend: ``"auto" | "triton" | "torch"``.
+        backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"``: CPU tensors, in C).
 
     Returns:
         ``(tree_tokens, tree_parents, tree_depths)``, int64 ``[R, T]`` each, nodes in selection order (best
@@ -297,7 +299,7 @@ def build_tree(draft_logits: torch.Tensor, anchor: torch.Tensor, budget: int, *,
     """
     op = "build_tree"
     _validate_build(op, draft_logits, anchor, budget, vocab_ids)
-    chosen = resolve_backend(op, backend, draft_logits.device, available=_BACKENDS)
+    chosen = resolve_backend(op, backend, draft_logits.device, available=_HOST_BACKENDS)
     return call_op(_build_tree_op, draft_logits, anchor, budget, vocab_ids, chosen, device=draft_logits.device)
 
 
@@ -306,8 +308,12 @@ def build_tree(draft_logits: torch.Tensor, anchor: torch.Tensor, budget: int, *,
 def _build_tree_op(draft_logits: torch.Tensor, anchor: torch.Tensor, budget: int, vocab_ids: Optional[torch.Tensor],
                    backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.dflash.build_tree``: :func:`build_tree` after validation."""
-    chosen = resolve_backend("build_tree", backend, draft_logits.device, available=_BACKENDS)
-    if chosen == "torch":
+    chosen = resolve_backend("build_tree", backend, draft_logits.device, available=_HOST_BACKENDS)
+    if chosen == "cpu":
+        trees = cpu_native.build_tree(draft_logits, draft_log_normalizer(draft_logits), anchor, budget, vocab_ids)
+        if trees is not None:
+            return trees
+    if chosen != "triton":
         return build_tree_reference(draft_logits, anchor, budget, vocab_ids=vocab_ids)
     return _build_tree_triton(draft_logits, anchor, budget, vocab_ids)
 
@@ -373,7 +379,7 @@ def tree_ancestor_mask(tree_parents: torch.Tensor, *, backend: str = "auto") -> 
 
     Args:
         tree_parents: ``[R, T]`` int64, ``tree_parents[r, i] < i`` (-1 for the root, node 0).
-        backend: ``"auto" | "triton" | "torch"``.
+        backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"``: CPU tensors, in C).
 
     Returns:
         ``[R, T, ceil(T / 64)]`` int64: bit ``j % 64`` of word ``j // 64`` of row i is set iff node j is node i
@@ -381,7 +387,7 @@ def tree_ancestor_mask(tree_parents: torch.Tensor, *, backend: str = "auto") -> 
     """
     op = "tree_ancestor_mask"
     _validate_nodes(op, "tree_parents", tree_parents)
-    chosen = resolve_backend(op, backend, tree_parents.device, available=_BACKENDS)
+    chosen = resolve_backend(op, backend, tree_parents.device, available=_HOST_BACKENDS)
     return call_op(_tree_ancestor_mask_op, tree_parents, chosen, device=tree_parents.device)
 
 
@@ -389,11 +395,15 @@ def tree_ancestor_mask(tree_parents: torch.Tensor, *, backend: str = "auto") -> 
 @torch.library.custom_op("dflash::tree_ancestor_mask", mutates_args=())
 def _tree_ancestor_mask_op(tree_parents: torch.Tensor, backend: str) -> torch.Tensor:
     """``torch.ops.dflash.tree_ancestor_mask``: :func:`tree_ancestor_mask` after validation."""
-    chosen = resolve_backend("tree_ancestor_mask", backend, tree_parents.device, available=_BACKENDS)
-    if chosen == "torch":
-        return tree_ancestor_mask_reference(tree_parents)
+    chosen = resolve_backend("tree_ancestor_mask", backend, tree_parents.device, available=_HOST_BACKENDS)
     r, t = tree_parents.shape
     words = mask_words(t)
+    if chosen == "cpu":
+        mask = cpu_native.tree_ancestor_mask(tree_parents, words)
+        if mask is not None:
+            return mask
+    if chosen != "triton":
+        return tree_ancestor_mask_reference(tree_parents)
     mask = torch.empty((r, t, words), dtype=torch.int64, device=tree_parents.device)
     if r:
         _ancestor_mask_kernel[(r,)](par_ptr=tree_parents, mask_ptr=mask, T=t, W=words,
@@ -576,7 +586,7 @@ def tree_accept_greedy(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_par
     """
     op = "tree_accept_greedy"
     _validate_accept(op, logits, tree_tokens, tree_parents, block_size)
-    chosen = resolve_backend(op, backend, logits.device, available=_GREEDY_WALK_BACKENDS)
+    chosen = resolve_backend(op, backend, logits.device, available=_HOST_BACKENDS)
     return call_op(_tree_accept_greedy_op, logits, tree_tokens, tree_parents, block_size, chosen, device=logits.device)
 
 
@@ -585,7 +595,7 @@ def tree_accept_greedy(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_par
 def _tree_accept_greedy_op(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_parents: torch.Tensor,
                            block_size: int, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.dflash.tree_accept_greedy``: :func:`tree_accept_greedy` after validation."""
-    chosen = resolve_backend("tree_accept_greedy", backend, logits.device, available=_GREEDY_WALK_BACKENDS)
+    chosen = resolve_backend("tree_accept_greedy", backend, logits.device, available=_HOST_BACKENDS)
     if chosen == "torch":
         return tree_accept_greedy_reference(logits, tree_tokens, tree_parents, block_size=block_size)
     if chosen == "cpu":

@@ -295,15 +295,53 @@ def test_build_tree_kernel_equals_reference(case):
     anchor = torch.randint(0, 1000, (r,))
     vocab_ids = torch.randperm(1000)[:v] if use_ids else None
     want = dk.build_tree(logits, anchor, budget, vocab_ids=vocab_ids, backend="torch")
-    got = dk.build_tree(logits, anchor, budget, vocab_ids=vocab_ids, backend="triton")
-    for name, g, w in zip(("tokens", "parents", "depths"), got, want):
-        assert g.dtype == torch.int64 and torch.equal(g, w), name
+    for backend in ("triton", "cpu") if logits.device.type == "cpu" else ("triton",):
+        got = dk.build_tree(logits, anchor, budget, vocab_ids=vocab_ids, backend=backend)
+        for name, g, w in zip(("tokens", "parents", "depths"), got, want):
+            assert g.dtype == torch.int64 and torch.equal(g, w), (backend, name)
+
+
+CPU_ONLY = pytest.mark.skipif(torch.get_default_device().type != "cpu", reason="CPU tensors only")
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("budget", [1, 7, 27, 63])
+def test_build_tree_cpu_equals_reference(budget):
+    """The "cpu" backend (C, cpu_native) at the demo draft's shapes (B - 1 = 7 positions, 2,585 draft ids) and with
+    ties, bit for bit; a +inf logit (log p NaN) leaves the decision to the reference."""
+    from dflash_kernels import cpu_native
+    r, p, v = 3, 7, 2585
+    logits = torch.randn(r, p, v) * 3
+    logits[1] = torch.randint(-2, 3, (p, v)).float()     # many exactly tied scores: the tie rule decides
+    anchor = torch.randint(0, 49152, (r,))
+    vocab_ids = torch.randperm(49152)[:v]
+    assert cpu_native.build_tree(logits, draft_log_normalizer(logits), anchor, budget, vocab_ids) is not None
+    for bad in (None, float("inf")):
+        if bad is not None:
+            logits[2, 3, 100] = bad
+        want = build_tree_reference(logits, anchor, budget, vocab_ids=vocab_ids)
+        got = dk.build_tree(logits, anchor, budget, vocab_ids=vocab_ids, backend="cpu")
+        for name, g, w in zip(("tokens", "parents", "depths"), got, want):
+            assert torch.equal(g, w), (bad, name)
 
 
 def test_ancestor_mask_kernel_equals_reference():
     parents, _ = _random_tree(3, 70, 8)
-    got = dk.tree_ancestor_mask(parents, backend="triton")
-    assert torch.equal(got, dk.tree_ancestor_mask(parents, backend="torch"))
+    want = dk.tree_ancestor_mask(parents, backend="torch")
+    for backend in ("triton", "cpu") if parents.device.type == "cpu" else ("triton",):
+        assert torch.equal(dk.tree_ancestor_mask(parents, backend=backend), want), backend
+    strided = torch.cat([parents, parents], 1)[:, :70]   # a view with a row stride of 140
+    assert torch.equal(dk.tree_ancestor_mask(strided, backend="cpu" if strided.device.type == "cpu" else "torch"), want)
+
+
+@CPU_ONLY
+def test_ancestor_mask_cpu_rejects_a_parent_that_is_not_earlier():
+    parents, _ = _random_tree(2, 9, 4)
+    for node, bad in ((4, 4), (4, 7), (0, 2), (3, -1)):
+        broken = parents.clone()
+        broken[1, node] = bad
+        with pytest.raises(ValueError, match=rf"tree_parents\[1, {node}\] = {bad} is not a valid parent"):
+            dk.tree_ancestor_mask(broken, backend="cpu")
 
 
 def _walk_case(r, t, v, max_depth, dtype):

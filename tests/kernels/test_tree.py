@@ -17,6 +17,7 @@ from dflash_kernels.tree import (
 )
 
 BACKENDS = ["torch", "triton"]
+CPU_ONLY = pytest.mark.skipif(torch.get_default_device().type != "cpu", reason="CPU tensors only")
 
 
 def _brute_tree(logits, anchor, budget, vocab_ids=None):
@@ -191,8 +192,7 @@ TREE_ATTN_CASES = [  # n, T nodes, nH, kvH, D, context lengths, capacity, paged
 ]
 
 
-@pytest.mark.parametrize("backend", ["triton", pytest.param("cpu", marks=pytest.mark.skipif(
-    torch.get_default_device().type != "cpu", reason="CPU tensors only"))])
+@pytest.mark.parametrize("backend", ["triton", pytest.param("cpu", marks=CPU_ONLY)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", TREE_ATTN_CASES, ids=["contiguous", "paged"])
 def test_verify_attention_tree_kernel(monkeypatch, backend, dtype, case):
@@ -299,9 +299,6 @@ def test_build_tree_kernel_equals_reference(case):
         got = dk.build_tree(logits, anchor, budget, vocab_ids=vocab_ids, backend=backend)
         for name, g, w in zip(("tokens", "parents", "depths"), got, want):
             assert g.dtype == torch.int64 and torch.equal(g, w), (backend, name)
-
-
-CPU_ONLY = pytest.mark.skipif(torch.get_default_device().type != "cpu", reason="CPU tensors only")
 
 
 @CPU_ONLY

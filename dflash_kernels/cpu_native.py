@@ -25,13 +25,17 @@ them to the 2x error rule against fp64, not to the references' bits):
 
 How (attention): the block's K/V rows are written first; then, with 8 or more query rows per KV head (a verify
 block), each request's keys of each KV head are transposed into tiles of 16 keys, so a tile of scores is 16-lane
-FMAs over d (four query rows per tile load) with no per-key horizontal sum; with fewer (a one-token step) a score
+FMAs over d with no per-key horizontal sum, four query rows and two key tiles a pass (eight independent FMA
+chains: four left each FMA waiting on the previous one's latency; 0.88-0.95x the time at 16-24 rows, measured
+below); with fewer (a one-token step) a score
 is a dot product and a halving sum. Softmax in 16 lanes with a polynomial exp; the weighted sum of the V rows
 takes the same four query rows together (each V row loaded once for the four, 16 accumulators), 64 output
 columns a pass. Measured at SmolLM2's shapes (9 heads, 3 KV heads, D 64, 200 context rows, 2 threads, one run,
 medians): 34, 72, 116, 158 and 208 us a call at 1, 8, 16, 24 and 32 rows, against 35, 82, 136, 189 and 253 us
 with one query row per V pass (0.77x at 24 rows and 400 context rows); the torch formulas took 370-530 us a
-layer inside a forward.
+layer inside a forward. Two key tiles a score pass instead of one (in-process A/B, bit-identical outputs): 68 ->
+65, 108 -> 103 and 153 -> 134 us at 8, 16 and 24 rows (200 context rows), 129 -> 121 and 295 -> 267 us at 8 and
+24 rows (400).
 
 Threads: OpenMP (torch's libgomp) with ``torch.get_num_threads()`` threads over (request, KV head, key tile) and
 then (request, head, 4 query rows); the norm and silu_mul split their rows once there are enough of them.
@@ -215,15 +219,20 @@ inline void weighted_rows_any(const float* p, long stride, const float* w, long 
   }
 }
 
-// One tile of L scores for NR query rows: a[r] = sum_d x[r][d] * t[d] (t: L keys transposed to [D][L]).
-template <int NR>
-inline void score_tile(const v16* t, long D, const float* const* x, v16* a) {
-  v16 acc[NR] = {};
+// NT tiles of L scores each for NR query rows: a[r][c] = sum_d x[r][d] * t[c * D + d] (t: NT consecutive tiles of
+// L keys transposed to [D][L]). NR * NT independent sums: with NT = 2 and 4 rows, 8 FMA chains hide the FMA
+// latency that 4 chains leave exposed (each chain waits on its previous FMA).
+template <int NR, int NT>
+inline void score_tiles(const v16* t, long D, const float* const* x, v16 (*a)[2]) {
+  v16 acc[NR][NT] = {};
   for (long d = 0; d < D; ++d) {
-    v16 kd = t[d];
-    for (int r = 0; r < NR; ++r) acc[r] += x[r][d] * kd;
+    v16 kd[NT];
+    for (int c = 0; c < NT; ++c) kd[c] = t[c * D + d];
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < NT; ++c) acc[r][c] += x[r][d] * kd[c];
   }
-  for (int r = 0; r < NR; ++r) a[r] = acc[r];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NT; ++c) a[r][c] = acc[r][c];
 }
 
 // The sum of the lanes by halving (8 + 4 + 2 + 1 lanes added pairwise).
@@ -366,11 +375,16 @@ extern "C" void dflash_cpu_block_attention_f32(
         const long ni = ie - ib;
         const float* x[UR];
         for (long r = 0; r < UR; ++r) x[r] = &qr[(ib + (r < ni ? r : 0)) * D];  // past ni: any row, not stored
-        for (long jt = 0; jt < ntile; ++jt) {
-          v16 acc[UR];
-          score_tile<UR>(kt_g + jt * D, D, x, acc);
+        for (long jt = 0; jt < ntile; jt += 2) {
+          const int nt = jt + 1 < ntile ? 2 : 1;
+          v16 acc[UR][2];
+          if (nt == 2)
+            score_tiles<UR, 2>(kt_g + jt * D, D, x, acc);
+          else
+            score_tiles<UR, 1>(kt_g + jt * D, D, x, acc);
           for (long r = 0; r < ni; ++r)
-            for (long l = 0; l < L; ++l) s[(ib + r) * kpad + jt * L + l] = acc[r][l] * scale;
+            for (int c = 0; c < nt; ++c)
+              for (long l = 0; l < L; ++l) s[(ib + r) * kpad + (jt + c) * L + l] = acc[r][c][l] * scale;
         }
       }
       float inv[UR];

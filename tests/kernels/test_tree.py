@@ -304,10 +304,10 @@ def test_build_tree_kernel_equals_reference(case):
 @CPU_ONLY
 @pytest.mark.parametrize("budget", [1, 7, 27, 63])
 def test_build_tree_cpu_equals_reference(budget):
-    """The "cpu" backend (C, cpu_native) at the demo draft's shapes (B - 1 = 7 positions, 2,585 draft ids) and with
+    """The "cpu" backend (C, cpu_native) at the demo draft's shapes (B - 1 = 7 positions, 4,096 draft ids) and with
     ties, bit for bit; a +inf logit (log p NaN) leaves the decision to the reference."""
     from dflash_kernels import cpu_native
-    r, p, v = 3, 7, 2585
+    r, p, v = 3, 7, 4096
     logits = torch.randn(r, p, v) * 3
     logits[1] = torch.randint(-2, 3, (p, v)).float()     # many exactly tied scores: the tie rule decides
     anchor = torch.randint(0, 49152, (r,))

@@ -17,7 +17,8 @@ draft and verify milliseconds (medians over reps), and whether every output equa
 must: DFlash is lossless). One warm-up call per configuration first.
 
 Usage: python bench/tree.py [--budgets 4,8,16,32,64] [--prompts 6] [--prompt TEXT] [--max-new-tokens 96]
-       [--reps 2] [--threads 2] [--draft DIR [--draft DIR2 ...]] [--without-native] [--without-amx] [--out FILE.md]
+       [--reps 2] [--threads 2] [--draft DIR [--draft DIR2 ...]] [--without-native] [--without-amx] [--op-path]
+       [--out FILE.md]
 (``dflash bench tree`` runs this file)
 """
 from __future__ import annotations
@@ -52,6 +53,9 @@ def main(argv=None) -> int:
     ap.add_argument("--without-native", action="store_true",
                     help="also run every DFlash configuration with the native CPU kernels off (DFLASH_CPU_NATIVE=0: "
                          "the \"cpu\" backend's torch formulas), in the same rotation")
+    ap.add_argument("--op-path", action="store_true",
+                    help="also run every DFlash configuration with the lean target's native forward off (its forward "
+                         "through the ops), in the same rotation")
     ap.add_argument("--without-amx", action="store_true",
                     help="also run every DFlash configuration with cpu_linear's AMX path off (its fp32 kernel), in "
                          "the same rotation")
@@ -77,8 +81,9 @@ def main(argv=None) -> int:
     inputs = [torch.tensor([tok(smollm2.chat_prompt(tok, p), add_special_tokens=False)["input_ids"]]) for p in prompts]
     HF = "hf"
     # a configuration: HF, or (draft label, tree budget or None for the chain, what is turned off: "" nothing,
-    # "torch formulas" the native CPU kernels, "fp32 GEMM" cpu_linear's AMX path)
-    variants = [""] + ["torch formulas"] * args.without_native + ["fp32 GEMM"] * args.without_amx
+    # "torch formulas" the native CPU kernels, "fp32 GEMM" cpu_linear's AMX path, "op path" the native forward)
+    variants = ([""] + ["torch formulas"] * args.without_native + ["fp32 GEMM"] * args.without_amx
+                + ["op path"] * args.op_path)
     configs: list = [HF] + [(lab, b, var) for var in variants for lab in labels
                             for b in [None] + common.parse_ints(args.budgets)]
 
@@ -95,7 +100,8 @@ def main(argv=None) -> int:
             return SimpleNamespace(sequences=seqs, num_generated_tokens=seqs.shape[1] - ids.shape[1],
                                    acceptance_lengths=(), total_time=secs, draft_time=0.0, verify_time=0.0)
         lab, budget, off = config
-        with common.cpu_kernels(native=off != "torch formulas", amx=off != "fp32 GEMM"):
+        with common.cpu_kernels(native=off != "torch formulas", amx=off != "fp32 GEMM",
+                                native_forward=off != "op path"):
             return generate(target, drafts[lab], ids, max_new, stop_token_ids=stops, block_size=args.block_size,
                             tree_budget=budget)
 

@@ -504,6 +504,12 @@ def amx_active() -> bool:
     return _amx_on and _load_amx() is not None
 
 
+def amx_library() -> ctypes.CDLL | None:
+    """The AMX kernel's library when :func:`amx_active`, else None: ``dflash_amx_linear3`` (see its comment in
+    ``_AMX_SOURCE``) for a caller that has checked its arguments once (``dflash.native_forward``)."""
+    return _load_amx() if _amx_on else None
+
+
 # id(weight) -> (weak reference, version, data pointer, tiles or None): one packing per tensor and version.
 _packed: dict[int, tuple] = {}
 

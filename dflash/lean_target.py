@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash import cpu_linear
+from dflash.native_forward import MAX_ROWS as NATIVE_MAX_ROWS, NativeForward
 from dflash.merged_linear import merged_weight, row_blocks
 from dflash.target import check_target
 from dflash_kernels import add_rms_norm, gate_up_silu, silu_mul, verify_attention
@@ -34,6 +35,7 @@ LEAN_MODEL_TYPES = ("llama", "qwen3")
 # B x G query rows ("cpu" runs any block).
 MAX_KERNEL_ROWS = 64
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+NATIVE_SHAPES = 4  # native forwards kept per target (decode, verify, tree, a prefill tail)
 
 
 def check_lean_target(model) -> None:
@@ -130,6 +132,7 @@ class LeanTarget:
         self.k_cache = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
         self.v_cache = torch.zeros_like(self.k_cache)
         self.capacity = capacity
+        self._natives: dict[tuple[int, int], NativeForward] = {}  # (requests, rows) -> its native forward
 
     def forward(self, input_ids: torch.Tensor, start: torch.Tensor, kv_bound: int,
                 rows: torch.Tensor | None = None, tree: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -153,6 +156,11 @@ class LeanTarget:
         """
         model, linear = self.model, self.linear
         n, q = input_ids.shape
+        if self.backend == "cpu" and q <= NATIVE_MAX_ROWS:  # one loop of native calls where it applies
+            native = self._native_forward(n, q)
+            out = None if native is None else native.forward(self, input_ids, start, rows, tree, last_logits_only)
+            if out is not None:
+                return out
         nh, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         attn_backend = self.backend if q <= MAX_KERNEL_ROWS or self.backend == "cpu" else "torch"
         h = F.embedding(input_ids, model.model.embed_tokens.weight)  # the residual stream, updated in place
@@ -190,6 +198,16 @@ class LeanTarget:
         if last_logits_only:
             x = x[:, -1:]
         return linear(x, model.lm_head.weight, model.lm_head.bias), features
+
+    def _native_forward(self, n: int, q: int) -> NativeForward | None:
+        """The native forward of this shape (built on first use; the last few shapes kept), or None."""
+        if not NativeForward.applies(self, n, q):
+            return None
+        native = self._natives.pop((n, q), None) or NativeForward(self, n, q)
+        self._natives[(n, q)] = native  # most recent last
+        while len(self._natives) > NATIVE_SHAPES:
+            self._natives.pop(next(iter(self._natives)))
+        return native
 
     @staticmethod
     def _tap(features, taps: dict[int, list[int]], li: int, h: torch.Tensor) -> None:

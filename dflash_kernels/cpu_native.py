@@ -566,6 +566,13 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0" and (_lib is not None or _load() is not None)
 
 
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels' library when they run (:func:`enabled`), else None: for a caller that has checked its
+    arguments once and calls the entry points directly (``dflash.native_forward``); their contracts are the
+    comments above each ``extern "C"`` function of the source."""
+    return _lib if enabled() else None
+
+
 def unavailable_reason() -> str | None:
     """None when the kernels are built and loaded (building them now if needed), else why not."""
     _load()

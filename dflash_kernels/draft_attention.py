@@ -218,11 +218,11 @@ def verify_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_wei
                                      block_table=block_table, cache_batch_idx=cache_batch_idx, scale=scale)
 
 
-# (key, inv_freq, its values for an inference tensor, cos, signed sin) of the last _rope_tables_cpu call, replaced whole (thread-safe reads).
+# (key, inv_freq, its values for an inference tensor, cos, signed sin) of the last rope_tables_cpu call, replaced whole (thread-safe reads).
 _rope_memo: list = [None]
 
 
-def _rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, dtype, depths=None):
+def rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, dtype, depths=None):
     """cos and ``sin_signed`` ([N*B, D], rows = block rows of every request) of the block positions, with the
     first half of sin negated so that ``rotate_half(x) * sin == x.roll(D/2, -1) * sin_signed`` exactly (a sign
     flip rounds nothing). The layers of one forward share their positions: the last tables are kept and reused
@@ -318,7 +318,7 @@ def _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_
         return torch.empty((n, b, nh, d), dtype=q.dtype, device=q.device)
     lens = cache_lens.tolist()
     cache_rows = cache_batch_idx.tolist() if cache_batch_idx is not None else range(n)
-    cos, sin_signed = _rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, q.dtype, tree_depths)
+    cos, sin_signed = rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, q.dtype, tree_depths)
     if sliding_window is None:
         native = cpu_native.block_attention(q, k, v, k_cache, v_cache, lens, cache_lens, cache_batch_idx, q_norm_weight,
                                             k_norm_weight, eps, d ** -0.5 if scale is None else scale, cos, sin_signed,

@@ -1,0 +1,198 @@
+"""The lean target's forward on the "cpu" backend as one loop of native calls: the CPU's counterpart of a captured
+GPU step.
+
+Why: a SmolLM2 forward makes ~240 kernel calls (seven a layer and the LM head), and the Python around them (each
+op's argument checks and backend resolution, the output allocations, the ``cpu_linear`` dispatch) cost 11-19 ms of
+a 35-57 ms forward on the project's 2-core CPU: the same forward's native calls, recorded once and called back to
+back with their recorded arguments, take 20-41 ms (``bench/results/2026-12-02-cpu-smollm2-vocab4096.md``). A
+:class:`NativeForward` checks everything once per shape, keeps the activations in buffers of its own, and runs a
+forward as the embedding, the RoPE tables, then per layer seven ctypes calls with prepared arguments: the kernels
+and arguments of the op path (``LeanTarget``'s layer loop), so the same bits.
+
+Applies where the op path would run exactly these kernels: the "cpu" backend, fp32, the native CPU kernels and
+``cpu_linear``'s AMX path available, every projection weight (and the LM head) exactly bf16 (its AMX tiles exist),
+head dim a multiple of 16 (at most 512), no sliding window, nothing watching (no ``torch.compile`` tracing,
+dispatch mode or autograd: those must see the ops), and at most :data:`MAX_ROWS` rows a request (decode, verify
+and tree steps; a long prefill chunk keeps the op path, whose per-call cost is small next to its work).
+Elsewhere ``forward`` returns None and ``LeanTarget`` runs its op path. ``DFLASH_NATIVE_FORWARD=0`` (or
+:func:`set_enabled`) turns it off (A/B runs, tests).
+
+The weights' AMX tiles are looked up on every forward (``cpu_linear.bf16_tiles``: a dict hit unless a weight was
+updated in place, which repacks it), so an in-place update is seen as on the op path.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from dflash import cpu_linear
+from dflash_kernels import cpu_native
+from dflash_kernels._dispatch import unobserved_eager
+from dflash_kernels.draft_attention import rope_tables_cpu
+
+ENV = "DFLASH_NATIVE_FORWARD"
+MAX_ROWS = 64
+_on = os.environ.get(ENV, "1") != "0"
+
+
+def set_enabled(enabled: bool) -> bool:
+    """Turn the native forward on or off for this process; returns the previous setting."""
+    global _on
+    before, _on = _on, bool(enabled)
+    return before
+
+
+def _blocks(weight) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(weight, bias) of each row block of a projection: a ``cpu_linear.RowBlocks`` or a plain weight."""
+    if type(weight) is cpu_linear.RowBlocks:
+        biases = weight.biases or (None,) * len(weight.sources)
+        return list(zip(weight.sources, biases))
+    return [(weight, None)]
+
+
+class NativeForward:
+    """The native forward of one :class:`dflash.lean_target.LeanTarget` at one shape (``n`` requests of ``q`` rows):
+    its activation buffers and the per-layer constants of the kernel calls."""
+
+    def __init__(self, lt, n: int, q: int):
+        model = lt.model
+        self.n, self.q = n, q
+        m = n * q
+        self.hidden = h = model.config.hidden_size
+        self.nh, self.kvh, self.d = lt.num_heads, lt.num_kv_heads, lt.head_dim
+        self.inter = inter = lt.gate_up[0][0].out_features // 2  # gate and up: row blocks of one call
+
+        def empty(cols: int) -> torch.Tensor:
+            return torch.empty((m, cols), dtype=torch.float32)
+        self.h, self.x, self.delta = empty(h), empty(h), empty(h)  # residual stream, normed input, sub-block out
+        self.qkv, self.attn = empty((self.nh + 2 * self.kvh) * self.d), empty(self.nh * self.d)
+        self.gu, self.act = empty(2 * inter), empty(inter)
+        # (weight, bias) blocks of each layer's four projections, then the LM head's
+        self.projections = [(_blocks(lt.qkv[li][0]), [(p.o_weight, p.o_bias)], _blocks(lt.gate_up[li][0]),
+                             [(p.down_weight, p.down_bias)]) for li, p in enumerate(lt.layers)]
+        self.head = [(model.lm_head.weight, model.lm_head.bias)]
+
+    @staticmethod
+    def applies(lt, n: int, q: int) -> bool:
+        """Whether the native forward can run ``lt`` at this shape (the checks that do not change per call)."""
+        if not (_on and lt.backend == "cpu" and 1 <= q <= MAX_ROWS and n >= 1 and cpu_native.library() is not None
+                and cpu_linear.amx_library() is not None):
+            return False
+        d = lt.head_dim  # (a lean target has no sliding window: check_lean_target)
+        if d % 16 or d > cpu_native.MAX_HEAD_DIM:
+            return False
+        if any(type(lt.qkv[li][0]) is not cpu_linear.RowBlocks or type(lt.gate_up[li][0]) is not cpu_linear.RowBlocks
+               or lt.qkv[li][1] is not None or lt.gate_up[li][1] is not None for li in range(len(lt.layers))):
+            return False
+        tensors = [lt.k_cache, lt.v_cache, lt.model.model.embed_tokens.weight, lt.model.model.norm.weight]
+        for p in lt.layers:
+            tensors += [p.input_norm, p.post_norm] + [t for t in (p.q_norm, p.k_norm) if t is not None]
+        return all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)
+
+    def _tiles(self, blocks) -> list | None:
+        """The kernel's (tiles pointer, rows, bias pointer) of each block, or None if one is not bf16-exact."""
+        out = []
+        for w, b in blocks:
+            t = cpu_linear.bf16_tiles(w)
+            if t is None or (b is not None and not (b.dtype == torch.float32 and b.is_contiguous())):
+                return None
+            out.append((t.data_ptr(), w.shape[0], None if b is None else b.data_ptr()))
+        return out
+
+    def forward(self, lt, input_ids: torch.Tensor, start: torch.Tensor, rows: torch.Tensor | None,
+                tree: tuple[torch.Tensor, torch.Tensor] | None, last_logits_only: bool):
+        """``LeanTarget.forward``'s results (fresh logits and features tensors), or None where it does not apply
+        (nothing written then)."""
+        n, q = self.n, self.q
+        m, hid = n * q, self.hidden
+        nlib, amx = cpu_native.library(), cpu_linear.amx_library()
+        if nlib is None or amx is None or not unobserved_eager():
+            return None
+        if not (start.dtype == torch.int64 and start.is_contiguous() and start.numel() == n
+                and input_ids.shape == (n, q)):
+            return None
+        lens = start.tolist()
+        cap = lt.k_cache.shape[2]
+        if min(lens) < 0 or max(lens) + q > cap:
+            return None  # the op path raises the error
+        if rows is not None:
+            rows = rows.contiguous()
+            if rows.dtype != torch.int64 or rows.numel() != n or not all(0 <= r < lt.k_cache.shape[1]
+                                                                          for r in rows.tolist()):
+                return None
+        elif n > lt.k_cache.shape[1]:
+            return None
+        plan = [tuple(self._tiles(b) for b in layer) for layer in self.projections]
+        head = self._tiles(self.head)
+        if head is None or any(t is None for layer in plan for t in layer):
+            return None
+        words, mask_ptr, depths = 0, None, None
+        if tree is not None:
+            depths, mask = tree
+            mask = mask.contiguous()
+            if mask.shape[:2] != (n, q) or mask.shape[2] * 64 < q or mask.dtype != torch.int64:
+                return None
+            words, mask_ptr = mask.shape[2], mask.data_ptr()
+        cos, sin = rope_tables_cpu(start, lens, q, lt.inv_freq, lt.attention_scaling, torch.float32, depths)
+        cos, sin = cos.contiguous(), sin.contiguous()
+
+        threads = torch.get_num_threads()
+        model = lt.model
+        torch.index_select(model.model.embed_tokens.weight, 0, input_ids.reshape(-1), out=self.h)
+        features = self.h.new_empty((n, q, len(lt.layer_ids) * hid)) if lt.layer_ids else None
+        taps: dict[int, list[int]] = {}
+        for t, li in enumerate(lt.layer_ids):
+            taps.setdefault(li, []).append(t)
+        h, x, delta, qkv, attn, gu, act = (t.data_ptr() for t in (self.h, self.x, self.delta, self.qkv, self.attn,
+                                                                    self.gu, self.act))
+        nh, kvh, d, inter = self.nh, self.kvh, self.d, self.inter
+        width = (nh + 2 * kvh) * d
+        norm, silu, attention = (nlib.dflash_cpu_add_rms_norm_f32, nlib.dflash_cpu_silu_mul_f32,
+                                 nlib.dflash_cpu_block_attention_f32)
+        linear3 = amx.dflash_amx_linear3
+        none3 = (None, 0, None)
+
+        def project(x_ptr, ldx, rows_, k, blocks, y_ptr):
+            args = [a for blk in blocks for a in blk] + [a for _ in range(3 - len(blocks)) for a in none3]
+            if linear3(x_ptr, ldx, rows_, k, *args, y_ptr, threads):
+                raise MemoryError(f"native_forward: no memory for the split input rows ({rows_} x {k})")
+
+        rows_ptr = None if rows is None else rows.data_ptr()
+        k_stride = lt.k_cache.stride(0) * 4  # bytes between layers' caches
+        kc0, vc0 = lt.k_cache.data_ptr(), lt.v_cache.data_ptr()
+        for li, p in enumerate(lt.layers):
+            qkv_t, o_t, gu_t, down_t = plan[li]
+            if li == 0:
+                norm(h, hid, None, p.input_norm.data_ptr(), x, m, hid, p.input_eps, threads)
+            else:
+                norm(delta, hid, h, p.input_norm.data_ptr(), x, m, hid, p.input_eps, threads)
+            self._tap(features, taps, li - 1)
+            project(x, hid, m, hid, qkv_t, qkv)
+            attention(qkv, q * width, width, qkv + 4 * nh * d, q * width, width, qkv + 4 * (nh + kvh) * d,
+                      q * width, width, kc0 + li * k_stride, vc0 + li * k_stride, cap, start.data_ptr(), rows_ptr,
+                      None, None if p.q_norm is None else p.q_norm.data_ptr(),
+                      None if p.k_norm is None else p.k_norm.data_ptr(), p.qk_norm_eps, cos.data_ptr(),
+                      sin.data_ptr(), mask_ptr, words, 1, 1, attn, n, q, nh, kvh, d,
+                      d ** -0.5 if p.scale is None else p.scale, threads)
+            project(attn, nh * d, m, nh * d, o_t, delta)
+            norm(delta, hid, h, p.post_norm.data_ptr(), x, m, hid, p.post_eps, threads)
+            project(x, hid, m, hid, gu_t, gu)
+            silu(gu, 2 * inter, act, m, inter, threads)
+            project(act, inter, m, inter, down_t, delta)
+        final = model.model.norm
+        norm(delta, hid, h, final.weight.data_ptr(), x, m, hid, final.variance_epsilon, threads)
+        self._tap(features, taps, len(lt.layers) - 1)
+        vocab = model.lm_head.weight.shape[0]
+        if last_logits_only:
+            logits = self.h.new_empty((n, 1, vocab))
+            project(x + 4 * (q - 1) * hid, q * hid, n, hid, head, logits.data_ptr())
+        else:
+            logits = self.h.new_empty((n, q, vocab))
+            project(x, hid, m, hid, head, logits.data_ptr())
+        return logits, features
+
+    def _tap(self, features, taps: dict[int, list[int]], li: int) -> None:
+        hid = self.hidden
+        for t in taps.get(li, ()):
+            features[..., t * hid:(t + 1) * hid].copy_(self.h.view(self.n, self.q, hid))

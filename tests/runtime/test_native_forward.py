@@ -1,0 +1,136 @@
+"""``dflash.native_forward``: the lean target's "cpu" forward as one loop of native calls equals the op path bit for
+bit (logits, tapped features, both caches), and steps aside wherever the op path must run."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dflash import cpu_linear, native_forward
+from dflash.lean_target import LeanTarget
+from dflash_kernels import build_tree, cpu_native, tree_ancestor_mask
+
+from tiny_models import make_target
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_linear.amx_active() and cpu_native.library() is not None),
+    reason=cpu_linear.amx_unavailable_reason() or cpu_native.unavailable_reason() or "native kernels off")
+
+HIDDEN, VOCAB, CAP = 64, 96, 80  # head dim 16: the native attention's unit
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def target(request):
+    torch.manual_seed(0)
+    model = make_target(request.param, vocab=VOCAB, layers=3, hidden=HIDDEN)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            p.copy_(p.bfloat16().float())  # every weight a bf16 value: the AMX path's condition
+    return model
+
+
+@pytest.fixture
+def native(monkeypatch):
+    """Counts the forwards the native loop ran (it returns None where it steps aside)."""
+    ran = []
+    real = native_forward.NativeForward.forward
+
+    def counted(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        ran.append(out is not None)
+        return out
+    monkeypatch.setattr(native_forward.NativeForward, "forward", counted)
+    return ran
+
+
+class _Watching(TorchDispatchMode):
+    """A dispatch mode that only passes the calls on (as the graph emulator and the accountant watch them)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _pair(target, n=1):
+    return [LeanTarget(target, [0, 2], batch=n, capacity=CAP, backend="cpu") for _ in range(2)]
+
+
+def _forward(lt, on, *args, **kwargs):
+    before = native_forward.set_enabled(on)
+    try:
+        with torch.inference_mode():
+            return lt.forward(*args, **kwargs)
+    finally:
+        native_forward.set_enabled(before)
+
+
+def _assert_same(a, b, la, lb):
+    assert torch.equal(a[0], b[0]), (a[0] - b[0]).abs().max()
+    assert torch.equal(a[1], b[1])
+    assert torch.equal(la.k_cache, lb.k_cache) and torch.equal(la.v_cache, lb.v_cache)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 24, 64])
+def test_chain_rows_bit_equal(target, native, rows):
+    g = torch.Generator().manual_seed(rows)
+    a, b = _pair(target)
+    prompt = torch.randint(0, VOCAB, (1, 9), generator=g)
+    ids = torch.randint(0, VOCAB, (1, rows), generator=g)
+    outs = []
+    for lt, on in ((a, True), (b, False)):
+        _forward(lt, on, prompt, torch.tensor([0]), 9)
+        outs.append(_forward(lt, on, ids, torch.tensor([9]), 9 + rows))
+    assert native == [True, True]  # the prompt and the block: both native (<= 64 rows)
+    _assert_same(*outs, a, b)
+
+
+def test_tree_ragged_batch_and_last_logits_bit_equal(target, native):
+    """Two requests at different lengths in cache rows 1 and 0, a draft tree of 12 nodes each; then a last-row-only
+    forward (a prefill chunk's tail)."""
+    g = torch.Generator().manual_seed(1)
+    a, b = _pair(target, n=2)
+    logits = torch.randn(2, 7, 40, generator=g) * 2
+    tokens, parents, depths = build_tree(logits, torch.tensor([3, 4]), 11, backend="torch")
+    tree = (depths, tree_ancestor_mask(parents, backend="torch"))
+    start, rows = torch.tensor([17, 5]), torch.tensor([1, 0])
+    tail = torch.randint(0, VOCAB, (2, 6), generator=g)
+    outs = []
+    for lt, on in ((a, True), (b, False)):
+        for r, s in ((0, 17), (1, 5)):  # distinct contexts
+            _forward(lt, on, torch.randint(0, VOCAB, (1, s), generator=torch.Generator().manual_seed(s)),
+                     torch.tensor([0]), s, rows=torch.tensor([r]))
+        outs.append(_forward(lt, on, tokens, start, 30, rows=rows, tree=tree))
+        outs.append(_forward(lt, on, tail, start + 12, 35, rows=rows, last_logits_only=True))
+    assert native == [True] * 4  # two prompts, the tree, the tail; turned off, it is not even tried
+    _assert_same(outs[0], outs[2], a, b)
+    assert outs[1][0].shape == (2, 1, VOCAB)
+    assert torch.equal(outs[1][0], outs[3][0]) and torch.equal(outs[1][1], outs[3][1])
+
+
+def test_steps_aside(target, native):
+    """Where the op path must run: a weight that is not bf16-exact (no AMX tiles), a dispatch mode watching the
+    calls, more than MAX_ROWS rows, and a block past the cache (the op path's business)."""
+    lt = _pair(target)[0]
+    ids = torch.randint(0, VOCAB, (1, 8))
+    with torch.inference_mode():
+        lt.forward(ids, torch.tensor([0]), 8)
+        assert native == [True]
+        with _Watching():
+            lt.forward(ids, torch.tensor([8]), 16)
+        assert native == [True, False]
+        lt.forward(torch.randint(0, VOCAB, (1, native_forward.MAX_ROWS + 1)), torch.tensor([0]), 65)
+        assert len(native) == 2  # not even tried
+        lt.forward(ids, torch.tensor([CAP - 4]), CAP + 4)  # rows past the cache: left to the op path
+        assert native[-1] is False
+    w = target.model.layers[1].mlp.down_proj.weight
+    saved = w.detach().clone()
+    try:
+        with torch.no_grad():
+            w[0, 0] += 1e-3  # no longer a bf16 value: its tiles are None
+        a, b = _pair(target)
+        got = _forward(a, True, ids, torch.tensor([0]), 8)
+        want = _forward(b, False, ids, torch.tensor([0]), 8)
+        assert native[-1] is False
+        _assert_same(got, want, a, b)
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)

@@ -11,7 +11,9 @@ memory floor, so each layer is seven kernels on the GPU:
   gate_up_silu (merged gate/up GEMM, silu·mul in its epilogue) -> down_proj
 
 On the "cpu" backend the projections take ``cpu_linear`` (q/k/v and gate/up as row blocks of one call, with no
-merged copy) and the activation stays a ``silu_mul`` after the gate/up GEMM (``gate_up_act``).
+merged copy) and the activation stays a ``silu_mul`` after the gate/up GEMM (``gate_up_act``); a forward of up to
+64 rows a request runs as one loop of those native calls with prepared arguments where it can
+(``dflash.native_forward``: the same kernels and bits, without the ops' per-call Python), else through the ops.
 
 The residual add of each sub-block is fused into the next norm; off the "cpu" backend ``merged_weight``
 re-points the HF modules' q/k/v and gate/up parameters at views of one buffer per layer, so the model itself keeps

@@ -135,6 +135,7 @@ class LeanTarget:
         self.v_cache = torch.zeros_like(self.k_cache)
         self.capacity = capacity
         self._natives: dict[tuple[int, int], NativeForward] = {}  # (requests, rows) -> its native forward
+        self._native_ok: bool | None = None  # NativeForward.supports(self), on first use
 
     def forward(self, input_ids: torch.Tensor, start: torch.Tensor, kv_bound: int,
                 rows: torch.Tensor | None = None, tree: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -203,7 +204,9 @@ class LeanTarget:
 
     def _native_forward(self, n: int, q: int) -> NativeForward | None:
         """The native forward of this shape (built on first use; the last few shapes kept), or None."""
-        if not NativeForward.applies(self, n, q):
+        if self._native_ok is None:
+            self._native_ok = NativeForward.supports(self)
+        if not (self._native_ok and NativeForward.available(n, q)):
             return None
         native = self._natives.pop((n, q), None) or NativeForward(self, n, q)
         self._natives[(n, q)] = native  # most recent last

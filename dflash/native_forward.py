@@ -74,13 +74,10 @@ class NativeForward:
         self.head = [(model.lm_head.weight, model.lm_head.bias)]
 
     @staticmethod
-    def applies(lt, n: int, q: int) -> bool:
-        """Whether the native forward can run ``lt`` at this shape (the checks that do not change per call)."""
-        if not (_on and lt.backend == "cpu" and 1 <= q <= MAX_ROWS and n >= 1 and cpu_native.library() is not None
-                and cpu_linear.amx_library() is not None):
-            return False
+    def supports(lt) -> bool:
+        """Whether ``lt``'s layers are what the native forward runs (fixed for a LeanTarget: checked once by it)."""
         d = lt.head_dim  # (a lean target has no sliding window: check_lean_target)
-        if d % 16 or d > cpu_native.MAX_HEAD_DIM:
+        if lt.backend != "cpu" or d % 16 or d > cpu_native.MAX_HEAD_DIM:
             return False
         if any(type(lt.qkv[li][0]) is not cpu_linear.RowBlocks or type(lt.gate_up[li][0]) is not cpu_linear.RowBlocks
                or lt.qkv[li][1] is not None or lt.gate_up[li][1] is not None for li in range(len(lt.layers))):
@@ -89,6 +86,12 @@ class NativeForward:
         for p in lt.layers:
             tensors += [p.input_norm, p.post_norm] + [t for t in (p.q_norm, p.k_norm) if t is not None]
         return all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)
+
+    @staticmethod
+    def available(n: int, q: int) -> bool:
+        """Whether it runs now at this shape: turned on, the libraries loaded, at most MAX_ROWS rows."""
+        return (_on and 1 <= q <= MAX_ROWS and n >= 1 and cpu_native.library() is not None
+                and cpu_linear.amx_library() is not None)
 
     def _tiles(self, blocks) -> list | None:
         """The kernel's (tiles pointer, rows, bias pointer) of each block, or None if one is not bf16-exact."""

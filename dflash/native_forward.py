@@ -118,7 +118,7 @@ class NativeForward:
         lens = start.tolist()
         cap = lt.k_cache.shape[2]
         if min(lens) < 0 or max(lens) + q > cap:
-            return None  # the op path raises the error
+            return None  # left to the op path
         if rows is not None:
             rows = rows.contiguous()
             if rows.dtype != torch.int64 or rows.numel() != n or not all(0 <= r < lt.k_cache.shape[1]
@@ -134,11 +134,14 @@ class NativeForward:
         if tree is not None:
             depths, mask = tree
             mask = mask.contiguous()
-            if mask.shape[:2] != (n, q) or mask.shape[2] * 64 < q or mask.dtype != torch.int64:
+            if (mask.shape[:2] != (n, q) or mask.shape[2] * 64 < q or mask.dtype != torch.int64
+                    or depths.shape != (n, q)):
                 return None
             words, mask_ptr = mask.shape[2], mask.data_ptr()
         cos, sin = rope_tables_cpu(start, lens, q, lt.inv_freq, lt.attention_scaling, torch.float32, depths)
         cos, sin = cos.contiguous(), sin.contiguous()
+        if cos.shape != (n * q, self.d) or sin.shape != cos.shape:  # the kernel reads a row per block row
+            return None
 
         threads = torch.get_num_threads()
         model = lt.model

@@ -31,6 +31,7 @@ from dflash.native_forward import MAX_ROWS as NATIVE_MAX_ROWS, NativeForward
 from dflash.merged_linear import merged_weight, row_blocks
 from dflash.target import check_target
 from dflash_kernels import add_rms_norm, gate_up_silu, silu_mul, verify_attention
+from dflash_kernels._dispatch import unobserved_eager
 
 LEAN_MODEL_TYPES = ("llama", "qwen3")
 # Blocks of more rows (prefill chunks) take the attention reference on the Triton backend: the kernel's tile holds
@@ -159,6 +160,11 @@ class LeanTarget:
         """
         model, linear = self.model, self.linear
         n, q = input_ids.shape
+        # On the CPU, in plain eager calls (not traced or recorded), the host read is free.
+        if start.device.type == "cpu" and n and q and unobserved_eager() and int(start.max()) + q > self.capacity:
+            raise ValueError(f"LeanTarget.forward: start + {q} rows reaches cache row {int(start.max()) + q}, past the "
+                             f"{self.capacity} rows of the cache (capacity); build the target with a larger capacity "
+                             "or pass fewer rows")
         if self.backend == "cpu" and q <= NATIVE_MAX_ROWS:  # one loop of native calls where it applies
             native = self._native_forward(n, q)
             out = None if native is None else native.forward(self, input_ids, start, rows, tree, last_logits_only)

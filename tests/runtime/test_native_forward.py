@@ -108,7 +108,7 @@ def test_tree_ragged_batch_and_last_logits_bit_equal(target, native):
 
 def test_steps_aside(target, native):
     """Where the op path must run: a weight that is not bf16-exact (no AMX tiles), a dispatch mode watching the
-    calls, more than MAX_ROWS rows, and a block past the cache (the op path's business)."""
+    calls and more than MAX_ROWS rows; a block past the cache is refused before either runs."""
     lt = _pair(target)[0]
     ids = torch.randint(0, VOCAB, (1, 8))
     with torch.inference_mode():
@@ -119,8 +119,9 @@ def test_steps_aside(target, native):
         assert native == [True, False]
         lt.forward(torch.randint(0, VOCAB, (1, native_forward.MAX_ROWS + 1)), torch.tensor([0]), 65)
         assert len(native) == 2  # not even tried
-        lt.forward(ids, torch.tensor([CAP - 4]), CAP + 4)  # rows past the cache: left to the op path
-        assert native[-1] is False
+        with pytest.raises(ValueError, match=r"reaches cache row 84, past the 80 rows of the cache"):
+            lt.forward(ids, torch.tensor([CAP - 4]), CAP + 4)  # rows past the cache: refused before any work
+        assert len(native) == 2
     w = target.model.layers[1].mlp.down_proj.weight
     saved = w.detach().clone()
     try:

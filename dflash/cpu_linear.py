@@ -501,7 +501,7 @@ def set_amx(enabled: bool) -> bool:
 
 def amx_active() -> bool:
     """Whether :func:`linear` takes the AMX path for weights that are exactly bf16 (available and turned on)."""
-    return _amx_on and _load_amx() is not None
+    return amx_library() is not None
 
 
 def amx_library() -> ctypes.CDLL | None:

@@ -109,6 +109,9 @@ class LeanTarget:
         check_lean_target(model)
         self.model = model
         self.layer_ids = list(layer_ids)
+        self.taps: dict[int, list[int]] = {}  # layer -> its feature slots (a layer may be tapped twice)
+        for t, li in enumerate(self.layer_ids):
+            self.taps.setdefault(li, []).append(t)
         self.backend = backend
         self.linear = linear_for(backend)
         cfg = model.config
@@ -175,9 +178,7 @@ class LeanTarget:
         h = F.embedding(input_ids, model.model.embed_tokens.weight)  # the residual stream, updated in place
         hidden = h.shape[-1]
         features = h.new_empty((n, q, len(self.layer_ids) * hidden)) if self.layer_ids else None
-        taps: dict[int, list[int]] = {}  # layer -> feature slots (a layer may be tapped twice)
-        for t, li in enumerate(self.layer_ids):
-            taps.setdefault(li, []).append(t)
+        taps = self.taps
         delta = None
         for li, p in enumerate(self.layers):
             # The kernels check their arguments in the first layer; the layers after it pass the same shapes,
@@ -185,7 +186,7 @@ class LeanTarget:
             first = li == 0
             x = add_rms_norm(h if delta is None else delta, p.input_norm, p.input_eps,
                              residual=None if delta is None else h, backend=self.backend, validate=first)
-            self._tap(features, taps, li - 1, h)
+            self.copy_taps(features, taps, li - 1, h)
             w, b = self.qkv[li]
             qkv = linear(x, w, b)
             qh = qkv[..., :nh * d].view(n, q, nh, d)
@@ -203,7 +204,7 @@ class LeanTarget:
             delta = linear(act, p.down_weight, p.down_bias)
         norm = model.model.norm
         x = add_rms_norm(delta, norm.weight, norm.variance_epsilon, residual=h, backend=self.backend)
-        self._tap(features, taps, len(self.layers) - 1, h)
+        self.copy_taps(features, taps, len(self.layers) - 1, h)
         if last_logits_only:
             x = x[:, -1:]
         return linear(x, model.lm_head.weight, model.lm_head.bias), features
@@ -221,7 +222,7 @@ class LeanTarget:
         return native
 
     @staticmethod
-    def _tap(features, taps: dict[int, list[int]], li: int, h: torch.Tensor) -> None:
+    def copy_taps(features, taps: dict[int, list[int]], li: int, h: torch.Tensor) -> None:
         """Copy layer ``li``'s output (the residual stream once its last add is done) into its feature slots."""
         hidden = h.shape[-1]
         for t in taps.get(li, ()):

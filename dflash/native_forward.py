@@ -93,15 +93,17 @@ class NativeForward:
         return (_on and 1 <= q <= MAX_ROWS and n >= 1 and cpu_native.library() is not None
                 and cpu_linear.amx_library() is not None)
 
-    def _tiles(self, blocks) -> list | None:
-        """The kernel's (tiles pointer, rows, bias pointer) of each block, or None if one is not bf16-exact."""
-        out = []
+    @staticmethod
+    def _kernel_args(blocks) -> tuple | None:
+        """``dflash_amx_linear3``'s (tiles, rows, bias) arguments of its three blocks (none past the given ones), or
+        None if a block's weight is not bf16-exact (no tiles)."""
+        args: list = []
         for w, b in blocks:
             t = cpu_linear.bf16_tiles(w)
             if t is None or (b is not None and not (b.dtype == torch.float32 and b.is_contiguous())):
                 return None
-            out.append((t.data_ptr(), w.shape[0], None if b is None else b.data_ptr()))
-        return out
+            args += [t.data_ptr(), w.shape[0], None if b is None else b.data_ptr()]
+        return tuple(args) + (None, 0, None) * (3 - len(blocks))
 
     def forward(self, lt, input_ids: torch.Tensor, start: torch.Tensor, rows: torch.Tensor | None,
                 tree: tuple[torch.Tensor, torch.Tensor] | None, last_logits_only: bool):
@@ -126,8 +128,8 @@ class NativeForward:
                 return None
         elif n > lt.k_cache.shape[1]:
             return None
-        plan = [tuple(self._tiles(b) for b in layer) for layer in self.projections]
-        head = self._tiles(self.head)
+        plan = [tuple(self._kernel_args(b) for b in layer) for layer in self.projections]
+        head = self._kernel_args(self.head)
         if head is None or any(t is None for layer in plan for t in layer):
             return None
         words, mask_ptr, depths = 0, None, None
@@ -147,9 +149,7 @@ class NativeForward:
         model = lt.model
         torch.index_select(model.model.embed_tokens.weight, 0, input_ids.reshape(-1), out=self.h)
         features = self.h.new_empty((n, q, len(lt.layer_ids) * hid)) if lt.layer_ids else None
-        taps: dict[int, list[int]] = {}
-        for t, li in enumerate(lt.layer_ids):
-            taps.setdefault(li, []).append(t)
+        h_view = self.h.view(n, q, hid)  # the residual stream as the taps copy it
         h, x, delta, qkv, attn, gu, act = (t.data_ptr() for t in (self.h, self.x, self.delta, self.qkv, self.attn,
                                                                     self.gu, self.act))
         nh, kvh, d, inter = self.nh, self.kvh, self.d, self.inter
@@ -157,10 +157,8 @@ class NativeForward:
         norm, silu, attention = (nlib.dflash_cpu_add_rms_norm_f32, nlib.dflash_cpu_silu_mul_f32,
                                  nlib.dflash_cpu_block_attention_f32)
         linear3 = amx.dflash_amx_linear3
-        none3 = (None, 0, None)
 
-        def project(x_ptr, ldx, rows_, k, blocks, y_ptr):
-            args = [a for blk in blocks for a in blk] + [a for _ in range(3 - len(blocks)) for a in none3]
+        def project(x_ptr, ldx, rows_, k, args, y_ptr):
             if linear3(x_ptr, ldx, rows_, k, *args, y_ptr, threads):
                 raise MemoryError(f"native_forward: no memory for the split input rows ({rows_} x {k})")
 
@@ -173,7 +171,7 @@ class NativeForward:
                 norm(h, hid, None, p.input_norm.data_ptr(), x, m, hid, p.input_eps, threads)
             else:
                 norm(delta, hid, h, p.input_norm.data_ptr(), x, m, hid, p.input_eps, threads)
-            self._tap(features, taps, li - 1)
+            lt.copy_taps(features, lt.taps, li - 1, h_view)
             project(x, hid, m, hid, qkv_t, qkv)
             attention(qkv, q * width, width, qkv + 4 * nh * d, q * width, width, qkv + 4 * (nh + kvh) * d,
                       q * width, width, kc0 + li * k_stride, vc0 + li * k_stride, cap, start.data_ptr(), rows_ptr,
@@ -188,7 +186,7 @@ class NativeForward:
             project(act, inter, m, inter, down_t, delta)
         final = model.model.norm
         norm(delta, hid, h, final.weight.data_ptr(), x, m, hid, final.variance_epsilon, threads)
-        self._tap(features, taps, len(lt.layers) - 1)
+        lt.copy_taps(features, lt.taps, len(lt.layers) - 1, h_view)
         vocab = model.lm_head.weight.shape[0]
         if last_logits_only:
             logits = self.h.new_empty((n, 1, vocab))
@@ -197,8 +195,3 @@ class NativeForward:
             logits = self.h.new_empty((n, q, vocab))
             project(x, hid, m, hid, head, logits.data_ptr())
         return logits, features
-
-    def _tap(self, features, taps: dict[int, list[int]], li: int) -> None:
-        hid = self.hidden
-        for t in taps.get(li, ()):
-            features[..., t * hid:(t + 1) * hid].copy_(self.h.view(self.n, self.q, hid))

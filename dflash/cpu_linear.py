@@ -305,6 +305,22 @@ extern "C" long dflash_amx_pack(const float* w, long ldw, long N, long K, uint16
   return inexact;
 }
 
+// norms [N] = each column's (weight row's) Euclidean norm, from its packed bf16 values, rounded up (the argmax
+// screen's bounds).
+extern "C" void dflash_amx_column_norms(const uint16_t* tiles, long N, long K, double* norms, int threads) {
+  const long groups = (N + TN - 1) / TN, steps = (K + TK - 1) / TK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (long g = 0; g < groups; ++g) {
+    double sq[TN] = {0};
+    const uint16_t* in = tiles + g * steps * TILE;
+    for (long i = 0; i < steps * TILE; ++i) {
+      const double v = from_bits((uint32_t)in[i] << 16);
+      sq[(i / 2) % TN] += v * v;  // a tile is [16 pairs][16 columns][2]
+    }
+    for (long n = 0; n < TN && g * TN + n < N; ++n) norms[g * TN + n] = sqrt(sq[n]) * (1 + 0x1p-40);
+  }
+}
+
 // y [M, N] = x [M, K] (row stride ldx) times the weight made of up to three packed row blocks (n = 0: none), plus
 // their biases. Each thread takes a contiguous range of 16-column groups of each block; per group, the rows in
 // chunks of at most 16 (the B tiles of the later chunks come from L1/L2: the weight leaves memory once).
@@ -382,6 +398,168 @@ extern "C" int dflash_amx_linear3(const float* x, long ldx, long M, long K, cons
   free(a);
   return 0;
 }
+
+// ids [M] = the argmax over the N columns of y = x W^T + b as dflash_amx_linear3 computes y (the same bits decide:
+// the first index among equal values, the first NaN if any), without computing most of y exactly. A screen takes
+// the hi parts alone (one tile product a step instead of three); a screened value a differs from its exact value e
+// by at most wn[col] * c[m] + s[m] * (1 + wn[col]) + 2u |b[col]| (wn: the column norms, rounded up, from pack;
+// c: ||mid + lo|| + gamma * the parts' norms, Cauchy-Schwarz on the dropped parts and on both sums' rounding, any
+// summation order; s: room for denormals flushed to zero). A 16-column group whose every a + bound lies below the
+// row's best a - bound holds neither the argmax nor a tie: only the other groups are computed exactly, by
+// linear3's loop (each row's bits are its own). A row with a non-finite input or screened value, or near overflow,
+// is computed exactly whole. Returns the (row, group) pairs computed exactly, or -1 without memory.
+extern "C" long dflash_amx_argmax(const float* x, long ldx, long M, long K, const uint16_t* tiles, long N,
+                                  const float* b, const double* wn, long* ids, int threads) {
+  if (M <= 0) return 0;
+  const long steps = (K + TK - 1) / TK, Kp = steps * TK, groups = (N + TN - 1) / TN;
+  const long chunks = (M + TR - 1) / TR, R = (M + chunks - 1) / chunks, Mp = chunks * R;
+  uint16_t* a = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * 3 * Mp * Kp);
+  double* work = (double*)malloc(sizeof(double) * (2 * M + 3 * M * groups));
+  long* best_idx = (long*)malloc(sizeof(long) * M * groups);
+  unsigned char* need = (unsigned char*)malloc(M * groups + M);
+  if (!a || !work || !best_idx || !need) {
+    free(a); free(work); free(best_idx); free(need);
+    return -1;
+  }
+  double *c = work, *s = work + M, *up = work + 2 * M, *low = up + M * groups;
+  float* best_val = (float*)(low + M * groups);  // per (row, group): its exact maximum, when computed
+  unsigned char* whole = need + M * groups;      // rows computed exactly whole
+  split(x, ldx, M, K, Mp, Kp, a);
+  const double u = 0x1p-24, n_ops = 2.0 * K + 8.0, gamma = n_ops * u / (1.0 - n_ops * u);
+  for (long m = 0; m < M; ++m) {
+    double nh = 0, nm = 0, nl = 0, nr = 0, l1 = 0;
+    bool finite = true;
+    for (long k = 0; k < K; ++k) {
+      const double v = x[m * ldx + k];
+      finite &= isfinite(v);
+      const double h = from_bits((uint32_t)a[m * Kp + k] << 16), md = from_bits((uint32_t)a[(Mp + m) * Kp + k] << 16),
+                   lo = from_bits((uint32_t)a[(2 * Mp + m) * Kp + k] << 16);
+      nh += h * h; nm += md * md; nl += lo * lo; nr += (md + lo) * (md + lo); l1 += fabs(v);
+    }
+    c[m] = (sqrt(nr) + gamma * (2 * sqrt(nh) + sqrt(nm) + sqrt(nl))) * (1 + 0x1p-20);
+    s[m] = 0x1p-110 * (K + 3) * (1 + l1);
+    whole[m] = !finite || !isfinite(c[m]) || !isfinite(s[m]);
+  }
+  long exact = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : exact)
+  {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 6; ++t) { cfg.rows[t] = (uint8_t)R; cfg.colsb[t] = 64; }
+    cfg.rows[6] = 16;
+    cfg.colsb[6] = 64;
+    _tile_loadconfig(&cfg);
+    alignas(64) float cs[3][TR * TN];
+    alignas(64) float hi[TR * TN];
+    // The screen: per group, per row, the largest a + bound and a - bound.
+#pragma omp for schedule(static)
+    for (long g = 0; g < groups; ++g) {
+      const uint16_t* wt = tiles + g * steps * TILE;
+      const long nv = N - g * TN < TN ? N - g * TN : TN;
+      for (long ch = 0; ch < chunks; ++ch) {
+        _tile_zero(0);
+        const uint16_t* ah = a + ch * R * Kp;
+        for (long t = 0; t < steps; ++t) {
+          const char* pf = nullptr;  // linear3's prefetch pattern
+          if (chunks == 1)
+            pf = (const char*)(wt + (t + PREFETCH) * TILE);
+          else if ((ch * steps + t) % chunks == 0)
+            pf = (const char*)(wt + (steps + (ch * steps + t) / chunks) * TILE);
+          if (pf)
+            for (int l = 0; l < 16; ++l) _mm_prefetch(pf + 64 * l, _MM_HINT_T0);
+          _tile_loadd(6, wt + t * TILE, 64);
+          _tile_loadd(3, ah + t * TK, Kp * 2);
+          _tile_dpbf16ps(0, 3, 6);
+        }
+        _tile_stored(0, cs[0], 64);
+        for (long m = 0; m < R && ch * R + m < M; ++m) {
+          const long row = ch * R + m;
+          double hmax = -INFINITY, lmax = -INFINITY;
+          for (long n = 0; n < nv; ++n) {
+            const long col = g * TN + n;
+            const double bias = b ? b[col] : 0.0, v = (double)cs[0][m * TN + n] + bias;
+            const double bound = wn[col] * c[row] + s[row] * (1 + wn[col]) + 2 * u * fabs(bias);
+            if (!(fabs(v) + bound < 0x1p126)) whole[row] = 1;  // non-finite, NaN, or near overflow
+            hmax = v + bound > hmax ? v + bound : hmax;
+            lmax = v - bound > lmax ? v - bound : lmax;
+          }
+          up[row * groups + g] = hmax;
+          low[row * groups + g] = lmax;
+        }
+      }
+    }
+    // The groups each row needs exactly: those whose largest a + bound reaches the row's best a - bound.
+#pragma omp for schedule(static)
+    for (long m = 0; m < M; ++m) {
+      double best = -INFINITY;
+      for (long g = 0; g < groups; ++g) best = low[m * groups + g] > best ? low[m * groups + g] : best;
+      for (long g = 0; g < groups; ++g) {
+        need[m * groups + g] = whole[m] || up[m * groups + g] >= best;
+        exact += need[m * groups + g];
+      }
+    }
+    // Exact values (linear3's loop) of the (chunk, group) pairs a row of the chunk needs; each needed (row, group)
+    // keeps its maximum and first index (a NaN first).
+#pragma omp for schedule(dynamic, 1)
+    for (long pair = 0; pair < groups * chunks; ++pair) {
+      const long g = pair / chunks, ch = pair % chunks;
+      bool any = false;
+      for (long m = 0; m < R && ch * R + m < M; ++m) any |= need[(ch * R + m) * groups + g] != 0;
+      if (!any) continue;
+      const uint16_t* wt = tiles + g * steps * TILE;
+      const long nv = N - g * TN < TN ? N - g * TN : TN;
+      const uint16_t* ah = a + ch * R * Kp;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      for (long i = 0; i < R * TN; ++i) hi[i] = 0.f;
+      for (long t = 0; t < steps; ++t) {
+        _tile_loadd(6, wt + t * TILE, 64);
+        _tile_loadd(3, ah + t * TK, Kp * 2);
+        _tile_loadd(4, ah + Mp * Kp + t * TK, Kp * 2);
+        _tile_loadd(5, ah + 2 * Mp * Kp + t * TK, Kp * 2);
+        _tile_dpbf16ps(0, 3, 6);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+        if ((t + 1) % FLUSH == 0 || t + 1 == steps) {
+          _tile_stored(0, cs[0], 64);
+          _tile_zero(0);
+          for (long i = 0; i < R * TN; ++i) hi[i] += cs[0][i];
+        }
+      }
+      _tile_stored(1, cs[1], 64);
+      _tile_stored(2, cs[2], 64);
+      for (long m = 0; m < R && ch * R + m < M; ++m) {
+        const long row = ch * R + m;
+        if (!need[row * groups + g]) continue;
+        float bv = 0.f;
+        long bi = -1;
+        for (long n = 0; n < nv; ++n) {
+          const float v = (hi[m * TN + n] + cs[1][m * TN + n]) + cs[2][m * TN + n] + (b ? b[g * TN + n] : 0.f);
+          if (bi >= 0 && isnan(bv)) break;
+          if (bi < 0 || isnan(v) || v > bv) { bv = v; bi = g * TN + n; }
+        }
+        best_val[row * groups + g] = bv;
+        best_idx[row * groups + g] = bi;
+      }
+    }
+    _tile_release();
+  }
+  for (long m = 0; m < M; ++m) {  // the groups' winners in column order: the first NaN, else the first maximum
+    float bv = 0.f;
+    long bi = -1;
+    for (long g = 0; g < groups; ++g) {
+      if (!need[m * groups + g]) continue;
+      const float v = best_val[m * groups + g];
+      if (bi >= 0 && isnan(bv)) break;
+      if (bi < 0 || isnan(v) || v > bv) { bv = v; bi = best_idx[m * groups + g]; }
+    }
+    ids[m] = bi;
+  }
+  free(a); free(work); free(best_idx); free(need);
+  return exact;
+}
 """
 
 _lock = threading.Lock()
@@ -457,6 +635,8 @@ _amx = None
 _amx_reason: str | None = None
 _amx_tried = False
 _amx_on = os.environ.get(AMX_ENV, "1") != "0"
+SCREEN_ENV = "DFLASH_CPU_ARGMAX_SCREEN"
+_screen_on = os.environ.get(SCREEN_ENV, "1") != "0"
 
 
 def _load_amx():
@@ -477,6 +657,10 @@ def _load_amx():
                 lib.dflash_amx_pack.argtypes = [p, n, n, n, p, ctypes.c_int]
                 lib.dflash_amx_linear3.restype = ctypes.c_int
                 lib.dflash_amx_linear3.argtypes = [p, n, n, n, *[p, n, p] * 3, p, ctypes.c_int]
+                lib.dflash_amx_column_norms.restype = None
+                lib.dflash_amx_column_norms.argtypes = [p, n, n, p, ctypes.c_int]
+                lib.dflash_amx_argmax.restype = n
+                lib.dflash_amx_argmax.argtypes = [p, n, n, n, p, n, p, p, p, ctypes.c_int]
                 _amx = lib
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 # No warning: most CPUs have no AMX, and the fp32 kernel is the path then.
@@ -499,6 +683,14 @@ def set_amx(enabled: bool) -> bool:
     return before
 
 
+def set_argmax_screen(enabled: bool) -> bool:
+    """Turn :func:`linear_argmax`'s screen on or off for this process (A/B runs; ``DFLASH_CPU_ARGMAX_SCREEN=0``
+    starts it off: the argmax of the whole ``linear``); returns the previous setting."""
+    global _screen_on
+    before, _screen_on = _screen_on, bool(enabled)
+    return before
+
+
 def amx_active() -> bool:
     """Whether :func:`linear` takes the AMX path for weights that are exactly bf16 (available and turned on)."""
     return amx_library() is not None
@@ -510,8 +702,9 @@ def amx_library() -> ctypes.CDLL | None:
     return _load_amx() if _amx_on else None
 
 
-# id(weight) -> (weak reference, version, data pointer, tiles or None): one packing per tensor and version.
-_packed: dict[int, tuple] = {}
+# id(weight) -> [weak reference, version, data pointer, tiles or None, column norms or None (made on first use by
+# the argmax)]: one packing per tensor and version.
+_packed: dict[int, list] = {}
 
 
 def _version(t: torch.Tensor):
@@ -542,9 +735,21 @@ def bf16_tiles(weight: torch.Tensor) -> torch.Tensor | None:
                                       torch.get_num_threads())
         tiles = None if inexact else tiles
     # The callback drops the entry with the tensor (a later tensor may reuse its id).
-    _packed[key] = (weakref.ref(weight, lambda _ref, key=key: _packed.pop(key, None)), version,
-                    weight.data_ptr(), tiles)
+    _packed[key] = [weakref.ref(weight, lambda _ref, key=key: _packed.pop(key, None)), version,
+                    weight.data_ptr(), tiles, None]
     return tiles
+
+
+def _column_norms(weight: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    """The norms of ``weight``'s rows (fp64, rounded up) from its current ``tiles`` (:func:`bf16_tiles`), kept with
+    them."""
+    entry = _packed[id(weight)]
+    if entry[4] is None:
+        norms = torch.empty(weight.shape[0], dtype=torch.float64)
+        _amx.dflash_amx_column_norms(tiles.data_ptr(), weight.shape[0], weight.shape[1], norms.data_ptr(),
+                                     torch.get_num_threads())
+        entry[4] = norms
+    return entry[4]
 
 
 class _Kernel(NamedTuple):
@@ -629,6 +834,41 @@ def linear(x: torch.Tensor, weight: torch.Tensor | RowBlocks, bias: torch.Tensor
     if not MIN_ROWS <= rows <= MAX_ROWS or (_kernel is None and _load() is None):
         return F.linear(x, weight, bias)
     return _run(_kernel, x, weight, bias, rows)
+
+
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear(x, weight, bias).argmax(-1)``: ``x [..., K]`` -> int64 ``[...]``, the same indices exactly (the
+    first among equal values, the first NaN if any), where the AMX path applies without computing most logits.
+
+    Why: a greedy verify needs only the target's argmax, and on the AMX path the LM head's cost grows with the rows
+    (three tile products per row chunk a step: SmolLM2's head at 24 rows ~2x its 8-row time). Here one tile product
+    a step (the hi parts alone) screens the columns; each screened value lies within a proven bound of the exact one
+    (the dropped parts by Cauchy-Schwarz against the column norms, both sums' rounding for any order, denormals
+    flushed), and only the 16-column groups whose upper bound reaches the row's best lower bound are computed
+    exactly, by the GEMM's own loop, so their bits are ``linear``'s. On SmolLM2's hidden states 1.4-1.6 groups of
+    3,072 a row are computed exactly. Elsewhere (no AMX, a weight off the bf16 grid, :func:`set_argmax_screen`
+    off, anything :func:`linear` itself leaves to ``F.linear``): ``linear(x, weight, bias).argmax(-1)``."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if rows and _screen_on and _fast_ok(x, weight, bias) and weight.shape[0] and amx_active():
+        tiles = bf16_tiles(weight)
+        if tiles is not None:
+            return _amx_argmax(x.contiguous(), weight, tiles, bias)[0].view(x.shape[:-1])
+    return linear(x, weight, bias).argmax(-1)
+
+
+def _amx_argmax(x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None
+                ) -> tuple[torch.Tensor, int]:
+    """``dflash_amx_argmax`` on contiguous ``x``: (ids [rows], the (row, 16-column group) pairs computed exactly)."""
+    n, k = weight.shape
+    rows = x.numel() // k
+    ids = torch.empty(rows, dtype=torch.int64)
+    exact = _amx.dflash_amx_argmax(x.data_ptr(), k, rows, k, tiles.data_ptr(), n,
+                                   None if bias is None else bias.data_ptr(), _column_norms(weight, tiles).data_ptr(),
+                                   ids.data_ptr(), torch.get_num_threads())
+    if exact < 0:
+        raise MemoryError(f"cpu_linear.linear_argmax: no memory for the split input rows ({rows} x {k})")
+    return ids, exact
 
 
 def _run(kernel: _Kernel, x, weight, bias, rows):

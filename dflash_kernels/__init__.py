@@ -25,10 +25,10 @@ from dflash_kernels.fused_context import fused_context  # noqa: E402
 from dflash_kernels.inject_context_kv import inject_context_kv  # noqa: E402
 from dflash_kernels.layer_ops import add_rms_norm, silu_mul  # noqa: E402
 from dflash_kernels.gated_mlp import gate_up_silu  # noqa: E402
-from dflash_kernels.verify import verify_greedy, verify_sample  # noqa: E402
+from dflash_kernels.verify import verify_greedy, verify_greedy_tokens, verify_sample  # noqa: E402
 
 __all__ += ["fused_context", "inject_context_kv", "draft_attention", "verify_attention", "verify_greedy",
-            "verify_sample"]
+            "verify_greedy_tokens", "verify_sample"]
 from dflash_kernels.commit import (  # noqa: E402
     commit_round, commit_round_reference, draft_round_setup, first_token_done,
 )
@@ -36,8 +36,9 @@ from dflash_kernels.commit import (  # noqa: E402
 __all__ += ["commit_round", "commit_round_reference", "draft_round_setup", "first_token_done", "add_rms_norm",
             "silu_mul", "gate_up_silu"]
 from dflash_kernels.tree import (  # noqa: E402
-    build_tree, distinct_prefixes, tree_accept_greedy, tree_accept_sample, tree_ancestor_mask, tree_compact,
+    build_tree, distinct_prefixes, tree_accept_greedy, tree_accept_greedy_tokens, tree_accept_sample,
+    tree_ancestor_mask, tree_compact,
 )
 
-__all__ += ["build_tree", "distinct_prefixes", "tree_ancestor_mask", "tree_accept_greedy", "tree_accept_sample",
-            "tree_compact"]
+__all__ += ["build_tree", "distinct_prefixes", "tree_ancestor_mask", "tree_accept_greedy", "tree_accept_greedy_tokens",
+            "tree_accept_sample", "tree_compact"]

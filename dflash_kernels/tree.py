@@ -429,6 +429,10 @@ def _validate_accept(op, logits, tree_tokens, tree_parents, block_size):
         raise ValueError(f"{op}: logits must be [R, T, V] with T >= 1 nodes and V >= 1, got {tuple(logits.shape)}")
     _validate_nodes(op, "tree_tokens", tree_tokens, (r, t), logits.device)
     _validate_nodes(op, "tree_parents", tree_parents, (r, t), logits.device)
+    _validate_block_size(op, block_size)
+
+
+def _validate_block_size(op, block_size):
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"{op}: block_size must be an int >= 1 (B: the path holds depths 0..B-1), got {block_size!r}")
 
@@ -602,6 +606,58 @@ def _tree_accept_greedy_op(logits: torch.Tensor, tree_tokens: torch.Tensor, tree
         return _walk_reference(lambda req, node: int(argmax_cpu(logits[req, node])), tree_tokens, tree_parents,
                                block_size)
     return _tree_accept_greedy_triton(logits, tree_tokens, tree_parents, block_size)
+
+
+def tree_accept_greedy_tokens_reference(target_tokens, tree_tokens, tree_parents, *, block_size: int):
+    """Definition: the walk (:func:`_walk_reference`) choosing ``target_tokens[r, node]`` at each node."""
+    return _walk_reference(lambda req, node: int(target_tokens[req, node]), tree_tokens, tree_parents, block_size)
+
+
+def tree_accept_greedy_tokens(target_tokens: torch.Tensor, tree_tokens: torch.Tensor, tree_parents: torch.Tensor, *,
+                              block_size: int, backend: str = "auto"
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`tree_accept_greedy` given the target's argmax token at each node instead of its logits (one launch,
+    no host sync): for a verify whose LM head returns the argmax itself (``dflash.cpu_linear.linear_argmax`` on
+    the CPU), so the logits are never written.
+
+    Args:
+        target_tokens: ``[R, T]`` int64 (int32 accepted), values in ``[0, 2**31 - 1)``: ``argmax(logits[r, i])``
+            of :func:`tree_accept_greedy`.
+        tree_tokens, tree_parents, block_size: as :func:`tree_accept_greedy`.
+        backend: ``"auto" | "triton" | "cpu" | "torch"``.
+
+    Returns:
+        ``(path [R, B], accepted [R], bonus [R])``: :func:`tree_accept_greedy`'s for logits with these argmaxes.
+    """
+    op = "tree_accept_greedy_tokens"
+    check_tensor(op, "target_tokens", target_tokens, ndim=2, dtypes=(torch.int64, torch.int32))
+    r, t = target_tokens.shape
+    if t < 1:
+        raise ValueError(f"{op}: target_tokens must be [R, T] with T >= 1 nodes, got {tuple(target_tokens.shape)}")
+    _validate_nodes(op, "tree_tokens", tree_tokens, (r, t), target_tokens.device)
+    _validate_nodes(op, "tree_parents", tree_parents, (r, t), target_tokens.device)
+    _validate_block_size(op, block_size)
+    chosen = resolve_backend(op, backend, target_tokens.device, available=_HOST_BACKENDS)
+    return call_op(_tree_accept_greedy_tokens_op, target_tokens, tree_tokens, tree_parents, block_size, chosen,
+                   device=target_tokens.device)
+
+
+@torch.library.custom_op("dflash::tree_accept_greedy_tokens", mutates_args=())
+def _tree_accept_greedy_tokens_op(target_tokens: torch.Tensor, tree_tokens: torch.Tensor, tree_parents: torch.Tensor,
+                                  block_size: int, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.ops.dflash.tree_accept_greedy_tokens``: :func:`tree_accept_greedy_tokens` after validation."""
+    chosen = resolve_backend("tree_accept_greedy_tokens", backend, target_tokens.device, available=_HOST_BACKENDS)
+    if chosen != "triton":
+        return tree_accept_greedy_tokens_reference(target_tokens, tree_tokens, tree_parents, block_size=block_size)
+    rows = target_tokens.numel()  # the tokens as argmax partials of one split (a token's partial is never NaN)
+    pidx = target_tokens.reshape(rows, 1).to(torch.int32)
+    pval = torch.zeros((rows, 1), dtype=torch.float32, device=target_tokens.device)
+    return _walk_triton(pval, pidx, 1, tree_tokens, tree_parents, block_size, False)
+
+
+@_tree_accept_greedy_tokens_op.register_fake
+def _tree_accept_greedy_tokens_fake(target_tokens, tree_tokens, tree_parents, block_size, backend):
+    return _accept_fake(target_tokens, block_size)
 
 
 def _accept_fake(logits, block_size):

@@ -20,6 +20,7 @@ from dflash_kernels._triton_utils import (
 
 _BIG = 2**31 - 1
 _GREEDY_BACKENDS = ("ext", "triton", "cpu", "torch")
+_TOKENS_BACKENDS = ("triton", "cpu", "torch")  # "cpu": the reference's few integer ops
 _SAMPLE_BACKENDS = ("triton", "torch")
 
 
@@ -171,13 +172,18 @@ def _verify_greedy_triton(logits, draft_tokens):
         stride_n=logits.stride(0), stride_b=logits.stride(1), CHUNK=chunk, S=s,
         BLOCK_ROWS=br, BLOCK_V=block_v,
     )
+    _greedy_accept_launch(pval, pidx, s, draft_tokens, n, b, accepted, bonus)
+    return accepted, bonus
+
+
+def _greedy_accept_launch(pval, pidx, s, draft_tokens, n, b, accepted, bonus):
+    """The acceptance launch over per-split argmax partials ``pval``/``pidx`` ``[N * B, S]``."""
     block_req = min(next_pow2(n), 1024) if interpreting() else min(next_pow2(n), 64)
     _greedy_accept_kernel[(triton.cdiv(n, block_req),)](
         pval_ptr=pval, pidx_ptr=pidx, draft_ptr=draft_tokens, acc_ptr=accepted, bonus_ptr=bonus,
         N=n, B=b, S=s, stride_dn=draft_tokens.stride(0), stride_dj=draft_tokens.stride(1) if b > 1 else 0,
         BLOCK_REQ=block_req, BLOCK_S=next_pow2(s),
     )
-    return accepted, bonus
 
 
 def verify_greedy(logits: torch.Tensor, draft_tokens: torch.Tensor, *, backend: str = "auto"
@@ -221,6 +227,67 @@ def _verify_greedy_op(logits: torch.Tensor, draft_tokens: torch.Tensor, backend:
 def _verify_greedy_fake(logits, draft_tokens, backend):
     n = logits.shape[0]
     return logits.new_empty((n,), dtype=torch.int64), logits.new_empty((n,), dtype=torch.int64)
+
+
+def _validate_tokens(op: str, target_tokens, draft_tokens):
+    check_tensor(op, "target_tokens", target_tokens, ndim=2, dtypes=(torch.int64, torch.int32))
+    n, b = target_tokens.shape
+    if b < 1:
+        raise ValueError(f"{op}: target_tokens must be [N, B] with B >= 1, got {tuple(target_tokens.shape)}")
+    check_tensor(op, "draft_tokens", draft_tokens, ndim=2, dtypes=(torch.int64, torch.int32),
+                 device=target_tokens.device)
+    if tuple(draft_tokens.shape) != (n, b - 1):
+        raise ValueError(f"{op}: draft_tokens must be [N, B-1] = [{n}, {b - 1}] for target_tokens of shape "
+                         f"{tuple(target_tokens.shape)}; got {tuple(draft_tokens.shape)}")
+
+
+def verify_greedy_tokens_reference(target_tokens: torch.Tensor, draft_tokens: torch.Tensor
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Definition: :func:`verify_greedy_reference`'s rule on the argmax tokens themselves."""
+    return _accept_greedy(target_tokens.to(torch.int64), draft_tokens)
+
+
+def verify_greedy_tokens(target_tokens: torch.Tensor, draft_tokens: torch.Tensor, *, backend: str = "auto"
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify_greedy` given the target's argmax tokens instead of its logits (one launch, no host sync):
+    for a verify whose LM head returns the argmax itself (``dflash.cpu_linear.linear_argmax`` on the CPU), so the
+    logits are never written.
+
+    Args:
+        target_tokens: ``[N, B]`` int64 (int32 accepted), values in ``[0, 2**31 - 1)``: ``argmax(logits[n, i])`` of
+            :func:`verify_greedy`.
+        draft_tokens: ``[N, B-1]`` int64 (int32 accepted), the drafted tokens at block positions 1..B-1.
+        backend: ``"auto" | "triton" | "cpu" | "torch"``.
+
+    Returns:
+        ``(accepted, bonus)``, both int64 ``[N]``: :func:`verify_greedy`'s for logits with these argmax tokens.
+    """
+    _validate_tokens("verify_greedy_tokens", target_tokens, draft_tokens)
+    chosen = resolve_backend("verify_greedy_tokens", backend, target_tokens.device, available=_TOKENS_BACKENDS)
+    return call_op(_verify_greedy_tokens_op, target_tokens, draft_tokens, chosen, device=target_tokens.device)
+
+
+@torch.library.custom_op("dflash::verify_greedy_tokens", mutates_args=())
+def _verify_greedy_tokens_op(target_tokens: torch.Tensor, draft_tokens: torch.Tensor, backend: str
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.dflash.verify_greedy_tokens``: :func:`verify_greedy_tokens` after validation."""
+    chosen = resolve_backend("verify_greedy_tokens", backend, target_tokens.device, available=_TOKENS_BACKENDS)
+    if chosen != "triton":
+        return verify_greedy_tokens_reference(target_tokens, draft_tokens)
+    n, b = target_tokens.shape
+    dev = target_tokens.device
+    accepted, bonus = (torch.empty(n, dtype=torch.int64, device=dev) for _ in range(2))
+    if n:  # the tokens as argmax partials of one split (any value: a token's partial is never NaN)
+        pidx = target_tokens.reshape(n * b, 1).to(torch.int32)
+        pval = torch.zeros((n * b, 1), dtype=torch.float32, device=dev)
+        _greedy_accept_launch(pval, pidx, 1, draft_tokens, n, b, accepted, bonus)
+    return accepted, bonus
+
+
+@_verify_greedy_tokens_op.register_fake
+def _verify_greedy_tokens_fake(target_tokens, draft_tokens, backend):
+    n = target_tokens.shape[0]
+    return target_tokens.new_empty((n,), dtype=torch.int64), target_tokens.new_empty((n,), dtype=torch.int64)
 
 
 # --------------------------------------------------------------------------------------------------

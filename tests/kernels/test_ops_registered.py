@@ -11,11 +11,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dflash_kernels
 from dflash_kernels import _ext
 
-OPS = ("fused_context", "inject_context_kv", "draft_attention", "verify_greedy", "verify_sample", "commit_round",
-       "verify_attention", "add_rms_norm", "silu_mul", "draft_round_setup", "build_tree", "tree_ancestor_mask",
-       "tree_accept_greedy", "tree_accept_sample", "tree_compact")  # every registered op
+OPS = ("fused_context", "inject_context_kv", "draft_attention", "verify_greedy", "verify_greedy_tokens",
+       "verify_sample", "commit_round", "verify_attention", "add_rms_norm", "silu_mul", "draft_round_setup",
+       "build_tree", "tree_ancestor_mask", "tree_accept_greedy", "tree_accept_greedy_tokens", "tree_accept_sample",
+       "tree_compact")  # every registered op
 # The order _round calls them in (verify_attention twice: the chain, then a draft tree).
-CALLS = OPS[:10] + ("build_tree", "tree_ancestor_mask", "verify_attention") + OPS[12:]
+CALLS = OPS[:11] + ("build_tree", "tree_ancestor_mask", "verify_attention") + OPS[13:]
 EXT_OK = _ext.status("cpu")[0]
 
 
@@ -83,6 +84,7 @@ def _round(s, backend):
                                          s["q_norm_weight"], s["k_norm_weight"][0], inv_freq=s["inv_freq"],
                                          sliding_window=4, block_lens=s["block_lens"], backend=backend)
     acc, bonus = dflash_kernels.verify_greedy(s["logits"], s["draft"], backend=backend)
+    tok_acc, tok_bonus = dflash_kernels.verify_greedy_tokens(s["logits"].argmax(-1), s["draft"], backend=backend)
     sacc, stok = dflash_kernels.verify_sample(s["logits"], s["draft"], temperature=s["temperature"],
                                               top_k=s["top_k"], top_p=s["top_p"], seed=s["seed"],
                                               offset=s["offset"], backend=backend)
@@ -105,13 +107,15 @@ def _round(s, backend):
                                                tree_depths=depths, tree_mask=mask, backend=backend)
     path, tacc, tbonus = dflash_kernels.tree_accept_greedy(s["tree_logits"], tokens, parents, block_size=3,
                                                            backend=backend)
+    tok_walk = dflash_kernels.tree_accept_greedy_tokens(s["tree_logits"].argmax(-1), tokens, parents, block_size=3,
+                                                        backend=backend)
     spath, sacc_t, sbonus = dflash_kernels.tree_accept_sample(s["tree_logits"], tokens, parents, block_size=3,
                                                               temperature=s["temperature"], top_k=s["top_k"],
                                                               top_p=s["top_p"], seed=s["seed"], offset=s["offset"],
                                                               backend=backend)
     dflash_kernels.tree_compact(s["tree_k_cache"], s["tree_v_cache"], path, tacc, s["cache_lens"], backend=backend)
     return (ctx, att, target, acc, bonus, sacc, stok, num_new, normed, act, tokens, parents, depths, mask, tree_att,
-            path, tacc, tbonus, spath, sacc_t, sbonus, *setup)
+            path, tacc, tbonus, spath, sacc_t, sbonus, *setup, tok_acc, tok_bonus, *tok_walk)
 
 
 MUTATED = ("k_cache", "v_cache", "target_k_cache", "target_v_cache", "out_tokens", "lengths", "pos", "anchor", "done",
@@ -155,11 +159,13 @@ def test_schemas_and_mutations():
     mutated = {name: sorted(a.name for a in s.arguments if a.alias_info is not None and a.alias_info.is_write)
                for name, s in schemas.items()}
     assert mutated == {"fused_context": ["out"], "inject_context_kv": ["k_cache", "v_cache"], "draft_attention": [],
-                       "verify_attention": ["k_cache", "v_cache"], "verify_greedy": [], "verify_sample": [],
+                       "verify_attention": ["k_cache", "v_cache"], "verify_greedy": [], "verify_greedy_tokens": [],
+                       "verify_sample": [],
                        "commit_round": ["anchor", "done", "lengths", "out_tokens", "positions"],
                        "add_rms_norm": ["out", "residual"], "silu_mul": [],
                        "draft_round_setup": ["block", "block_lens", "context_start"], "build_tree": [],
-                       "tree_ancestor_mask": [], "tree_accept_greedy": [], "tree_accept_sample": [],
+                       "tree_ancestor_mask": [], "tree_accept_greedy": [], "tree_accept_greedy_tokens": [],
+                       "tree_accept_sample": [],
                        "tree_compact": ["k_cache", "v_cache"]}
     args = {a.name: str(a.type) for a in schemas["draft_attention"].arguments}
     assert args["block_lens"] == "Optional[Tensor]" and args["backend"] == "str"

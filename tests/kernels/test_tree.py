@@ -371,6 +371,29 @@ def test_greedy_walk_kernel_equals_reference(dtype):
     assert int(want[1][2]) >= 2 and int(want[2][1]) == 2100
 
 
+@pytest.mark.parametrize("backend", BACKENDS + (["cpu"] if torch.get_default_device().type == "cpu" else []))
+def test_greedy_walk_on_tokens_is_the_walk_on_logits(backend):
+    """tree_accept_greedy_tokens on argmax(logits) = tree_accept_greedy on the logits (NaN rows, int32 tokens), and
+    not the walk on another node's argmax (each node's own row decides)."""
+    logits, tokens, parents = _walk_case(16, 13, 700, 5, torch.float32)
+    logits[0, :, 7] = float("nan")
+    target = logits.argmax(-1)
+    for bsz in (1, 3, 6):
+        want = dk.tree_accept_greedy(logits, tokens, parents, block_size=bsz, backend="torch")
+        for t in (target, target.to(torch.int32)):
+            got = dk.tree_accept_greedy_tokens(t, tokens, parents, block_size=bsz, backend=backend)
+            for g, w in zip(got, want):
+                assert torch.equal(g, w), (backend, bsz)
+    shifted = dk.tree_accept_greedy_tokens(target.roll(1, dims=1), tokens, parents, block_size=6, backend=backend)
+    assert not all(torch.equal(g, w) for g, w in zip(shifted, want))
+    with pytest.raises(ValueError, match="tree_tokens"):
+        dk.tree_accept_greedy_tokens(target[:, :5], tokens, parents, block_size=3, backend=backend)
+    with pytest.raises(TypeError, match="target_tokens"):
+        dk.tree_accept_greedy_tokens(logits[..., 0], tokens, parents, block_size=3, backend=backend)
+    with pytest.raises(ValueError, match="block_size"):
+        dk.tree_accept_greedy_tokens(target, tokens, parents, block_size=0, backend=backend)
+
+
 def test_cold_sampled_walk_kernel_is_the_greedy_walk():
     """At temperature 1e-6 the Gumbel-max winner is the argmax (unless two logits are within ~1e-5): the sampled
     walk (two vocab splits per node row) equals the greedy one."""
@@ -463,6 +486,8 @@ def test_empty_batch(backend):
     assert dk.tree_ancestor_mask(parents, backend=backend).shape == (0, 6, 1)
     logits = torch.randn(0, 6, 11)
     for path, acc, bonus in (dk.tree_accept_greedy(logits, tokens, parents, block_size=4, backend=backend),
+                             dk.tree_accept_greedy_tokens(logits.argmax(-1), tokens, parents, block_size=4,
+                                                          backend=backend),
                              dk.tree_accept_sample(logits, tokens, parents, block_size=4, temperature=0.5, top_k=3,
                                                    seed=0, offset=0, backend=backend)):
         assert path.shape == (0, 4) and acc.shape == bonus.shape == (0,)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from dflash_kernels import _ext
-from dflash_kernels.verify import verify_greedy
+from dflash_kernels.verify import verify_greedy, verify_greedy_tokens
 from _device import DEVICE
 
 BACKENDS = (["torch", "triton"] + (["ext"] if _ext.status(torch.device(DEVICE))[0] else [])
@@ -111,3 +111,37 @@ def test_bad_inputs():
         verify_greedy(logits[0], torch.zeros(2, 3, dtype=torch.int64))
     with pytest.raises(TypeError, match="logits"):
         verify_greedy(logits.double(), torch.zeros(2, 3, dtype=torch.int64))
+
+
+TOKEN_BACKENDS = ["torch", "triton"] + (["cpu"] if DEVICE == "cpu" else [])
+
+
+@pytest.mark.parametrize("backend", TOKEN_BACKENDS)
+@pytest.mark.parametrize("n,b,v", [(1, 1, 7), (3, 2, 3001), (5, 16, 2500), (0, 4, 9)])
+def test_tokens_variant_is_the_logits_rule(backend, n, b, v):
+    """verify_greedy_tokens on argmax(logits) = verify_greedy on the logits (ties and NaN rows included), int32
+    tokens too; a rule that reads the bonus one row late (a plausible off-by-one) is shown to differ."""
+    logits, draft = _make(n, b, v, torch.float32, tie_cols=(v - 1, 5))
+    if n:
+        logits[0, 0, v // 2] = float("nan")
+    target = logits.argmax(-1)
+    exp_acc, exp_bonus = _expected(logits, draft)
+    for t in (target, target.to(torch.int32)):
+        acc, bonus = verify_greedy_tokens(t, draft, backend=backend)
+        assert acc.dtype == bonus.dtype == torch.int64
+        assert torch.equal(acc, exp_acc) and torch.equal(bonus, exp_bonus)
+    if n and b > 1:
+        late = target.gather(1, (exp_acc + 1).clamp(max=b - 1)[:, None]).squeeze(1)
+        assert not torch.equal(late, exp_bonus) or bool((exp_acc == b - 1).all())
+
+
+def test_tokens_variant_bad_inputs():
+    target = torch.zeros(2, 4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="draft_tokens"):
+        verify_greedy_tokens(target, torch.zeros(2, 4, dtype=torch.int64))
+    with pytest.raises(TypeError, match="target_tokens"):
+        verify_greedy_tokens(target.float(), torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="target_tokens"):
+        verify_greedy_tokens(target[0], torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="B >= 1"):
+        verify_greedy_tokens(target[:, :0], torch.zeros(2, 0, dtype=torch.int64))

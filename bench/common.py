@@ -27,10 +27,11 @@ if str(ROOT) not in sys.path:  # run as a plain script (python bench/x.py) from 
 
 # ---------------------------------------------------------------------------------------- device
 @contextlib.contextmanager
-def cpu_kernels(*, native: bool = True, amx: bool = True, native_forward: bool = True):
-    """For the calls inside: the "cpu" backend's native kernels (``DFLASH_CPU_NATIVE``), ``cpu_linear``'s AMX path
-    and the lean target's native forward (``dflash.native_forward``; off: its op path) on or off (A/B runs in one
-    process); the settings restored after."""
+def cpu_kernels(*, native: bool = True, amx: bool = True, native_forward: bool = True, argmax_screen: bool = True):
+    """For the calls inside: the "cpu" backend's native kernels (``DFLASH_CPU_NATIVE``), ``cpu_linear``'s AMX path,
+    the lean target's native forward (``dflash.native_forward``; off: its op path) and ``cpu_linear.linear_argmax``'s
+    screen (off: a greedy verify's whole LM head, then its argmax) on or off (A/B runs in one process); the settings
+    restored after."""
     from dflash import cpu_linear
     from dflash import native_forward as nf
     from dflash_kernels import cpu_native
@@ -39,9 +40,11 @@ def cpu_kernels(*, native: bool = True, amx: bool = True, native_forward: bool =
     os.environ[cpu_native.ENV] = "1" if native else "0"
     amx_before = cpu_linear.set_amx(amx)
     nf_before = nf.set_enabled(native_forward)
+    screen_before = cpu_linear.set_argmax_screen(argmax_screen)
     try:
         yield
     finally:
+        cpu_linear.set_argmax_screen(screen_before)
         nf.set_enabled(nf_before)
         cpu_linear.set_amx(amx_before)
         if before is None:

@@ -18,7 +18,7 @@ must: DFlash is lossless). One warm-up call per configuration first.
 
 Usage: python bench/tree.py [--budgets 4,8,16,32,64] [--prompts 6] [--prompt TEXT] [--max-new-tokens 96]
        [--reps 2] [--threads 2] [--draft DIR [--draft DIR2 ...]] [--without-native] [--without-amx] [--op-path]
-       [--out FILE.md]
+       [--full-head] [--out FILE.md]
 (``dflash bench tree`` runs this file)
 """
 from __future__ import annotations
@@ -59,6 +59,9 @@ def main(argv=None) -> int:
     ap.add_argument("--without-amx", action="store_true",
                     help="also run every DFlash configuration with cpu_linear's AMX path off (its fp32 kernel), in "
                          "the same rotation")
+    ap.add_argument("--full-head", action="store_true",
+                    help="also run every DFlash configuration with the greedy verify's whole LM head (cpu_linear's "
+                         "argmax screen off), in the same rotation")
     args = ap.parse_args(argv)
 
     from dflash import generate, smollm2
@@ -81,9 +84,10 @@ def main(argv=None) -> int:
     inputs = [torch.tensor([tok(smollm2.chat_prompt(tok, p), add_special_tokens=False)["input_ids"]]) for p in prompts]
     HF = "hf"
     # a configuration: HF, or (draft label, tree budget or None for the chain, what is turned off: "" nothing,
-    # "torch formulas" the native CPU kernels, "fp32 GEMM" cpu_linear's AMX path, "op path" the native forward)
+    # "torch formulas" the native CPU kernels, "fp32 GEMM" cpu_linear's AMX path, "op path" the native forward,
+    # "full LM head" the argmax screen)
     variants = ([""] + ["torch formulas"] * args.without_native + ["fp32 GEMM"] * args.without_amx
-                + ["op path"] * args.op_path)
+                + ["op path"] * args.op_path + ["full LM head"] * args.full_head)
     configs: list = [HF] + [(lab, b, var) for var in variants for lab in labels
                             for b in [None] + common.parse_ints(args.budgets)]
 
@@ -101,7 +105,7 @@ def main(argv=None) -> int:
                                    acceptance_lengths=(), total_time=secs, draft_time=0.0, verify_time=0.0)
         lab, budget, off = config
         with common.cpu_kernels(native=off != "torch formulas", amx=off != "fp32 GEMM",
-                                native_forward=off != "op path"):
+                                native_forward=off != "op path", argmax_screen=off != "full LM head"):
             return generate(target, drafts[lab], ids, max_new, stop_token_ids=stops, block_size=args.block_size,
                             tree_budget=budget)
 

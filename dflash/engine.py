@@ -54,8 +54,8 @@ from dflash.results import GenerateResult, device_clock
 from dflash.sampling import GREEDY_EPS, SamplingParams, sample
 from dflash_kernels import (
     add_rms_norm, build_tree, commit_round, draft_attention, draft_round_setup, first_token_done, fused_context,
-    inject_context_kv, tree_accept_greedy, tree_accept_sample, tree_ancestor_mask, tree_compact, verify_greedy,
-    verify_sample,
+    inject_context_kv, tree_accept_greedy, tree_accept_greedy_tokens, tree_accept_sample, tree_ancestor_mask,
+    tree_compact, verify_greedy, verify_greedy_tokens, verify_sample,
 )
 
 
@@ -298,13 +298,18 @@ class DFlashEngine:
         sample_args = dict(temperature=self.temperature, top_k=self.top_k if filtered else 0,
                            top_p=self.top_p if filtered else 1.0, seed=self.seed, offset=self.offset,
                            backend=self.backend)
+        # Greedy on the CPU: the target's LM head returns its argmax (cpu_linear.linear_argmax screens most of the
+        # vocabulary instead of computing it), acceptance on those tokens.
+        tokens_only = self.sampling.greedy and self.backend == "cpu"  # head: the logits, or their argmax
         if self.tree_budget is None:
             block = torch.cat([self.anchor[:, None], self.proposals], dim=1)
-            logits, feats = self.target.forward(block, self.positions, self.kv_bound)
-            if self.sampling.greedy:
-                accepted, bonus = verify_greedy(logits, self.proposals, backend=self.backend)
+            head, feats = self.target.forward(block, self.positions, self.kv_bound, argmax=tokens_only)
+            if tokens_only:
+                accepted, bonus = verify_greedy_tokens(head, self.proposals, backend=self.backend)
+            elif self.sampling.greedy:
+                accepted, bonus = verify_greedy(head, self.proposals, backend=self.backend)
             else:
-                accepted, bonus = verify_sample(logits, self.proposals, **sample_args)
+                accepted, bonus = verify_sample(head, self.proposals, **sample_args)
             if feats is not None:
                 self.features.copy_(feats)
             path_tokens = self.proposals
@@ -313,12 +318,16 @@ class DFlashEngine:
             tokens, parents, depths = build_tree(self.draft_logits, self.anchor, self.tree_budget,
                                                  vocab_ids=self.draft.vocab_ids, backend=self.backend)
             ancestors = tree_ancestor_mask(parents, backend=self.backend)
-            logits, feats = self.target.forward(tokens, self.positions, self.kv_bound, tree=(depths, ancestors))
-            if self.sampling.greedy:
-                path, accepted, bonus = tree_accept_greedy(logits, tokens, parents, block_size=B,
+            head, feats = self.target.forward(tokens, self.positions, self.kv_bound, tree=(depths, ancestors),
+                                              argmax=tokens_only)
+            if tokens_only:
+                path, accepted, bonus = tree_accept_greedy_tokens(head, tokens, parents, block_size=B,
+                                                                  backend=self.backend)
+            elif self.sampling.greedy:
+                path, accepted, bonus = tree_accept_greedy(head, tokens, parents, block_size=B,
                                                            backend=self.backend)
             else:
-                path, accepted, bonus = tree_accept_sample(logits, tokens, parents, block_size=B, **sample_args)
+                path, accepted, bonus = tree_accept_sample(head, tokens, parents, block_size=B, **sample_args)
             # The path's nodes (node i was written at row positions + i) move to rows positions + depth.
             tree_compact(self.target.k_cache, self.target.v_cache, path, accepted, self.positions,
                          backend=self.backend)

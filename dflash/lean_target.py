@@ -143,7 +143,7 @@ class LeanTarget:
 
     def forward(self, input_ids: torch.Tensor, start: torch.Tensor, kv_bound: int,
                 rows: torch.Tensor | None = None, tree: tuple[torch.Tensor, torch.Tensor] | None = None,
-                last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                last_logits_only: bool = False, argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``q`` new tokens per request.
 
         Args:
@@ -157,9 +157,11 @@ class LeanTarget:
                 cached rows and its ancestors.
             last_logits_only: the LM head of the last token only (a prefill chunk, whose other logits nobody
                 reads: a 50-token prompt's head would be ~3 GFLOP).
+            argmax: return the logits' argmax (int64 [N, q], or [N, 1]), exactly ``logits.argmax(-1)`` of this
+                forward; on the "cpu" backend without computing most logits (``cpu_linear.linear_argmax``).
         Returns:
-            logits [N, q, V] ([N, 1, V] with ``last_logits_only``) and the tapped features [N, q, T*H] (None when
-            there are no taps).
+            logits [N, q, V] ([N, 1, V] with ``last_logits_only``; their argmax with ``argmax``) and the tapped
+            features [N, q, T*H] (None when there are no taps).
         """
         model, linear = self.model, self.linear
         n, q = input_ids.shape
@@ -170,7 +172,8 @@ class LeanTarget:
                              "or pass fewer rows")
         if self.backend == "cpu" and q <= NATIVE_MAX_ROWS:  # one loop of native calls where it applies
             native = self._native_forward(n, q)
-            out = None if native is None else native.forward(self, input_ids, start, rows, tree, last_logits_only)
+            out = None if native is None else native.forward(self, input_ids, start, rows, tree, last_logits_only,
+                                                             argmax)
             if out is not None:
                 return out
         nh, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -207,7 +210,17 @@ class LeanTarget:
         self.copy_taps(features, taps, len(self.layers) - 1, h)
         if last_logits_only:
             x = x[:, -1:]
-        return linear(x, model.lm_head.weight, model.lm_head.bias), features
+        return self.head(x, argmax), features
+
+    def head(self, x: torch.Tensor, argmax: bool) -> torch.Tensor:
+        """The LM head of the final-normed rows ``x [..., H]``: logits ``[..., V]``, or their argmax ``[...]``
+        (int64; on the "cpu" backend without computing most logits: ``cpu_linear.linear_argmax``)."""
+        lm_head = self.model.lm_head
+        if not argmax:
+            return self.linear(x, lm_head.weight, lm_head.bias)
+        if self.backend == "cpu":
+            return cpu_linear.linear_argmax(x, lm_head.weight, lm_head.bias)
+        return self.linear(x, lm_head.weight, lm_head.bias).argmax(-1)
 
     def _native_forward(self, n: int, q: int) -> NativeForward | None:
         """The native forward of this shape (built on first use; the last few shapes kept), or None."""

@@ -106,9 +106,9 @@ class NativeForward:
         return tuple(args) + (None, 0, None) * (3 - len(blocks))
 
     def forward(self, lt, input_ids: torch.Tensor, start: torch.Tensor, rows: torch.Tensor | None,
-                tree: tuple[torch.Tensor, torch.Tensor] | None, last_logits_only: bool):
-        """``LeanTarget.forward``'s results (fresh logits and features tensors), or None where it does not apply
-        (nothing written then)."""
+                tree: tuple[torch.Tensor, torch.Tensor] | None, last_logits_only: bool, argmax: bool = False):
+        """``LeanTarget.forward``'s results (fresh logits, or their argmax, and features tensors), or None where it
+        does not apply (nothing written then)."""
         n, q = self.n, self.q
         m, hid = n * q, self.hidden
         nlib, amx = cpu_native.library(), cpu_linear.amx_library()
@@ -187,6 +187,9 @@ class NativeForward:
         final = model.model.norm
         norm(delta, hid, h, final.weight.data_ptr(), x, m, hid, final.variance_epsilon, threads)
         lt.copy_taps(features, lt.taps, len(lt.layers) - 1, h_view)
+        if argmax:  # the screened argmax (one Python call: its few checks are nothing next to the head's work)
+            x_rows = self.x.view(n, q, hid)[:, -1] if last_logits_only else self.x
+            return lt.head(x_rows, True).view(n, -1), features
         vocab = model.lm_head.weight.shape[0]
         if last_logits_only:
             logits = self.h.new_empty((n, 1, vocab))

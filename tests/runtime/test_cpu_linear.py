@@ -416,3 +416,120 @@ def test_amx_dispatch_mode_and_autograd_take_f_linear(amx_calls):
     out = cpu_linear.linear(x, w.clone().requires_grad_())
     assert out.grad_fn is not None
     assert amx_calls == {"amx": [], "fp32": []}
+
+
+# ------------------------------------------------------------------------------------------ linear_argmax's screen
+def _argmax_exact_pairs(x, w, b=None):
+    """linear_argmax's AMX entry: (ids, (row, 16-column group) pairs computed exactly)."""
+    return cpu_linear._amx_argmax(x.contiguous(), w, cpu_linear.bf16_tiles(w), b)
+
+
+@needs_amx
+@pytest.mark.parametrize("k,n", [(576, 49152), (7, 1), (33, 17), (64, 4099), (100, 300)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 24, 40])
+def test_argmax_is_the_linears_argmax(k, n, rows):
+    """The same indices as linear(x, w, b).argmax(-1), bias or not, while most groups are only screened."""
+    w = _bf16_weight(k, n) if (k, n) == (576, 49152) else _bf16_values(torch.randn(n, k))
+    b = _bf16_values(torch.randn(n)) if rows % 2 else None
+    x = torch.randn(rows, k) * 3
+    want = cpu_linear.linear(x, w, b).argmax(-1)
+    got = cpu_linear.linear_argmax(x, w, b)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    _, exact = _argmax_exact_pairs(x, w, b)
+    groups = -(-n // 16)
+    assert rows <= exact <= rows * groups
+    if groups >= 64:
+        assert exact <= 4 * rows, "the screen decided almost nothing"
+
+
+@needs_amx
+def test_argmax_decided_below_the_hi_parts():
+    """Row 0: column 0 = x0 + x2 = 1 + 2^-9 (all in the hi parts), column 17 = x1 = 1 + 2^-8 - 2^-20 (hi part 1.0):
+    the hi parts alone rank column 0 first (the wrong rule, which a screen without its bound would follow: the
+    columns sit in different 16-column groups), the linear column 17. Row 1: column 0 wins and ties column 33, a
+    copy of it: the first index."""
+    w = torch.zeros(40, 32)
+    w[0, 0] = w[0, 2] = w[17, 1] = 1.0
+    w[33] = w[0]
+    x = torch.zeros(2, 32)
+    x[0, 0], x[0, 1], x[0, 2] = 1.0, 1 + 2.0**-8 - 2.0**-20, 2.0**-9
+    x[1, 0], x[1, 1], x[1, 2] = 1 + 2.0**-8 - 2.0**-20, 1.0, 2.0**-9
+    hi = (x.view(torch.int32) & -65536).view(torch.float32)
+    assert torch.equal(F.linear(hi, w).argmax(-1), torch.tensor([0, 0]))  # the wrong rule
+    assert torch.equal(cpu_linear.linear(x, w).argmax(-1), torch.tensor([17, 0]))
+    assert torch.equal(cpu_linear.linear_argmax(x, w), torch.tensor([17, 0]))
+
+
+@needs_amx
+def test_argmax_many_near_ties():
+    """300 columns one bf16 ulp apart in one element (logits within ~1e-3 of each other) and exact duplicates: many
+    groups reach the exact pass, the result is still the linear's argmax."""
+    g = torch.Generator().manual_seed(5)
+    base = _bf16_values(torch.randn(96, generator=g))
+    w = base.repeat(300, 1)
+    idx = torch.randint(0, 96, (300,), generator=g)
+    w[torch.arange(300), idx] = _bf16_values(w[torch.arange(300), idx] * (1 + 2.0**-7))
+    w[150:160] = w[140]
+    x = torch.randn(12, 96, generator=g)
+    assert torch.equal(cpu_linear.linear_argmax(x, w), cpu_linear.linear(x, w).argmax(-1))
+    _, exact = _argmax_exact_pairs(x, w)
+    assert exact > 12
+
+
+@needs_amx
+def test_argmax_non_finite_and_huge_rows():
+    """NaN, inf and overflowing rows: torch.argmax's rule on the linear's values (the first NaN, the first inf)."""
+    k, n = 40, 70
+    w = _bf16_values(torch.randn(n, k))
+    w[3, 5] = 0.0
+    x = torch.randn(5, k)
+    x[1, 5] = float("inf")   # column 3: inf * 0 = NaN
+    x[2, 9] = float("nan")
+    x[3] *= 1e37             # overflows to +-inf
+    w_inf = w.clone()
+    w_inf[60, 0] = float("inf")  # a bf16 value too: every row meets inf in column 60
+    for weight in (w, w_inf):
+        want = cpu_linear.linear(x, weight).argmax(-1)
+        assert torch.equal(cpu_linear.linear_argmax(x, weight), want)
+    assert cpu_linear.bf16_tiles(w_inf) is not None
+
+
+@needs_amx
+def test_argmax_fallbacks_and_shapes(amx_calls):
+    """Leading dims kept; an off-grid weight, the screen turned off, autograd: linear(...).argmax(-1)."""
+    w = _bf16_values(torch.randn(50, 64))
+    x = torch.randn(2, 3, 64)
+    got = cpu_linear.linear_argmax(x, w)
+    assert got.shape == (2, 3) and torch.equal(got, cpu_linear.linear(x, w).argmax(-1))
+    assert amx_calls["amx"] == [6]  # only the reference call: the screen has its own entry
+    off_grid = w + 1e-3
+    assert torch.equal(cpu_linear.linear_argmax(x, off_grid), F.linear(x, off_grid).argmax(-1))
+    before = cpu_linear.set_argmax_screen(False)
+    try:
+        amx_calls["amx"].clear()
+        assert torch.equal(cpu_linear.linear_argmax(x, w), got)
+        assert amx_calls["amx"] == [6]  # the whole linear
+    finally:
+        cpu_linear.set_argmax_screen(before)
+    grad = cpu_linear.linear_argmax(x, w.clone().requires_grad_())
+    assert torch.equal(grad, got)
+
+
+@needs_amx
+def test_argmax_sees_in_place_updates():
+    """The column norms (the screen's bounds) go with the tiles: rounded up, and recomputed after an in-place update
+    (stale ones, 64x too small, would drop groups that hold the argmax)."""
+    w = _bf16_values(torch.randn(64, 32))
+    x = torch.randn(4, 32)
+    cpu_linear.linear_argmax(x, w)
+
+    def norms():
+        return cpu_linear._column_norms(w, cpu_linear.bf16_tiles(w))
+    exact = w.double().norm(dim=1)
+    assert (norms() >= exact).all() and torch.allclose(norms(), exact, rtol=1e-9)
+    with torch.no_grad():
+        w.mul_(64.0)
+        w[7] = _bf16_values(x[0] * 1000.0)
+    assert (norms() >= w.double().norm(dim=1)).all()
+    assert torch.equal(cpu_linear.linear_argmax(x, w), cpu_linear.linear(x, w).argmax(-1))
+    assert int(cpu_linear.linear_argmax(x[:1], w)) == 7

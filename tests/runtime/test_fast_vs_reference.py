@@ -80,7 +80,8 @@ def test_cpu_kernel_backend_equals_reference(monkeypatch, block, tree_budget, bf
     """The engine on the "cpu" kernel backend (what CPU users run when the Triton interpreter is off), with its
     native kernels (head_dim 16: the attention kernels apply), against the reference loop: the same tokens, ragged
     requests, chains and trees; the native attention, norm and SwiGLU kernels are seen to run. ``bf16_values``:
-    every weight rounded to a bf16 value (as SmolLM2's are), so the projections take cpu_linear's AMX path."""
+    every weight rounded to a bf16 value (as SmolLM2's are), so the projections take cpu_linear's AMX path and the
+    greedy verify its argmax screen (the LM head's argmax without most logits)."""
     from dflash import cpu_linear
     from dflash_kernels import cpu_native
 
@@ -95,14 +96,15 @@ def test_cpu_kernel_backend_equals_reference(monkeypatch, block, tree_budget, bf
             calls[_name] += 1
             return _fn(*args)
         monkeypatch.setattr(cpu_native._lib, name, counted)
-    if bf16_values:
-        calls["dflash_amx_linear3"] = 0
-        amx = cpu_linear._amx.dflash_amx_linear3
+    if bf16_values:  # the projections, and the greedy verify's LM head argmax (cpu_linear.linear_argmax's screen)
+        for name in ("dflash_amx_linear3", "dflash_amx_argmax"):
+            calls[name] = 0
+            fn = getattr(cpu_linear._amx, name)
 
-        def counted_amx(*args):
-            calls["dflash_amx_linear3"] += 1
-            return amx(*args)
-        monkeypatch.setattr(cpu_linear._amx, "dflash_amx_linear3", counted_amx)
+            def counted_amx(*args, _fn=fn, _name=name):
+                calls[_name] += 1
+                return _fn(*args)
+            monkeypatch.setattr(cpu_linear._amx, name, counted_amx)
     torch.manual_seed(block)
     target = make_target("qwen3" if block % 2 else "llama", vocab=VOCAB, hidden=64)
     draft = make_draft(target, layers=2, block_size=block, mask_token_id=VOCAB - 1)

@@ -106,6 +106,29 @@ def test_tree_ragged_batch_and_last_logits_bit_equal(target, native):
     assert torch.equal(outs[1][0], outs[3][0]) and torch.equal(outs[1][1], outs[3][1])
 
 
+def test_argmax_head_is_the_logits_argmax(target, native):
+    """forward(argmax=True) (cpu_linear.linear_argmax's screen on both paths): the argmax of the same forward's logits,
+    for a chain, a ragged tree batch and a last-row-only forward; the features as with logits."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 7, 40, generator=g) * 2
+    tokens, parents, depths = build_tree(logits, torch.tensor([3, 4]), 19, backend="torch")
+    tree = (depths, tree_ancestor_mask(parents, backend="torch"))
+    start, rows = torch.tensor([11, 5]), torch.tensor([1, 0])
+    chain = torch.randint(0, VOCAB, (2, 8), generator=g)
+    for on in (True, False):
+        lt = LeanTarget(target, [0, 2], batch=2, capacity=CAP, backend="cpu")
+        for r, s in ((0, 11), (1, 5)):
+            _forward(lt, on, torch.randint(0, VOCAB, (1, s), generator=torch.Generator().manual_seed(s)),
+                     torch.tensor([0]), s, rows=torch.tensor([r]))
+        for args, kwargs in (((chain, start, 19), {"rows": rows}), ((tokens, start, 31), {"rows": rows, "tree": tree}),
+                             ((chain, start, 19), {"rows": rows, "last_logits_only": True})):
+            full = _forward(lt, on, *args, **kwargs)
+            ids = _forward(lt, on, *args, argmax=True, **kwargs)  # the same rows rewritten with the same values
+            assert ids[0].dtype == torch.int64 and torch.equal(ids[0], full[0].argmax(-1))
+            assert torch.equal(ids[1], full[1])
+    assert native == [True] * 8  # turned off, it is not even tried
+
+
 def test_steps_aside(target, native):
     """Where the op path must run: a weight that is not bf16-exact (no AMX tiles), a dispatch mode watching the
     calls and more than MAX_ROWS rows; a block past the cache is refused before either runs."""

@@ -72,6 +72,7 @@ import torch.nn.functional as F
 
 from dflash_kernels import cpu_native
 from dflash_kernels._dispatch import unobserved_eager
+from dflash_kernels._triton_utils import argmax_cpu
 
 MIN_ROWS = 2
 MAX_ROWS = 16
@@ -407,28 +408,30 @@ extern "C" int dflash_amx_linear3(const float* x, long ldx, long M, long K, cons
 // ids [M] = the argmax over the N columns of y = x W^T + b as dflash_amx_linear3 computes y (the same bits decide:
 // the first index among equal values, the first NaN if any), without computing most of y exactly. A screen takes
 // the hi parts alone (one tile product a step instead of three); a screened value a differs from its exact value e
-// by at most wn[col] * c[m] + s[m] * (1 + wn[col]) + 2u |b[col]| (wn: the column norms, rounded up, from pack;
-// c: ||mid + lo|| + gamma * the parts' norms, Cauchy-Schwarz on the dropped parts and on both sums' rounding, any
-// summation order; s: room for denormals flushed to zero). A 16-column group whose every a + bound lies below the
-// row's best a - bound holds neither the argmax nor a tie: only the other groups are computed exactly, by
-// linear3's loop (each row's bits are its own). A row with a non-finite input or screened value, or near overflow,
-// is computed exactly whole. Returns the (row, group) pairs computed exactly, or -1 without memory.
+// by at most B = wn * c[m] + s[m] * (1 + wn) + 2u |b| with wn, |b| the largest column norm (rounded up, from
+// dflash_amx_column_norms) and bias magnitude of its 16-column group (c: ||mid + lo|| + gamma * the parts' norms:
+// Cauchy-Schwarz on the dropped parts and on both sums' rounding, in any summation order; s: room for denormals
+// flushed to zero). A group whose largest a + B lies below the row's best (largest a - B) holds neither the argmax
+// nor a tie: only the other groups are computed exactly, by linear3's loop (each row's bits are its own). A row
+// with a non-finite input or screened value, or near overflow, is computed exactly whole. Returns the (row, group)
+// pairs computed exactly, or -1 without memory.
 extern "C" long dflash_amx_argmax(const float* x, long ldx, long M, long K, const uint16_t* tiles, long N,
                                   const float* b, const double* wn, long* ids, int threads) {
   if (M <= 0) return 0;
   const long steps = (K + TK - 1) / TK, Kp = steps * TK, groups = (N + TN - 1) / TN;
   const long chunks = (M + TR - 1) / TR, R = (M + chunks - 1) / chunks, Mp = chunks * R;
   uint16_t* a = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * 3 * Mp * Kp);
-  double* work = (double*)malloc(sizeof(double) * (2 * M + 3 * M * groups));
+  double* work = (double*)malloc(sizeof(double) * (2 * M + 2 * groups + M * groups));
   long* best_idx = (long*)malloc(sizeof(long) * M * groups);
+  float* screened = (float*)malloc(sizeof(float) * M * groups);  // per (row, group): the largest a
   unsigned char* need = (unsigned char*)malloc(M * groups + M);
-  if (!a || !work || !best_idx || !need) {
-    free(a); free(work); free(best_idx); free(need);
+  if (!a || !work || !best_idx || !screened || !need) {
+    free(a); free(work); free(best_idx); free(screened); free(need);
     return -1;
   }
-  double *c = work, *s = work + M, *up = work + 2 * M, *low = up + M * groups;
-  float* best_val = (float*)(low + M * groups);  // per (row, group): its exact maximum, when computed
-  unsigned char* whole = need + M * groups;      // rows computed exactly whole
+  double *c = work, *s = work + M, *wg = work + 2 * M, *bg = wg + groups;
+  float* best_val = (float*)(bg + groups);  // per (row, group): its exact maximum, when computed
+  unsigned char* whole = need + M * groups;  // rows computed exactly whole
   split(x, ldx, M, K, Mp, Kp, a);
   const double u = 0x1p-24, n_ops = 2.0 * K + 8.0, gamma = n_ops * u / (1.0 - n_ops * u);
   for (long m = 0; m < M; ++m) {
@@ -457,11 +460,20 @@ extern "C" long dflash_amx_argmax(const float* x, long ldx, long M, long K, cons
     _tile_loadconfig(&cfg);
     alignas(64) float cs[3][TR * TN];
     alignas(64) float hi[TR * TN];
-    // The screen: per group, per row, the largest a + bound and a - bound.
+    // The screen: per group, per row, the largest a (AVX-512 over the group's 16 columns).
 #pragma omp for schedule(static)
     for (long g = 0; g < groups; ++g) {
       const uint16_t* wt = tiles + g * steps * TILE;
       const long nv = N - g * TN < TN ? N - g * TN : TN;
+      const __mmask16 lanes = (__mmask16)((1u << nv) - 1u);
+      const __m512 bias = b ? _mm512_maskz_loadu_ps(lanes, b + g * TN) : _mm512_setzero_ps();
+      double w_max = 0, b_max = 0;
+      for (long n = 0; n < nv; ++n) {
+        w_max = wn[g * TN + n] > w_max ? wn[g * TN + n] : w_max;
+        b_max = b && fabs((double)b[g * TN + n]) > b_max ? fabs((double)b[g * TN + n]) : b_max;
+      }
+      wg[g] = w_max;
+      bg[g] = b_max;
       for (long ch = 0; ch < chunks; ++ch) {
         _tile_zero(0);
         const uint16_t* ah = a + ch * R * Kp;
@@ -480,27 +492,26 @@ extern "C" long dflash_amx_argmax(const float* x, long ldx, long M, long K, cons
         _tile_stored(0, cs[0], 64);
         for (long m = 0; m < R && ch * R + m < M; ++m) {
           const long row = ch * R + m;
-          double hmax = -INFINITY, lmax = -INFINITY;
-          for (long n = 0; n < nv; ++n) {
-            const long col = g * TN + n;
-            const double bias = b ? b[col] : 0.0, v = (double)cs[0][m * TN + n] + bias;
-            const double bound = wn[col] * c[row] + s[row] * (1 + wn[col]) + 2 * u * fabs(bias);
-            if (!(fabs(v) + bound < 0x1p126)) whole[row] = 1;  // non-finite, NaN, or near overflow
-            hmax = v + bound > hmax ? v + bound : hmax;
-            lmax = v - bound > lmax ? v - bound : lmax;
-          }
-          up[row * groups + g] = hmax;
-          low[row * groups + g] = lmax;
+          const __m512 v = _mm512_add_ps(_mm512_load_ps(cs[0] + m * TN), bias);
+          // NaN, inf or near overflow (|v| not below 2^126): the row is computed whole.
+          if (_mm512_mask_cmp_ps_mask(lanes, _mm512_abs_ps(v), _mm512_set1_ps(0x1p126f), _CMP_NLT_UQ)) whole[row] = 1;
+          screened[row * groups + g] = _mm512_mask_reduce_max_ps(lanes, v);
         }
       }
     }
-    // The groups each row needs exactly: those whose largest a + bound reaches the row's best a - bound.
+    // The groups each row needs exactly: those whose largest a + B reaches the row's best a - B.
 #pragma omp for schedule(static)
     for (long m = 0; m < M; ++m) {
       double best = -INFINITY;
-      for (long g = 0; g < groups; ++g) best = low[m * groups + g] > best ? low[m * groups + g] : best;
+      const double cs_m = c[m] + s[m];
       for (long g = 0; g < groups; ++g) {
-        need[m * groups + g] = whole[m] || up[m * groups + g] >= best;
+        const double v = screened[m * groups + g], bound = wg[g] * cs_m + s[m] + 2 * u * bg[g];
+        if (!(fabs(v) + bound < 0x1p126)) whole[m] = 1;
+        best = v - bound > best ? v - bound : best;
+      }
+      for (long g = 0; g < groups; ++g) {
+        const double v = screened[m * groups + g], bound = wg[g] * cs_m + s[m] + 2 * u * bg[g];
+        need[m * groups + g] = whole[m] || v + bound >= best;
         exact += need[m * groups + g];
       }
     }
@@ -562,7 +573,7 @@ extern "C" long dflash_amx_argmax(const float* x, long ldx, long M, long K, cons
     }
     ids[m] = bi;
   }
-  free(a); free(work); free(best_idx); free(need);
+  free(a); free(work); free(best_idx); free(screened); free(need);
   return exact;
 }
 """
@@ -855,11 +866,14 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     off, anything :func:`linear` itself leaves to ``F.linear``): ``linear(x, weight, bias).argmax(-1)``."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if rows and _screen_on and _fast_ok(x, weight, bias) and weight.shape[0] and amx_active():
+    fast = _fast_ok(x, weight, bias)
+    if rows and _screen_on and fast and weight.shape[0] and amx_active():
         tiles = bf16_tiles(weight)
         if tiles is not None:
             return _amx_argmax(x.contiguous(), weight, tiles, bias)[0].view(x.shape[:-1])
-    return linear(x, weight, bias).argmax(-1)
+    logits = linear(x, weight, bias)
+    # Where nothing watches (fast), NumPy's argmax: the same rule, ~25x faster than torch's on the CPU.
+    return argmax_cpu(logits) if fast and logits.numel() else logits.argmax(-1)
 
 
 def _amx_argmax(x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None

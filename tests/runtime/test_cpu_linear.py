@@ -438,8 +438,8 @@ def test_argmax_is_the_linears_argmax(k, n, rows):
     _, exact = _argmax_exact_pairs(x, w, b)
     groups = -(-n // 16)
     assert rows <= exact <= rows * groups
-    if groups >= 64:
-        assert exact <= 4 * rows, "the screen decided almost nothing"
+    if groups >= 64:  # (up to 7 a row in 400 random draws at the LM head's shape)
+        assert exact <= 16 * rows, "the screen decided almost nothing"
 
 
 @needs_amx

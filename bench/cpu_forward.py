@@ -3,7 +3,8 @@ with one part replaced by a stand-in, with the native CPU kernels on and off and
 off, in one run.
 
 The forward is ``dflash.lean_target.LeanTarget`` on the "cpu" kernel backend (the verify step's and our
-autoregressive step's target pass), at 200 cached tokens. A part's cost is the whole forward's time minus the time
+autoregressive step's target pass) through its ops (its native forward off: it would bypass the stand-ins), at 200
+cached tokens. A part's cost is the whole forward's time minus the time
 of the same forward with that part replaced by a stand-in that returns a precomputed tensor of the right shape (the
 projections incl. the LM head: ``cpu_linear``; the attention: ``verify_attention``; the residual-add + RMSNorm
 calls: ``add_rms_norm``, which still does the residual add). The parts interact (a forward without its weight
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
             ids = torch.randint(0, target.config.vocab_size, (1, q))
             start = torch.tensor([CONTEXT])
             for label, native, amx in settings:
-                with common.cpu_kernels(native=native, amx=amx):
+                with common.cpu_kernels(native=native, amx=amx, native_forward=False):  # stand-ins need the ops
                     for name, parts in stand_ins.items():
                         ms = forward(ids, start, parts)
                         if rep >= 2:

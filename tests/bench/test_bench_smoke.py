@@ -193,6 +193,16 @@ def test_cpu_forward_bench_smoke(tmp_path):
     assert "MiB" in text and os.environ.get("DFLASH_CPU_NATIVE") is None
 
 
+def test_greedy_head_bench_smoke(tmp_path):
+    """bench/greedy_head.py at its smallest: two row counts, one rep, a short context; both heads timed (the run
+    itself asserts the screened argmax equals the logits' argmax)."""
+    text, header, rows = _smollm2_bench_table(
+        "greedy_head", ["--rows", "1,9", "--reps", "1", "--context", "24", "--threads", "1"], tmp_path / "head.md")
+    assert [r[header.index("rows")] for r in rows] == ["1", "9"], text
+    assert all(float(r[header.index("logits_then_argmax_ms")]) > 0 and float(r[header.index("screened_argmax_ms")]) > 0
+               for r in rows), text
+
+
 def test_first_call_bench_smoke(tmp_path):
     """bench/first_call.py at its smallest: one round of fresh processes (HF, trees of 3), a few tokens; outputs
     identical, the table written."""

@@ -493,9 +493,9 @@ extern "C" long dflash_amx_argmax(const float* x, long ldx, long M, long K, cons
         for (long m = 0; m < R && ch * R + m < M; ++m) {
           const long row = ch * R + m;
           const __m512 v = _mm512_add_ps(_mm512_load_ps(cs[0] + m * TN), bias);
-          // NaN, inf or near overflow (|v| not below 2^126): the row is computed whole.
-          if (_mm512_mask_cmp_ps_mask(lanes, _mm512_abs_ps(v), _mm512_set1_ps(0x1p126f), _CMP_NLT_UQ)) whole[row] = 1;
-          screened[row * groups + g] = _mm512_mask_reduce_max_ps(lanes, v);
+          // NaN, inf or near overflow (|v| not below 2^126): a NaN here, and the row is computed whole below.
+          const bool bad = _mm512_mask_cmp_ps_mask(lanes, _mm512_abs_ps(v), _mm512_set1_ps(0x1p126f), _CMP_NLT_UQ);
+          screened[row * groups + g] = bad ? NAN : _mm512_mask_reduce_max_ps(lanes, v);
         }
       }
     }
@@ -506,7 +506,7 @@ extern "C" long dflash_amx_argmax(const float* x, long ldx, long M, long K, cons
       const double cs_m = c[m] + s[m];
       for (long g = 0; g < groups; ++g) {
         const double v = screened[m * groups + g], bound = wg[g] * cs_m + s[m] + 2 * u * bg[g];
-        if (!(fabs(v) + bound < 0x1p126)) whole[m] = 1;
+        if (!(fabs(v) + bound < 0x1p126)) whole[m] = 1;  // (a NaN too)
         best = v - bound > best ? v - bound : best;
       }
       for (long g = 0; g < groups; ++g) {

@@ -4,8 +4,8 @@ itself (``cpu_linear.linear_argmax``: one AMX tile product a step screens the vo
 groups a proven bound cannot rule out are computed exactly), at several row counts, in one run.
 
 The forward is ``dflash.lean_target.LeanTarget`` on the "cpu" kernel backend (its native forward where it applies,
-as the engine runs it), after a context of ``--context`` tokens of real text: the target's own greedy continuation
-of a held-out prompt, and the block is the next ``rows`` tokens of it (random tokens would flatten the target's
+as the engine runs it), after a context of ``--context`` tokens of real text: a held-out prompt and the target's
+own greedy continuation of it, and the block is the next ``rows`` tokens (random tokens would flatten the target's
 distributions and make the screen's job look harder than in decoding). The two heads alternate rep by rep; each
 cell is a median over reps. "exact groups a row": how many of the vocabulary's 16-column groups the screen
 computed exactly, per row (SmolLM2: 3,072 groups).
@@ -49,10 +49,13 @@ def main(argv=None) -> int:
     target, tok = smollm2.load(verbose=False)
     prompt = tok(smollm2.chat_prompt(tok, eval_prompts(2)[1]), return_tensors="pt").input_ids
     need = args.context + max(rows_list)
-    with torch.inference_mode():
-        text = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                               max_new_tokens=max(0, need - prompt.shape[1]),
-                               min_new_tokens=max(0, need - prompt.shape[1]))[:, :need]
+    text = prompt
+    if need > prompt.shape[1]:
+        with torch.inference_mode():
+            more = need - prompt.shape[1]
+            text = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                   max_new_tokens=more, min_new_tokens=more)
+    text = text[:, :need]
     lt = LeanTarget(target, [1, 27], batch=1, capacity=need, backend="cpu")
     start = torch.tensor([args.context])
     exact: dict = {}
@@ -93,9 +96,10 @@ def main(argv=None) -> int:
                      "saved_ms": round(before - after, 2), "ratio": f"{after / before:.3f}",
                      "exact_groups_a_row": round(statistics.median(exact[q]), 2) if q in exact else "n/a"})
     env = common.environment(torch.device("cpu"))
-    head = (f"SmolLM2-135M lean target forward (\"cpu\" backend), {args.context} cached tokens of its own greedy text, "
-            f"fp32, {args.reps} reps (medians), the two heads alternated; AMX {'on' if cpu_linear.amx_active() else 'off'}"
-            f"; {env['hardware']}, torch {env['torch']}, commit {env['commit']}, {env['date']}")
+    amx = "on" if cpu_linear.amx_active() else "off"
+    head = (f"SmolLM2-135M lean target forward (\"cpu\" backend), {args.context} cached tokens (a prompt and its "
+            f"greedy text), fp32, {args.reps} reps (medians), the two heads alternated; AMX {amx}; {env['hardware']}, "
+            f"torch {env['torch']}, commit {env['commit']}, {env['date']}")
     columns = ["rows", "logits_then_argmax_ms", "screened_argmax_ms", "saved_ms", "ratio", "exact_groups_a_row"]
     table = common.table(rows, columns, markdown=True)
     print(head)

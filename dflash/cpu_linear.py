@@ -45,7 +45,8 @@ or a working compiler, the fp32 kernel is ``F.linear`` (one warning says why; :f
 The argmax of a linear: :func:`linear_argmax` is ``linear(x, weight, bias).argmax(-1)``, the same indices, for a
 greedy verify's LM head, which needs no more. On the AMX path one tile product a step (the hi parts alone) screens
 every column and only the 16-column groups that a proven bound cannot rule out are computed exactly, with the
-GEMM's own loop (``dflash_amx_argmax``); 1.4-1.6 groups of SmolLM2's 3,072 a row on its hidden states.
+GEMM's own loop (``dflash_amx_argmax``); 1.4-1.6 groups of SmolLM2's 3,072 a row on its hidden states, 1.6-4.5 ms
+off its 8-32-row forward (``bench/greedy_head.py``, ``bench/results/*-greedy-head.md``).
 
 Row blocks: ``weight`` may be a :class:`RowBlocks`, up to three ``[N_i, K]`` blocks of one weight (a layer's
 q/k/v or gate/up projections), computed as their concatenation in one call, without a merged copy.

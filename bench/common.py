@@ -53,6 +53,25 @@ def cpu_kernels(*, native: bool = True, amx: bool = True, native_forward: bool =
             os.environ[cpu_native.ENV] = before
 
 
+def report(head: str, rows: list[dict], columns: list[str], out: str | None) -> None:
+    """Print a run's header line and its markdown table; also write both to ``out`` when given."""
+    text = table(rows, columns, markdown=True)
+    print(head)
+    print(text)
+    if out:
+        Path(out).write_text(head + "\n\n" + text + "\n", encoding="utf-8")
+
+
+def smollm2_unavailable(script: str) -> bool:
+    """Whether the SmolLM2 demo pair cannot load here (offline, from the installed GGUF); says why on stderr."""
+    from dflash import smollm2
+
+    reason = smollm2.unavailable_reason()
+    if reason:
+        print(f"bench/{script}: {reason}", file=sys.stderr)
+    return reason is not None
+
+
 def pick_device(name: str | None) -> torch.device:
     if name in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

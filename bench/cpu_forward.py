@@ -48,9 +48,7 @@ def main(argv=None) -> int:
     from dflash import cpu_linear, lean_target, smollm2
     from dflash_kernels import cpu_native
 
-    reason = smollm2.unavailable_reason()
-    if reason:
-        print(f"bench/cpu_forward.py: {reason}", file=sys.stderr)
+    if common.smollm2_unavailable("cpu_forward.py"):
         return 1
     if cpu_native.ENV in os.environ:
         raise SystemExit(f"bench/cpu_forward.py: unset {cpu_native.ENV} (the run compares both settings)")
@@ -146,11 +144,7 @@ def main(argv=None) -> int:
             f"{env['hardware']}, torch {env['torch']}, commit {env['commit']}, {env['date']}")
     columns = ["rows", "cpu kernels", "whole_ms", "without_projections_ms", "projections_ms", "attention_ms",
                "norms_ms", "weights_floor_ms"]
-    table = common.table(rows, columns, markdown=True)
-    print(head)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(head + "\n\n" + table + "\n", encoding="utf-8")
+    common.report(head, rows, columns, args.out)
     return 0
 
 

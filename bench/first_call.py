@@ -80,9 +80,7 @@ def main(argv=None) -> int:
         return child(args.child, args.tree_budget, args.max_new_tokens, args.threads)
     from dflash import smollm2
 
-    reason = smollm2.unavailable_reason()
-    if reason:
-        print(f"bench/first_call.py: {reason}", file=sys.stderr)
+    if common.smollm2_unavailable("first_call.py"):
         return 1
     budgets = [b or None for b in common.parse_ints(args.tree_budgets)]
     names = ["HF generate"] + [f"DFlash {'chain' if b is None else f'tree {b}'}" for b in budgets]
@@ -108,11 +106,7 @@ def main(argv=None) -> int:
     head = (f"SmolLM2-135M + shipped draft, first call of a fresh process, demo prompt, {args.max_new_tokens} new "
             f"tokens, greedy, {args.threads} threads, {args.pairs} alternated rounds; {env['hardware']}, torch "
             f"{env['torch']}, commit {env['commit']}, {env['date']}")
-    table = common.table(rows, list(rows[0]), markdown=True)
-    print(head)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(head + "\n\n" + table + "\n", encoding="utf-8")
+    common.report(head, rows, list(rows[0]), args.out)
     return 0 if all(r["identical_to_hf"] == "yes" for r in rows) else 3
 
 

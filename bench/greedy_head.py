@@ -40,9 +40,7 @@ def main(argv=None) -> int:
     from dflash.train.prompts import eval_prompts
     from dflash_kernels._triton_utils import argmax_cpu
 
-    reason = smollm2.unavailable_reason()
-    if reason:
-        print(f"bench/greedy_head.py: {reason}", file=sys.stderr)
+    if common.smollm2_unavailable("greedy_head.py"):
         return 1
     torch.set_num_threads(args.threads)
     rows_list = common.parse_ints(args.rows)
@@ -101,11 +99,7 @@ def main(argv=None) -> int:
             f"greedy text), fp32, {args.reps} reps (medians), the two heads alternated; AMX {amx}; {env['hardware']}, "
             f"torch {env['torch']}, commit {env['commit']}, {env['date']}")
     columns = ["rows", "logits_then_argmax_ms", "screened_argmax_ms", "saved_ms", "ratio", "exact_groups_a_row"]
-    table = common.table(rows, columns, markdown=True)
-    print(head)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(head + "\n\n" + table + "\n", encoding="utf-8")
+    common.report(head, rows, columns, args.out)
     return 0
 
 

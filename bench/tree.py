@@ -68,9 +68,7 @@ def main(argv=None) -> int:
     from dflash.model import DFlashDraftModel
     from dflash.train.prompts import eval_prompts
 
-    reason = smollm2.unavailable_reason()
-    if reason:
-        print(f"bench/tree.py: {reason}", file=sys.stderr)
+    if common.smollm2_unavailable("tree.py"):
         return 1
     torch.set_num_threads(args.threads)
     target, tok = smollm2.load(verbose=False)
@@ -157,11 +155,7 @@ def main(argv=None) -> int:
             f"{args.prompts} held-out prompts" + (f" + {len(args.prompt)} given" if args.prompt else "")
             + f", max {args.max_new_tokens} new tokens, {args.reps} reps, "
             f"{args.threads} threads; {env['hardware']}, torch {env['torch']}, commit {env['commit']}, {env['date']}")
-    table = common.table(rows, columns, markdown=True)
-    print(head)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(head + "\n\n" + table + "\n", encoding="utf-8")
+    common.report(head, rows, columns, args.out)
     return 0 if all(r["identical_to_hf"] == "yes" for r in rows) else 3
 
 

@@ -7,7 +7,9 @@ Entry point ``main(argv)`` (also ``dflash train …`` and ``python -m dflash.tra
   (``--responses FILE``: check responses kept in the repository instead of generating them, record new ones)
 * ``fit``   — train a draft on a generated data folder (resumable from its checkpoint folder)
 * ``export``— write a checkpoint as a z-lab draft folder (bf16)
-* ``evaluate`` — teacher-forced acceptance estimate of a draft on a data folder
+* ``evaluate`` — teacher-forced acceptance estimate of a draft on a data folder (``--tree-budgets 7,15``: also
+  of draft trees of those budgets, built and walked by the engine's own ops; ``fit --eval-tree-budgets`` logs
+  them at every eval)
 * ``vocab`` — give a draft a vocabulary subset: the most frequent response tokens of the data
 """
 from __future__ import annotations

@@ -22,6 +22,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from dflash.engine import default_kernel_backend
+from dflash_kernels.tree import build_tree, tree_accept_greedy_tokens
+
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
@@ -151,6 +154,36 @@ def acceptance_lengths(pred: torch.Tensor, labels: torch.Tensor, block_size: int
     full = (lab != -100).all(-1)
     run = ((pr == lab).long().cumprod(-1)).sum(-1)
     return (1 + run[full]).float()
+
+
+def tree_acceptance_lengths(logits: torch.Tensor, labels: torch.Tensor, block_size: int, budget: int, *,
+                            vocab_ids: torch.Tensor | None = None, backend: str | None = None,
+                            chunk: int = 64) -> torch.Tensor:
+    """Teacher-forced acceptance length per block of a draft tree of ``budget`` nodes (``generate(...,
+    tree_budget=budget)``), for blocks whose B-1 labels all exist: the engine's rules themselves, ``build_tree`` on
+    the block's draft logits (rows 1..B-1; the anchor row's are not used) and ``tree_accept_greedy_tokens`` with
+    the labels as the target's greedy tokens (a node at depth d gets label d + 1: what the target emits after
+    it if the node lies on the target's path, and off that path the walk never reads it), so 1 + the depth of
+    the deepest tree node on the target's path. logits [b, A*B, V'] (V': the draft's vocabulary; ``vocab_ids``
+    maps its indices to token ids as in ``build_tree``), labels [b, A*B] (token ids, -100 = none) -> [n_full_blocks]
+    float; blocks go through the ops ``chunk`` at a time (their logits are copied per chunk). ``backend``: the ops'
+    (default: the engine's for the logits' device)."""
+    B = block_size
+    backend = backend or default_kernel_backend(logits.device)
+    b, q, v = logits.shape
+    lab = labels.view(b, q // B, B)[:, :, 1:]
+    full = (lab != -100).all(-1)
+    drafts = logits.view(b, q // B, B, v)[:, :, 1:][full]                       # [R, B-1, V']
+    follow = F.pad(lab[full], (0, 1))  # [R, B]: the token after a node of depth d (d = B-1: none, never read)
+    out = []
+    for c0 in range(0, drafts.shape[0], chunk):
+        z = drafts[c0:c0 + chunk].float().contiguous()
+        anchor = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)  # the root's token: never compared
+        tokens, parents, depths = build_tree(z, anchor, budget, vocab_ids=vocab_ids, backend=backend)
+        target_tokens = follow[c0:c0 + chunk].to(z.device).gather(1, depths)
+        _, accepted, _ = tree_accept_greedy_tokens(target_tokens, tokens, parents, block_size=B, backend=backend)
+        out.append(1 + accepted.float())
+    return torch.cat(out) if out else torch.zeros(0)
 
 
 # ------------------------------------------------------------------------------------------ forward paths

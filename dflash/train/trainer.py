@@ -15,6 +15,7 @@ import os
 import random
 import time
 from types import SimpleNamespace
+from typing import Sequence
 
 import torch
 
@@ -27,6 +28,7 @@ from dflash.train.blocks import (
     draft_forward_flex,
     pack_batch,
     sample_anchors,
+    tree_acceptance_lengths,
     weighted_block_loss,
 )
 
@@ -185,11 +187,14 @@ class Trainer:
         return {"loss": float(loss.detach()), "lr": lr, "grad_norm": float(gnorm), **stats}
 
     @torch.no_grad()
-    def evaluate(self, records, stride: int = 4, max_anchors: int = 32) -> dict:
+    def evaluate(self, records, stride: int = 4, max_anchors: int = 32, tree_budgets: Sequence[int] = ()) -> dict:
         """Teacher-forced τ estimate: anchors every ``stride`` response positions, acceptance length =
-        1 + leading run of draft argmaxes equal to the target's (greedy) continuation."""
+        1 + leading run of draft argmaxes equal to the target's (greedy) continuation. ``tree_budgets``: also
+        the estimate of draft trees of each budget (``tree_tau_est``, by budget: :func:`tree_acceptance_lengths`
+        on the same blocks)."""
         self.draft.eval()
         lens, losses = [], []
+        tree_lens: dict[int, list[torch.Tensor]] = {n: [] for n in tree_budgets}
         for i in range(0, len(records), 4):
             recs = records[i:i + 4]
             anchors = [torch.arange(r["prompt_len"], len(r["ids"]) - self.B, stride)[:max_anchors] for r in recs]
@@ -202,8 +207,15 @@ class Trainer:
             if self.draft.vocab_ids is not None:  # indices into the draft's own ids -> target ids
                 pred = self.draft.vocab_ids.to(pred.device)[pred]
             lens.append(acceptance_lengths(pred, batch.labels, self.B))
+            for n, got in tree_lens.items():
+                got.append(tree_acceptance_lengths(logits, batch.labels, self.B, n, vocab_ids=self.draft.vocab_ids))
         all_len = torch.cat(lens) if lens else torch.zeros(1)
-        return {"eval_loss": sum(losses) / max(1, len(losses)), "tau_est": float(all_len.mean()), "eval_blocks": int(all_len.numel())}
+        out = {"eval_loss": sum(losses) / max(1, len(losses)), "tau_est": float(all_len.mean()),
+               "eval_blocks": int(all_len.numel())}
+        if tree_budgets:
+            out["tree_tau_est"] = {n: float((torch.cat(got) if got else torch.zeros(1)).mean())
+                                   for n, got in tree_lens.items()}
+        return out
 
     def state_dict(self) -> dict:
         return {"draft": self.draft.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
@@ -249,6 +261,9 @@ def add_fit_args(sub) -> None:
     f.add_argument("--negatives", type=int, default=2048, help="random extra vocabulary ids per step with --vocab-subset data")
     f.add_argument("--eval-seqs", type=int, default=12)
     f.add_argument("--eval-every", type=int, default=100)
+    f.add_argument("--eval-tree-budgets", default="",
+                   help="comma-separated draft tree budgets: each eval also logs their teacher-forced τ estimates "
+                        "(best/ is still chosen by the chain's)")
     f.add_argument("--log-every", type=int, default=10)
     f.add_argument("--save-every-min", type=float, default=5.0)
     f.add_argument("--max-minutes", type=float, default=None, help="stop (after saving) when this wall time is used")
@@ -273,7 +288,20 @@ def add_evaluate_args(sub) -> None:
     v.add_argument("draft")
     v.add_argument("--data", default=os.path.join(cache_path("data", "smollm2"), "eval"))
     v.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, i.e. all cores)")
+    v.add_argument("--tree-budgets", default="",
+                   help="comma-separated draft tree budgets: also their teacher-forced τ estimates (tree_tau_est)")
     v.set_defaults(func=evaluate_main)
+
+
+def _budgets(text: str) -> list[int]:
+    """``--tree-budgets`` / ``--eval-tree-budgets``: comma-separated positive ints ("" = none)."""
+    try:
+        budgets = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        budgets = [0]
+    if any(b < 1 for b in budgets):
+        raise SystemExit(f"tree budgets must be comma-separated positive integers (e.g. 7,15), got {text!r}")
+    return budgets
 
 
 def _fmt(s: float) -> str:
@@ -290,6 +318,7 @@ def fit_main(args) -> int:
     from dflash import smollm2
     from dflash.train.data import load_dataset
 
+    tree_budgets = _budgets(args.eval_tree_budgets)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -384,13 +413,14 @@ def fit_main(args) -> int:
             losses, step_times = [], []
             acc_c.zero_(); acc_n.zero_()
         if eval_recs and (s % args.eval_every == 0 or s == args.steps):
-            ev = trainer.evaluate(eval_recs)
+            ev = trainer.evaluate(eval_recs, tree_budgets=tree_budgets)
             improved = ev["tau_est"] > best_tau
             if improved:
                 best_tau = ev["tau_est"]
                 draft.save_pretrained(os.path.join(args.out, "best"))
-            log(f"eval step {s}: loss {ev['eval_loss']:.4f} τ-estimate {ev['tau_est']:.3f} over {ev['eval_blocks']} blocks"
-                + (" (best, saved best/)" if improved else f" (best {best_tau:.3f})"))
+            trees = "".join(f", trees of {n} {t:.3f}" for n, t in ev.get("tree_tau_est", {}).items())
+            log(f"eval step {s}: loss {ev['eval_loss']:.4f} τ-estimate {ev['tau_est']:.3f}{trees} over "
+                f"{ev['eval_blocks']} blocks" + (" (best, saved best/)" if improved else f" (best {best_tau:.3f})"))
             with open(log_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": s, **ev, "time": time.time()}) + "\n")
         now = time.perf_counter()
@@ -430,11 +460,12 @@ def evaluate_main(args) -> int:
     from dflash import smollm2
     from dflash.train.data import load_dataset
 
+    tree_budgets = _budgets(args.tree_budgets)
     if args.threads:
         torch.set_num_threads(args.threads)
     draft = DFlashDraftModel.from_pretrained(args.draft, dtype=torch.float32)
     target, _ = smollm2.load()
     trainer = Trainer(draft, target.get_input_embeddings().weight.float(), target.lm_head.weight.float())
     recs = load_dataset(args.data, draft.config.target_layer_ids)
-    print(json.dumps(trainer.evaluate(recs)))
+    print(json.dumps(trainer.evaluate(recs, tree_budgets=tree_budgets)))
     return 0

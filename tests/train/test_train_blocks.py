@@ -223,3 +223,87 @@ def test_init_from_draft_copies_weights_and_drops_vocab_subset(tmp_path):
         assert torch.equal(fresh.state_dict()[name], w), name
     with pytest.raises(ValueError, match="same --layers"):
         init_from_draft(tiny_draft(target, layers=2), str(tmp_path / "src"))
+
+
+def _walk_labels(tokens, parents, labels):
+    """Accepted draft tokens of one tree against the target's path ``labels`` (depths 1..B-1): brute force."""
+    cur, accepted = 0, 0
+    for want in labels:
+        children = [i for i in range(len(tokens)) if parents[i] == cur and tokens[i] == want]
+        if not children:
+            break
+        cur, accepted = children[0], accepted + 1
+    return accepted
+
+
+@pytest.mark.parametrize("with_vocab_ids", [False, True])
+def test_tree_acceptance_lengths_walk_the_target_path(with_vocab_ids):
+    """Per full block: 1 + the deepest node of the tree (build_tree's definition, a heap) on the labels' path, by a
+    brute-force walk; blocks with a missing label are left out; a larger budget never accepts less; budget 1 is
+    the chain's first token."""
+    from dflash.train.blocks import acceptance_lengths, tree_acceptance_lengths
+    from dflash_kernels.tree import build_tree_reference
+
+    g = torch.Generator().manual_seed(7)
+    b, A, B, v = 3, 5, 4, 11
+    logits = torch.randn(b, A * B, v, generator=g) * 2.5
+    vocab_ids = torch.randperm(40, generator=g)[:v] if with_vocab_ids else None
+    ids = (lambda j: vocab_ids[j]) if with_vocab_ids else (lambda j: j)
+    labels = torch.full((b, A * B), -100)
+    for i in range(b):
+        for a in range(A):
+            for k in range(1, B):  # mostly the draft's first choice, else its second or third, so paths run deep
+                rank = (0, 0, 0, 1, 2, 3)[int(torch.randint(0, 6, (1,), generator=g))]  # and branch; 3: any token
+                pick = logits[i, a * B + k].argsort(descending=True)[rank] if rank < 3 else torch.randint(0, v, (1,))
+                labels[i, a * B + k] = ids(int(pick))
+    labels[0, 2 * B + 3] = -100  # an incomplete block: not counted
+    full_blocks = [(i, a) for i in range(b) for a in range(A) if (labels[i, a * B + 1:(a + 1) * B] != -100).all()]
+    previous = None
+    for budget in (1, 2, 5, 9, 30):
+        got = tree_acceptance_lengths(logits, labels, B, budget, vocab_ids=vocab_ids, chunk=4)
+        want = []
+        for i, a in full_blocks:
+            z = logits[i, a * B + 1:(a + 1) * B][None]
+            tokens, parents, _ = build_tree_reference(z, torch.zeros(1, dtype=torch.long), budget, vocab_ids=vocab_ids)
+            want.append(1 + _walk_labels(tokens[0].tolist(), parents[0].tolist(),
+                                         labels[i, a * B + 1:(a + 1) * B].tolist()))
+        assert got.tolist() == want, budget
+        if previous is not None:
+            assert (got >= previous).all(), budget
+        previous = got
+        if budget == 1:
+            pred = logits.argmax(-1)
+            chain = acceptance_lengths(ids(pred) if with_vocab_ids else pred, labels, B)
+            assert got.tolist() == chain.clamp(max=2).tolist()
+    assert previous.max() == B and len(set(previous.tolist())) > 2  # deep paths and a spread of lengths
+
+
+def test_evaluate_reports_tree_estimates():
+    """Trainer.evaluate(tree_budgets=...): per budget the mean of tree_acceptance_lengths over the chain's blocks;
+    a tree of 1 node is the chain cut at one draft token; more nodes never lower the estimate."""
+    torch.manual_seed(5)
+    target = tiny_target()
+    with torch.no_grad():
+        target.get_input_embeddings().weight.normal_(0.0, 0.5)
+    draft = tiny_draft(target, block_size=4)
+    recs = [record(target, torch.randint(10, V, (n,)), 4) for n in (22, 18)]
+    tr = Trainer(draft, target.get_input_embeddings().weight, target.lm_head.weight, lr=3e-3, total_steps=40,
+                 num_anchors=16, seed=0)
+    for _ in range(40):  # a draft that has learnt something: acceptance beyond the first token
+        tr.train_step(recs)
+    ev = tr.evaluate(recs, stride=1, tree_budgets=(1, 4, 12))
+    plain = tr.evaluate(recs, stride=1)
+    assert "tree_tau_est" not in plain and plain["tau_est"] == ev["tau_est"]
+    trees = ev["tree_tau_est"]
+    assert list(trees) == [1, 4, 12]
+    assert trees[1] <= min(ev["tau_est"], 2.0) and trees[1] <= trees[4] <= trees[12]
+    assert trees[12] > ev["tau_est"] > 1.0
+
+
+def test_tree_budgets_argument_is_checked():
+    from dflash.train.trainer import _budgets
+
+    assert _budgets("") == [] and _budgets("7, 15") == [7, 15]
+    for bad in ("7,x", "0", "3,-1"):
+        with pytest.raises(SystemExit, match="tree budgets must be comma-separated positive integers"):
+            _budgets(bad)

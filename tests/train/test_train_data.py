@@ -1,4 +1,5 @@
 """Training data: batched greedy generation with captured features, and shard loading."""
+import json
 import os
 
 import pytest
@@ -129,6 +130,33 @@ def test_fit_resumed_one_step_at_a_time_equals_uninterrupted(tmp_path):
     assert whole["step"] == pieces["step"] == 5
     for name, w in whole["draft"].items():
         assert torch.equal(w, pieces["draft"][name]), name
+
+
+def test_fit_logs_tree_estimates(tmp_path, capsys):
+    """`fit --eval-tree-budgets 2,5`: every eval also logs the teacher-forced τ estimates of draft trees of those
+    budgets (history and log line); best/ is still chosen by the chain's estimate. Needs SmolLM2."""
+    from dflash import smollm2
+    from dflash.train.cli import main
+
+    if smollm2.unavailable_reason():
+        pytest.skip(smollm2.unavailable_reason())
+    data = tmp_path / "data"
+    _write_shard(str(data / "train"), 4, seed=1)
+    _write_shard(str(data / "eval"), 2, seed=2)
+    args = ["fit", "--data", str(data), "--steps", "2", "--batch-seqs", "2", "--anchors", "2", "--vocab-subset",
+            "data", "--negatives", "64", "--eval-every", "1", "--eval-seqs", "2", "--eval-tree-budgets", "2,5",
+            "--log-every", "1000", "--threads", "1", "--out", str(tmp_path / "run")]
+    assert main(args) == 0
+    history = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
+    evals = [h for h in history if "tau_est" in h]
+    assert [h["step"] for h in evals] == [1, 2]
+    for h in evals:
+        trees = h["tree_tau_est"]
+        assert list(trees) == ["2", "5"] and 1.0 <= trees["2"] <= trees["5"] <= 8.0
+    assert "trees of 2" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="tree budgets"):
+        main(args[:-2] + ["--eval-tree-budgets", "5,x", "--out", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists()  # refused before any work
 
 
 class _CharTokenizer:

@@ -24,7 +24,9 @@ them to the 2x error rule against fp64, not to the references' bits):
   684 and 223 us for the references (Python heap; torch ops); at the demo draft's 4,096 ids: 192 and 18 us.
 
 How (attention): the block's K/V rows are written first; then, with 8 or more query rows per KV head (a verify
-block), each request's keys of each KV head are transposed into tiles of 16 keys, so a tile of scores is 16-lane
+block), each request's keys of each KV head are transposed into tiles of 16 keys (16 x 16 blocks in registers: a
+target forward 0.3-0.6 / 1-2.7 / 2.8-4.5 ms faster at 250 / 600 / 1,500 context rows than one scalar move a float,
+8-16 rows, SmolLM2), so a tile of scores is 16-lane
 FMAs over d with no per-key horizontal sum, four query rows and two key tiles a pass (eight independent FMA
 chains: four left each FMA waiting on the previous one's latency; 0.88-0.95x the time at 16-24 rows, measured
 below); with fewer (a one-token step) a score
@@ -235,6 +237,31 @@ inline void score_tiles(const v16* t, long D, const float* const* x, v16 (*a)[2]
     for (int c = 0; c < NT; ++c) a[r][c] = acc[r][c];
 }
 
+// r[i][j] -> r[j][i] for a 16 x 16 block: four rounds of interleaving rows i and i + 8 (lanes 0-7, then 8-15),
+// a perfect shuffle of the row index each round, so after log2(16) rounds row j holds column j: the keys' tiles
+// of the attention, 64 shuffles a block instead of 256 scalar stores (AVX-512: vpermt2ps).
+inline v16 interleave(v16 a, v16 b, int half) {
+#if defined(__clang__)
+  return half ? __builtin_shufflevector(a, b, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31)
+              : __builtin_shufflevector(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+#else
+  const v16i lo = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+  return __builtin_shuffle(a, b, half ? lo + 8 : lo);
+#endif
+}
+
+inline void transpose16(v16* r) {
+  static_assert(L == 16, "transpose16 is a 16 x 16 transpose");
+  for (int round = 0; round < 4; ++round) {
+    v16 t[L];
+    for (int i = 0; i < L / 2; ++i) {
+      t[2 * i] = interleave(r[i], r[i + L / 2], 0);
+      t[2 * i + 1] = interleave(r[i], r[i + L / 2], 1);
+    }
+    for (int i = 0; i < L; ++i) r[i] = t[i];
+  }
+}
+
 // The sum of the lanes by halving (8 + 4 + 2 + 1 lanes added pairwise).
 inline float hsum(v16 v) {
   for (int w = L / 2; w >= 1; w /= 2)
@@ -339,11 +366,13 @@ extern "C" void dflash_cpu_block_attention_f32(
     for (long u = 0; u < (transpose ? N * kvH * tiles : 0); ++u) {
       long n = u / (kvH * tiles), g = (u / tiles) % kvH, j0 = (u % tiles) * L;
       long keys = lens[n] + B;
-      float* t = (float*)&kt[u * D];
-      for (long l = 0; l < L; ++l) {
-        bool live = j0 + l < keys;
-        const float* kr = row_of(kc, bk, n, g, live ? j0 + l : 0);
-        for (long d = 0; d < D; ++d) t[d * L + l] = live ? kr[d] : 0.f;
+      const float* kr[L];
+      for (long l = 0; l < L; ++l) kr[l] = j0 + l < keys ? row_of(kc, bk, n, g, j0 + l) : nullptr;
+      for (long d0 = 0; d0 < D; d0 += L) {  // 16 x 16 blocks, transposed in registers
+        v16 r[L];
+        for (long l = 0; l < L; ++l) r[l] = kr[l] ? load(kr[l] + d0) : v16{};
+        transpose16(r);
+        for (long d = 0; d < L; ++d) kt[u * D + d0 + d] = r[d];
       }
     }
     // Phase 3: one (request, head, UR query rows) per unit (the unit's rows share each key tile and V row load;

@@ -149,41 +149,51 @@ def acceptance_lengths(pred: torch.Tensor, labels: torch.Tensor, block_size: int
     bonus token), for blocks whose B-1 labels all exist. pred/labels [b, A*B] -> [n_full_blocks] float."""
     B = block_size
     b, q = labels.shape
-    lab = labels.view(b, q // B, B)[:, :, 1:]
+    lab, full = _block_labels(labels, B)
     pr = pred.view(b, q // B, B)[:, :, 1:]
-    full = (lab != -100).all(-1)
     run = ((pr == lab).long().cumprod(-1)).sum(-1)
     return (1 + run[full]).float()
 
 
-def tree_acceptance_lengths(logits: torch.Tensor, labels: torch.Tensor, block_size: int, budget: int, *,
-                            vocab_ids: torch.Tensor | None = None, backend: str | None = None,
-                            chunk: int = 64) -> torch.Tensor:
-    """Teacher-forced acceptance length per block of a draft tree of ``budget`` nodes (``generate(...,
-    tree_budget=budget)``), for blocks whose B-1 labels all exist: the engine's rules themselves, ``build_tree`` on
-    the block's draft logits (rows 1..B-1; the anchor row's are not used) and ``tree_accept_greedy_tokens`` with
-    the labels as the target's greedy tokens (a node at depth d gets label d + 1: what the target emits after
-    it if the node lies on the target's path, and off that path the walk never reads it), so 1 + the depth of
-    the deepest tree node on the target's path. logits [b, A*B, V'] (V': the draft's vocabulary; ``vocab_ids``
-    maps its indices to token ids as in ``build_tree``), labels [b, A*B] (token ids, -100 = none) -> [n_full_blocks]
-    float; blocks go through the ops ``chunk`` at a time (their logits are copied per chunk). ``backend``: the ops'
-    (default: the engine's for the logits' device)."""
+def _block_labels(labels: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """labels [b, A*B] -> (each block's B-1 labels [b, A, B-1], which blocks have all of them [b, A] bool)."""
+    b, q = labels.shape
+    lab = labels.view(b, q // block_size, block_size)[:, :, 1:]
+    return lab, (lab != -100).all(-1)
+
+
+def tree_acceptance_lengths(logits: torch.Tensor, labels: torch.Tensor, block_size: int,
+                            budgets: Sequence[int], *, vocab_ids: torch.Tensor | None = None,
+                            backend: str | None = None, chunk: int = 64) -> dict[int, torch.Tensor]:
+    """Teacher-forced acceptance length per block of a draft tree of each of ``budgets`` nodes (``generate(...,
+    tree_budget=n)``), for blocks whose B-1 labels all exist: the engine's rules themselves, ``build_tree`` on the
+    block's draft logits (rows 1..B-1; the anchor row's are not used) and ``tree_accept_greedy_tokens`` with the
+    labels as the target's greedy tokens (a node at depth d gets label d + 1: what the target emits after it if
+    the node lies on the target's path, and off that path the walk never reads it), so 1 + the depth of the
+    deepest tree node on the target's path. One tree a block, of the largest budget: ``build_tree`` returns its
+    nodes best first, so the tree of n nodes is its first n + 1 (each parent before its children). logits
+    [b, A*B, V'] (V': the draft's vocabulary; ``vocab_ids`` maps its indices to token ids as in ``build_tree``),
+    labels [b, A*B] (token ids, -100 = none) -> {n: [n_full_blocks] float}; blocks go through the ops ``chunk``
+    at a time (their logits are copied per chunk). ``backend``: the ops' (default: the engine's for the logits'
+    device)."""
     B = block_size
     backend = backend or default_kernel_backend(logits.device)
     b, q, v = logits.shape
-    lab = labels.view(b, q // B, B)[:, :, 1:]
-    full = (lab != -100).all(-1)
+    lab, full = _block_labels(labels, B)
     drafts = logits.view(b, q // B, B, v)[:, :, 1:][full]                       # [R, B-1, V']
     follow = F.pad(lab[full], (0, 1))  # [R, B]: the token after a node of depth d (d = B-1: none, never read)
-    out = []
-    for c0 in range(0, drafts.shape[0], chunk):
+    out: dict[int, list[torch.Tensor]] = {n: [] for n in budgets}
+    for c0 in range(0, drafts.shape[0] if budgets else 0, chunk):
         z = drafts[c0:c0 + chunk].float().contiguous()
         anchor = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)  # the root's token: never compared
-        tokens, parents, depths = build_tree(z, anchor, budget, vocab_ids=vocab_ids, backend=backend)
+        tokens, parents, depths = build_tree(z, anchor, max(budgets), vocab_ids=vocab_ids, backend=backend)
         target_tokens = follow[c0:c0 + chunk].to(z.device).gather(1, depths)
-        _, accepted, _ = tree_accept_greedy_tokens(target_tokens, tokens, parents, block_size=B, backend=backend)
-        out.append(1 + accepted.float())
-    return torch.cat(out) if out else torch.zeros(0)
+        for n, got in out.items():
+            t = n + 1
+            _, accepted, _ = tree_accept_greedy_tokens(target_tokens[:, :t].contiguous(), tokens[:, :t].contiguous(),
+                                                       parents[:, :t].contiguous(), block_size=B, backend=backend)
+            got.append(1 + accepted.float())
+    return {n: torch.cat(got) if got else torch.zeros(0) for n, got in out.items()}
 
 
 # ------------------------------------------------------------------------------------------ forward paths

@@ -207,8 +207,11 @@ class Trainer:
             if self.draft.vocab_ids is not None:  # indices into the draft's own ids -> target ids
                 pred = self.draft.vocab_ids.to(pred.device)[pred]
             lens.append(acceptance_lengths(pred, batch.labels, self.B))
-            for n, got in tree_lens.items():
-                got.append(tree_acceptance_lengths(logits, batch.labels, self.B, n, vocab_ids=self.draft.vocab_ids))
+            if tree_budgets:
+                trees = tree_acceptance_lengths(logits, batch.labels, self.B, tree_budgets,
+                                                vocab_ids=self.draft.vocab_ids)
+                for n, got in tree_lens.items():
+                    got.append(trees[n])
         all_len = torch.cat(lens) if lens else torch.zeros(1)
         out = {"eval_loss": sum(losses) / max(1, len(losses)), "tau_est": float(all_len.mean()),
                "eval_blocks": int(all_len.numel())}
@@ -298,8 +301,8 @@ def _budgets(text: str) -> list[int]:
     try:
         budgets = [int(b) for b in text.split(",") if b.strip()]
     except ValueError:
-        budgets = [0]
-    if any(b < 1 for b in budgets):
+        budgets = None
+    if budgets is None or any(b < 1 for b in budgets):
         raise SystemExit(f"tree budgets must be comma-separated positive integers (e.g. 7,15), got {text!r}")
     return budgets
 

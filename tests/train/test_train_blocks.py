@@ -259,8 +259,11 @@ def test_tree_acceptance_lengths_walk_the_target_path(with_vocab_ids):
     labels[0, 2 * B + 3] = -100  # an incomplete block: not counted
     full_blocks = [(i, a) for i in range(b) for a in range(A) if (labels[i, a * B + 1:(a + 1) * B] != -100).all()]
     previous = None
-    for budget in (1, 2, 5, 9, 30):
-        got = tree_acceptance_lengths(logits, labels, B, budget, vocab_ids=vocab_ids, chunk=4)
+    budgets = (1, 2, 5, 9, 30)
+    trees = tree_acceptance_lengths(logits, labels, B, budgets, vocab_ids=vocab_ids, chunk=4)
+    assert list(trees) == list(budgets)
+    for budget in budgets:
+        got = trees[budget]
         want = []
         for i, a in full_blocks:
             z = logits[i, a * B + 1:(a + 1) * B][None]

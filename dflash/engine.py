@@ -195,9 +195,7 @@ class DFlashEngine:
                 logits, feats = self.target.forward(prompt[None, c0:c1], start, c1, rows=row, last_logits_only=True)
                 if self.use_draft:  # the chunk's context rows go straight into the draft cache
                     # the features in the draft's dtype, as the rounds' feature buffer holds them
-                    ctx = fused_context(feats[0].to(self.features.dtype), self.draft.fc.weight,
-                                        self.draft.hidden_norm.weight, self.draft.config.rms_norm_eps,
-                                        backend=self.backend)
+                    ctx = self._context_rows(feats[0].to(self.features.dtype))
                     cu = torch.tensor([0, c1 - c0], device=self.device)
                     for li, layer in enumerate(self.draft.layers):
                         q_cols = layer.self_attn.num_heads * layer.self_attn.head_dim
@@ -237,6 +235,18 @@ class DFlashEngine:
         eagerly, the longest request's rows plus the scratch rows (grown by B per round)."""
         self.kv_bound = self.capacity + self.scratch_rows if self.graph_mode else longest + self.scratch_rows
 
+    def _context_rows(self, features: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The draft's context rows ``hidden_norm(fc(features))`` of target feature rows ``[M, taps*H]``:
+        ``fused_context``; on the "cpu" backend its GEMM by the steps' ``linear`` (``cpu_linear``: AMX tiles for
+        bf16-valued weights), then ``add_rms_norm``, since the op's CPU path is its reference's fp32 GEMM (~0.9 ms
+        of a SmolLM2 draft step here, against ~0.2)."""
+        draft = self.draft
+        eps = draft.config.rms_norm_eps
+        if self.backend == "cpu":
+            return add_rms_norm(self.linear(features, draft.fc.weight), draft.hidden_norm.weight, eps, out=out,
+                                backend=self.backend)
+        return fused_context(features, draft.fc.weight, draft.hidden_norm.weight, eps, out=out, backend=self.backend)
+
     def _inject(self, li: int, kv: torch.Tensor, cu_lens, cache_lens, cache_batch_idx=None):
         """Layer ``li``'s context rows into its cache; ``kv`` [M, 2*kvH*D] holds their k_proj and v_proj columns."""
         attn = self.draft.layers[li].self_attn
@@ -253,8 +263,7 @@ class DFlashEngine:
         draft, cfg, n, B = self.draft, self.draft.config, self.batch, self.block_size
         rows = n * B
         x_block = self.layer_in[:rows].view(n, B, -1)
-        ctx = fused_context(self.features.view(rows, -1), draft.fc.weight, draft.hidden_norm.weight,
-                            cfg.rms_norm_eps, out=self.layer_in[rows:], backend=self.backend)
+        ctx = self._context_rows(self.features.view(rows, -1), out=self.layer_in[rows:])
         # [anchor, MASK...] block, the first context row committed last round, and the block rows to draft: the
         # reference drafts [anchor, MASK x (v-1)] with v = min(B, max_length - position); block rows at or beyond
         # v are masked out as keys, so rows < v see exactly that block.

@@ -317,6 +317,29 @@ extern "C" void dflash_cpu_silu_mul_f32(const float* x, long ldx, float* out, lo
   }
 }
 
+// A draft layer's context rows into its cache (inject_context_kv's "cpu" body). Row m of request n (cu[n] <= m <
+// cu[n + 1], cu non-decreasing from cu[0] = 0) goes to cache row rows[n] (null: n) at position lens[n] + m - cu[n],
+// dropped at or past cap: K = RoPE(RMSNorm(k) * kw) with the tables' row m, V copied. k / v [M, kvH, D]: rows at
+// strides sk / sv, heads contiguous; cos / sin_signed [cu[N], D]; caches [R, cap, kvH, D] contiguous.
+extern "C" void dflash_cpu_inject_kv_f32(const float* k, long sk, const float* v, long sv, const float* kw, float eps,
+                                         const int64_t* cu, const int64_t* lens, const int64_t* rows, long N,
+                                         const float* cos_t, const float* sin_t, float* kc, float* vc, long cap,
+                                         long kvH, long D, int threads) {
+  const long M = cu[N], row_stride = kvH * D;
+#pragma omp parallel for num_threads(threads) schedule(static) if (M * row_stride >= 32768)
+  for (long u = 0; u < M * kvH; ++u) {
+    const long m = u / kvH, g = u % kvH;
+    long n = 0;
+    while (cu[n + 1] <= m) ++n;  // m < cu[N]: stops at its request (empty requests skipped)
+    const long t = lens[n] + m - cu[n];
+    if (t >= cap) continue;
+    const long at = ((rows ? rows[n] : n) * cap + t) * row_stride + g * D;
+    norm_rope(k + m * sk + g * D, kw, eps, cos_t + m * D, sin_t + m * D, D, kc + at);
+    const float* vs = v + m * sv + g * D;
+    for (long d = 0; d < D; ++d) vc[at + d] = vs[d];
+  }
+}
+
 // The block attention of the draft and verify steps (see the module docstring). q [N, B, nH, D], k / v
 // [N, B, kvH, D]: rows at strides (sq_n, sq_b) etc., heads contiguous; caches [R, cap, kvH, D] contiguous; lens /
 // rows / block_lens [N] (rows null: n; block_lens null: B); cos / sin_signed [N * B, D]; tree_mask null or
@@ -578,6 +601,8 @@ def _load():
                 lib.dflash_cpu_block_attention_f32.restype = None
                 lib.dflash_cpu_block_attention_f32.argtypes = [
                     p, n, n, p, n, n, p, n, n, p, p, n, p, p, p, p, p, f, p, p, p, n, i, i, p, n, n, n, n, n, f, i]
+                lib.dflash_cpu_inject_kv_f32.restype = None
+                lib.dflash_cpu_inject_kv_f32.argtypes = [p, n, p, n, p, f, p, p, p, n, p, p, p, p, n, n, n, i]
                 lib.dflash_cpu_build_tree.restype = i
                 lib.dflash_cpu_build_tree.argtypes = [p, n, n, n, n, n, p, n, n, p, p, p, p, p]
                 lib.dflash_cpu_tree_ancestor_mask.restype = n
@@ -689,6 +714,38 @@ def block_attention(q, k, v, k_cache, v_cache, lens: list[int], cache_lens: torc
         _ptr(tree_mask), words, int(causal), int(write_kv), out.data_ptr(), n, b, nh, kvh, d, scale,
         torch.get_num_threads())
     return out
+
+
+def inject_context_kv(k: torch.Tensor, v: torch.Tensor, k_norm_weight: torch.Tensor, eps: float, cu: list[int],
+                      cache_lens: torch.Tensor, cache_rows: torch.Tensor | None, cos: torch.Tensor,
+                      sin_signed: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """``inject_context_kv``'s "cpu" body for fp32 tensors on a contiguous cache (``cu``: the row offsets on the
+    host; ``cache_rows``: ``cache_batch_idx`` or None; ``cos`` / ``sin_signed`` [cu[-1], D]: each row's tables);
+    False (nothing done) where it does not apply, including offsets that are not a partition of k's first rows and
+    cache rows outside the cache (the reference then decides)."""
+    f32 = torch.float32
+    m, kvh, d = k.shape
+    n = len(cu) - 1
+    rows = None if cache_rows is None else cache_rows.to(torch.int64).contiguous()
+    lens = cache_lens.to(torch.int64).contiguous()
+    # Every extent the kernel indexes with, checked here: a mismatch falls back to the reference.
+    if not (enabled() and k.dtype == v.dtype == k_norm_weight.dtype == k_cache.dtype == v_cache.dtype == f32
+            and v.shape == k.shape and k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == d
+            and k_cache.dim() == 4 and k_cache.shape[2:] == (kvh, d) and v_cache.shape == k_cache.shape
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_norm_weight.is_contiguous()
+            and k_norm_weight.numel() == d and 0 < d <= MAX_HEAD_DIM and n > 0 and cu[0] == 0 and cu[-1] <= m
+            and all(a <= b for a, b in zip(cu, cu[1:])) and lens.numel() == n and min(lens.tolist()) >= 0
+            and cos.shape == sin_signed.shape == (cu[-1], d)
+            and (rows.numel() == n and all(0 <= r < k_cache.shape[0] for r in rows.tolist()) if rows is not None
+                 else n <= k_cache.shape[0])):
+        return False
+    offsets = torch.tensor(cu, dtype=torch.int64)
+    cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
+    _lib.dflash_cpu_inject_kv_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_norm_weight.data_ptr(), eps,
+                                  offsets.data_ptr(), lens.data_ptr(), _ptr(rows), n, cos.data_ptr(), sin_signed.data_ptr(),
+                                  k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], kvh, d,
+                                  torch.get_num_threads())
+    return True
 
 
 def build_tree(draft_logits: torch.Tensor, lse: torch.Tensor, anchor: torch.Tensor, budget: int,

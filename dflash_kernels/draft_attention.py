@@ -218,34 +218,42 @@ def verify_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_wei
                                      block_table=block_table, cache_batch_idx=cache_batch_idx, scale=scale)
 
 
-# (key, inv_freq, its values for an inference tensor, cos, signed sin) of the last rope_tables_cpu call, replaced whole (thread-safe reads).
-_rope_memo: list = [None]
+# The last ROPE_MEMO_SIZE rope_tables_cpu results, newest first, as (key, inv_freq, its values for an inference
+# tensor, cos, signed sin); the tuple is replaced whole (thread-safe reads).
+ROPE_MEMO_SIZE = 4
+_rope_memo: list = [()]
 
 
 def rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, dtype, depths=None):
-    """cos and ``sin_signed`` ([N*B, D], rows = block rows of every request) of the block positions, with the
+    """cos and ``sin_signed`` ([rows, D], the rows of every request in turn) of the rows' positions, with the
     first half of sin negated so that ``rotate_half(x) * sin == x.roll(D/2, -1) * sin_signed`` exactly (a sign
-    flip rounds nothing). The layers of one forward share their positions: the last tables are kept and reused
+    flip rounds nothing). Request n's rows sit at ``cache_lens[n] + 0, 1, ...``: ``b`` of them (an int), or
+    ``b[n]`` (a list: context rows, as ``inject_context_kv`` gets them). The layers of one forward share their
+    positions: the last few tables are kept (the draft step alternates its context and block rows) and reused
     while the positions, inv_freq's values, the scaling and the dtype are the same. A tree (``depths`` [N, B])
     puts block row i at ``cache_lens + depths[:, i]`` instead of ``cache_lens + i``."""
     tree = None if depths is None else tuple(depths.reshape(-1).tolist())
     # inv_freq by identity (the memo holds the tensor, so its identity cannot pass to another) and its version
     # counter, which an in-place change bumps; an inference tensor has none: its values are compared instead.
     version = None if inv_freq.is_inference() else inv_freq._version
-    key = (tuple(lens), b, tree, float(attention_scaling), dtype, version)
-    last = _rope_memo[0]
-    if (last is not None and last[0] == key and last[1] is inv_freq
-            and (version is not None or torch.equal(last[2], inv_freq))):
-        return last[3], last[4]
-    rows = torch.arange(b, device=cache_lens.device) if depths is None else depths.to(torch.int64)
-    positions = cache_lens.to(torch.int64)[:, None] + rows
+    key = (tuple(lens), b if isinstance(b, int) else tuple(b), tree, float(attention_scaling), dtype, version)
+    memo = _rope_memo[0]
+    for entry in memo:
+        if (entry[0] == key and entry[1] is inv_freq
+                and (version is not None or torch.equal(entry[2], inv_freq))):
+            return entry[3], entry[4]
+    start = cache_lens.to(torch.int64)
+    if isinstance(b, int):
+        rows = torch.arange(b, device=cache_lens.device) if depths is None else depths.to(torch.int64)
+        positions = (start[:, None] + rows).view(-1)
+    else:
+        positions = torch.cat([torch.arange(c, device=cache_lens.device) + start[n] for n, c in enumerate(b)])
     cos, sin = rope_cos_sin_reference(positions, inv_freq, attention_scaling, dtype)
     half = sin.shape[-1] // 2
     sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)
-    d = cos.shape[-1]
     snapshot = None if version is not None else inv_freq.clone()
-    _rope_memo[0] = (key, inv_freq, snapshot, cos.view(-1, d), sin.view(-1, d))
-    return cos.view(-1, d), sin.view(-1, d)
+    _rope_memo[0] = ((key, inv_freq, snapshot, cos, sin),) + memo[:ROPE_MEMO_SIZE - 1]
+    return cos, sin
 
 
 @functools.lru_cache(maxsize=4)

@@ -7,14 +7,16 @@ import torch
 import triton
 import triton.language as tl
 
+from dflash_kernels import cpu_native
 from dflash_kernels._dispatch import call_op, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_cache_pair, check_last_dim_contiguous, check_tensor, next_pow2, norm_rope_halves, page_table,
     rms_norm_reference, rope_cos_sin, rope_cos_sin_reference, rotate_half,
 )
+from dflash_kernels.draft_attention import rope_tables_cpu
 
 OP = "inject_context_kv"
-_BACKENDS = ("triton", "torch")
+_BACKENDS = ("triton", "cpu", "torch")
 
 
 def _validate(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq, block_table, cache_batch_idx):
@@ -74,6 +76,23 @@ def inject_context_kv_reference(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_
             pages, slots = int(cache_batch_idx[n]) if cache_batch_idx is not None else n, t
         k_cache[pages, slots] = kk.to(k_cache.dtype)
         v_cache[pages, slots] = v[rows].to(v_cache.dtype)
+
+
+def _inject_cpu(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq, attention_scaling, eps,
+                block_table, cache_batch_idx) -> bool:
+    """The ``"cpu"`` backend: ``cpu_native.inject_context_kv`` (the rows' RoPE tables from ``rope_tables_cpu``,
+    shared with the draft step's attention) for fp32 rows into a contiguous cache; False where it does not apply
+    (the reference then runs)."""
+    if block_table is not None:
+        return False
+    cu = cu_ctx_lens.tolist()
+    counts = [b - a for a, b in zip(cu, cu[1:])]
+    if not counts or min(counts) < 0 or cu[0] != 0:
+        return False
+    cos, sin_signed = rope_tables_cpu(cache_lens, cache_lens.tolist(), counts, inv_freq, attention_scaling,
+                                      torch.float32)
+    return cpu_native.inject_context_kv(k, v, k_norm_weight, eps, cu, cache_lens, cache_batch_idx, cos, sin_signed,
+                                        k_cache, v_cache)
 
 
 @triton.jit
@@ -175,7 +194,8 @@ def inject_context_kv(k: torch.Tensor, v: torch.Tensor, k_norm_weight: torch.Ten
             rows past the capacity (max_len, or max_pages * page_size) are dropped.
         inv_freq: ``[D/2]`` fp32, ``attention_scaling``: from transformers' ``ROPE_INIT_FUNCTIONS``.
         eps: RMSNorm epsilon of k_norm.
-        backend: ``"auto" | "triton" | "torch"``.
+        backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"``: CPU tensors; fp32 into a contiguous
+            cache in C, else the reference).
     """
     _validate(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq, block_table, cache_batch_idx)
     chosen = resolve_backend(OP, backend, k.device, available=_BACKENDS)
@@ -191,7 +211,10 @@ def _inject_context_kv_op(k: torch.Tensor, v: torch.Tensor, k_norm_weight: torch
                           backend: str) -> None:
     """``torch.ops.dflash.inject_context_kv``: :func:`inject_context_kv` after validation (writes k_cache, v_cache)."""
     chosen = resolve_backend(OP, backend, k.device, available=_BACKENDS)
-    if chosen == "torch":
+    if chosen == "cpu" and _inject_cpu(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq,
+                                       attention_scaling, eps, block_table, cache_batch_idx):
+        return
+    if chosen in ("torch", "cpu"):
         inject_context_kv_reference(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq=inv_freq,
                                     attention_scaling=attention_scaling, eps=eps, block_table=block_table,
                                     cache_batch_idx=cache_batch_idx)

@@ -23,10 +23,10 @@ def _fixed_seed():
 def calls(monkeypatch):
     """Count the native entry points' calls (the library loaded first)."""
     assert cpu_native.unavailable_reason() is None, "the native CPU kernels must build here (Linux x86-64, c++)"
-    seen = {"norm": 0, "attention": 0, "silu": 0}
+    seen = {"norm": 0, "attention": 0, "silu": 0, "inject": 0}
     lib = cpu_native._lib
     for key, name in (("norm", "dflash_cpu_add_rms_norm_f32"), ("attention", "dflash_cpu_block_attention_f32"),
-                      ("silu", "dflash_cpu_silu_mul_f32")):
+                      ("silu", "dflash_cpu_silu_mul_f32"), ("inject", "dflash_cpu_inject_kv_f32")):
         fn = getattr(lib, name)
 
         def counted(*args, _fn=fn, _key=key):
@@ -181,3 +181,59 @@ def test_cache_rows_outside_the_cache_never_reach_the_kernel(calls):
         verify_attention(q, k, v, kc, vc, torch.tensor([0, 1]), cache_batch_idx=torch.tensor([0, 2]),
                          inv_freq=_inv_freq(d), backend="cpu")
     assert calls["attention"] == 0
+
+
+@pytest.mark.parametrize("kvh, d, new_rows, cached, rows, cap", [
+    (3, 64, [8], [41], None, 64),                       # the SmolLM2 draft step: one request, a block of rows
+    (3, 64, [8, 8, 8], [0, 17, 5], [2, 0, 3], 30),      # a batch on its own cache rows
+    (2, 40, [5, 0, 17, 3], [0, 3, 1, 28], None, 30),    # an empty request, a head dim with a tail, rows past the cache
+])
+def test_inject_context_kv_native(calls, kvh, d, new_rows, cached, rows, cap):
+    from dflash_kernels import inject_context_kv
+    from dflash_kernels.inject_context_kv import inject_context_kv_reference
+
+    m, q_cols = sum(new_rows), 7
+    qkv = torch.randn(m, q_cols + 2 * kvh * d)  # k, v as column views of a merged projection, as the engine has them
+    k = qkv[:, q_cols:q_cols + kvh * d].view(m, kvh, d)
+    v = qkv[:, q_cols + kvh * d:].view(m, kvh, d)
+    kw = 1 + 0.3 * torch.randn(d)
+    cu = torch.tensor([0] + new_rows).cumsum(0)
+    lens = torch.tensor(cached)
+    idx = None if rows is None else torch.tensor(rows)
+    n_cache = len(new_rows) if rows is None else max(rows) + 1
+    rope = dict(inv_freq=_inv_freq(d), attention_scaling=0.9, eps=1e-6, cache_batch_idx=idx)
+    outs = []
+    for dt in (torch.float32, torch.float64, torch.float32):
+        kc = torch.full((n_cache, cap, kvh, d), float("nan"), dtype=dt)
+        vc = kc.clone()
+        if len(outs) < 1:
+            inject_context_kv(k, v, kw, cu, lens, kc, vc, backend="cpu", **rope)
+        else:
+            inject_context_kv_reference(k.to(dt), v.to(dt), kw.to(dt), cu, lens, kc, vc, **rope)
+        outs.append((kc, vc))
+    assert calls["inject"] == 1
+    (kc, vc), (k64, v64), (klo, vlo) = outs
+    written = ~torch.isnan(k64)
+    assert written.sum() == sum(min(c, max(0, cap - p)) for c, p in zip(new_rows, cached)) * kvh * d
+    assert torch.equal(~torch.isnan(kc), written) and torch.equal(~torch.isnan(vc), written), \
+        "wrote outside the new rows (or past the capacity), or missed some"
+    assert_within_rule(kc[written], k64[written], klo[written], "native inject_context_kv K")
+    assert torch.equal(vc[written], v64[written].float()), "V rows are copied as they are"
+
+
+def test_inject_context_kv_native_not_taken(calls):
+    """Where the kernel does not apply (bf16 rows, a paged cache, offsets that are not a partition), the reference
+    runs, so the same contract holds (here: its own error for offsets past k's rows)."""
+    from dflash_kernels import inject_context_kv
+
+    d = 16
+    k, v = torch.randn(4, 1, d), torch.randn(4, 1, d)
+    kc, vc = torch.zeros(1, 8, 1, d, dtype=torch.bfloat16), torch.zeros(1, 8, 1, d, dtype=torch.bfloat16)
+    inject_context_kv(k.bfloat16(), v.bfloat16(), torch.ones(d, dtype=torch.bfloat16), torch.tensor([0, 4]),
+                      torch.tensor([2]), kc, vc, inv_freq=_inv_freq(d), backend="cpu")
+    assert kc[0, 2:6].abs().sum() > 0 and calls["inject"] == 0
+    kc, vc = torch.zeros(1, 8, 1, d), torch.zeros(1, 8, 1, d)
+    with pytest.raises(IndexError):
+        inject_context_kv(k, v, torch.ones(d), torch.tensor([0, 6]), torch.tensor([0]), kc, vc, inv_freq=_inv_freq(d),
+                          backend="cpu")
+    assert calls["inject"] == 0

@@ -103,6 +103,7 @@ _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <queue>
@@ -575,6 +576,57 @@ extern "C" long dflash_cpu_tree_ancestor_mask(const int64_t* parents, long ldr, 
   }
   return -1;
 }
+
+// tree_accept_greedy_tokens' walk: per request, from the root, the first child (in node order) whose token is the
+// target's token at the current node, while one exists and the depth is below B - 1; the target's token where it
+// stops is the bonus. target / tokens / parents [R, T] at row strides; path [R, B] (-1 past the accepted depth),
+// accepted / bonus [R]. Reads only rows' own T entries, whatever the parents' values.
+extern "C" void dflash_cpu_tree_walk_tokens(const int64_t* target, long ldt, const int64_t* tokens, long ldk,
+                                            const int64_t* parents, long ldp, long R, long T, long B, int64_t* path,
+                                            int64_t* accepted, int64_t* bonus) {
+  for (long r = 0; r < R; ++r) {
+    const int64_t *tg = target + r * ldt, *tk = tokens + r * ldk, *pr = parents + r * ldp;
+    int64_t* p = path + r * B;
+    for (long d = 0; d < B; ++d) p[d] = -1;
+    long cur = 0, d = 0;
+    p[0] = 0;
+    for (;;) {
+      const int64_t x = tg[cur];
+      long kid = -1;
+      for (long i = 0; d + 1 < B && i < T; ++i)
+        if (pr[i] == cur && tk[i] == x) {
+          kid = i;
+          break;
+        }
+      if (kid < 0) {
+        bonus[r] = x;
+        break;
+      }
+      cur = kid;
+      p[++d] = cur;
+    }
+    accepted[r] = d;
+  }
+}
+
+// tree_compact's moves: for request r and d <= accepted[r], row start[r] + path[r, d] of batch row rows[r] (null:
+// r) to row start[r] + d in every layer of both caches [L, Nb, cap, row_bytes] (contiguous); sources at or past cap
+// and rows that stay are skipped. The caller guarantees d <= path[r, d] < path[r, d + 1] (a walk's path), so in
+// depth order no move overwrites a later one's source.
+extern "C" void dflash_cpu_tree_compact(char* kc, char* vc, const int64_t* path, long ldp, const int64_t* accepted,
+                                        const int64_t* start, const int64_t* rows, long R, long L, long Nb, long cap,
+                                        long row_bytes) {
+  for (long l = 0; l < L; ++l)
+    for (long r = 0; r < R; ++r) {
+      const long b = rows ? rows[r] : r, base = ((l * Nb + b) * cap + start[r]) * row_bytes;
+      for (long d = 1; d <= accepted[r]; ++d) {
+        const long src = path[r * ldp + d];
+        if (src == d || start[r] + src >= cap) continue;
+        memcpy(kc + base + d * row_bytes, kc + base + src * row_bytes, row_bytes);
+        memcpy(vc + base + d * row_bytes, vc + base + src * row_bytes, row_bytes);
+      }
+    }
+}
 """
 
 MAX_HEAD_DIM = 512  # the kernels' per-head stack buffers (and D % 16 == 0: whole vectors)
@@ -605,6 +657,10 @@ def _load():
                 lib.dflash_cpu_inject_kv_f32.argtypes = [p, n, p, n, p, f, p, p, p, n, p, p, p, p, n, n, n, i]
                 lib.dflash_cpu_build_tree.restype = i
                 lib.dflash_cpu_build_tree.argtypes = [p, n, n, n, n, n, p, n, n, p, p, p, p, p]
+                lib.dflash_cpu_tree_walk_tokens.restype = None
+                lib.dflash_cpu_tree_walk_tokens.argtypes = [p, n, p, n, p, n, n, n, n, p, p, p]
+                lib.dflash_cpu_tree_compact.restype = None
+                lib.dflash_cpu_tree_compact.argtypes = [p, p, p, n, p, p, p, n, n, n, n, n]
                 lib.dflash_cpu_tree_ancestor_mask.restype = n
                 lib.dflash_cpu_tree_ancestor_mask.argtypes = [p, n, n, n, n, p]
                 _lib = lib
@@ -783,3 +839,47 @@ def tree_ancestor_mask(tree_parents: torch.Tensor, words: int) -> torch.Tensor |
                          f"parent: node 0 (the root) needs -1, node i > 0 an earlier node (0 <= parent < i), as "
                          "build_tree returns them")
     return mask
+
+
+def tree_walk_tokens(target_tokens: torch.Tensor, tree_tokens: torch.Tensor, tree_parents: torch.Tensor,
+                     block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``tree_accept_greedy_tokens``' "cpu" body (validated CPU inputs: [R, T] rows, the last dim contiguous): the
+    reference's walk, ``(path, accepted, bonus)``; None without the native library."""
+    if not enabled():
+        return None
+    r, t = tree_tokens.shape
+    target = target_tokens.to(torch.int64)
+    if target.stride(-1) != 1:
+        target = target.contiguous()
+    path = torch.empty((r, block_size), dtype=torch.int64)
+    accepted, bonus = torch.empty(r, dtype=torch.int64), torch.empty(r, dtype=torch.int64)
+    _lib.dflash_cpu_tree_walk_tokens(target.data_ptr(), target.stride(0), tree_tokens.data_ptr(), tree_tokens.stride(0),
+                                     tree_parents.data_ptr(), tree_parents.stride(0), r, t, block_size,
+                                     path.data_ptr(), accepted.data_ptr(), bonus.data_ptr())
+    return path, accepted, bonus
+
+
+def tree_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor,
+                 start: torch.Tensor, cache_batch_idx: torch.Tensor | None) -> bool:
+    """``tree_compact``'s "cpu" body (validated CPU inputs): the moves by ``memcpy``; False (nothing done) where it
+    does not apply: no native library, non-contiguous caches, or any value the reference would treat otherwise
+    (a path that is not a walk's, negative starts, batch rows outside the cache): the reference then decides."""
+    if not (enabled() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return False
+    layers, nb, cap = k_cache.shape[:3]
+    acc, st = accepted.tolist(), start.tolist()
+    rows = None if cache_batch_idx is None else cache_batch_idx.to(torch.int64).contiguous()
+    batch_rows = rows.tolist() if rows is not None else list(range(len(acc)))
+    paths = path.tolist()
+    bsz = path.shape[1]
+    for a, s, b, p in zip(acc, st, batch_rows, paths):
+        walk = p[:a + 1] if 0 <= a < bsz else None
+        if (walk is None or walk[0] != 0 or s < 0 or not 0 <= b < nb
+                or any(not (d <= x < y) for d, (x, y) in enumerate(zip(walk, walk[1:])))):
+            return False
+    path = path.contiguous()
+    accepted, start = accepted.contiguous(), start.contiguous()
+    _lib.dflash_cpu_tree_compact(k_cache.data_ptr(), v_cache.data_ptr(), path.data_ptr(), path.stride(0),
+                                 accepted.data_ptr(), start.data_ptr(), _ptr(rows), len(acc), layers, nb, cap,
+                                 k_cache[0, 0, 0].numel() * k_cache.element_size())
+    return True

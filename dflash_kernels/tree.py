@@ -33,7 +33,8 @@ from dflash_kernels.verify import (
 
 _INDEX_DTYPES = (torch.int64,)
 _BACKENDS = ("triton", "torch")
-# "cpu": build_tree's and tree_ancestor_mask's in C (cpu_native), tree_accept_greedy's argmax by NumPy
+# "cpu": build_tree, tree_ancestor_mask, tree_accept_greedy_tokens' walk and tree_compact in C (cpu_native),
+# tree_accept_greedy's argmax by NumPy
 _HOST_BACKENDS = ("triton", "cpu", "torch")
 MASK_WORD_BITS = 64
 
@@ -647,6 +648,10 @@ def _tree_accept_greedy_tokens_op(target_tokens: torch.Tensor, tree_tokens: torc
                                   block_size: int, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.dflash.tree_accept_greedy_tokens``: :func:`tree_accept_greedy_tokens` after validation."""
     chosen = resolve_backend("tree_accept_greedy_tokens", backend, target_tokens.device, available=_HOST_BACKENDS)
+    if chosen == "cpu":
+        walked = cpu_native.tree_walk_tokens(target_tokens, tree_tokens, tree_parents, block_size)
+        if walked is not None:
+            return walked
     if chosen != "triton":
         return tree_accept_greedy_tokens_reference(target_tokens, tree_tokens, tree_parents, block_size=block_size)
     rows = target_tokens.numel()  # the tokens as argmax partials of one split (a token's partial is never NaN)
@@ -837,11 +842,12 @@ def tree_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, path: torch.Tenso
         path, accepted: the walk's ``[R, B]`` and ``[R]`` int64 (:func:`tree_accept_greedy`).
         start: ``[R]`` int64: the cache length before the verify step (node i was written at row start + i).
         cache_batch_idx: ``[R]`` int32/int64: request r uses batch row ``cache_batch_idx[r]`` (default r).
-        backend: ``"auto" | "triton" | "torch"``.
+        backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"``: the moves by ``memcpy`` in C for a walk's
+            path on contiguous caches, else the reference).
     """
     op = "tree_compact"
     _validate_compact(op, k_cache, v_cache, path, accepted, start, cache_batch_idx)
-    chosen = resolve_backend(op, backend, k_cache.device, available=_BACKENDS)
+    chosen = resolve_backend(op, backend, k_cache.device, available=_HOST_BACKENDS)
     call_op(_tree_compact_op, k_cache, v_cache, path, accepted, start, cache_batch_idx, chosen, device=k_cache.device)
 
 
@@ -850,8 +856,10 @@ def tree_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, path: torch.Tenso
 def _tree_compact_op(k_cache: torch.Tensor, v_cache: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor,
                      start: torch.Tensor, cache_batch_idx: Optional[torch.Tensor], backend: str) -> None:
     """``torch.ops.dflash.tree_compact``: :func:`tree_compact` after validation (writes k_cache, v_cache)."""
-    chosen = resolve_backend("tree_compact", backend, k_cache.device, available=_BACKENDS)
-    if chosen == "torch":
+    chosen = resolve_backend("tree_compact", backend, k_cache.device, available=_HOST_BACKENDS)
+    if chosen == "cpu" and cpu_native.tree_compact(k_cache, v_cache, path, accepted, start, cache_batch_idx):
+        return
+    if chosen != "triton":
         tree_compact_reference(k_cache, v_cache, path, accepted, start, cache_batch_idx=cache_batch_idx)
         return
     layers, _, rows, kvh, d = k_cache.shape

@@ -415,8 +415,25 @@ def test_compact_kernel_equals_reference():
         v = torch.randn(layers, 4, cap, kvh, d)
         k_ref, v_ref = k.clone(), v.clone()
         dk.tree_compact(k_ref, v_ref, path, accepted, start, cache_batch_idx=cbi, backend="torch")
-        dk.tree_compact(k, v, path, accepted, start, cache_batch_idx=cbi, backend="triton")
-        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+        assert not torch.equal(k, k_ref), "the case moves rows"
+        for backend in ("triton", "cpu") if k.device.type == "cpu" else ("triton",):
+            kb, vb = k.clone(), v.clone()
+            dk.tree_compact(kb, vb, path, accepted, start, cache_batch_idx=cbi, backend=backend)
+            assert torch.equal(kb, k_ref) and torch.equal(vb, v_ref), backend
+
+
+@pytest.mark.skipif(torch.get_default_device().type != "cpu", reason="CPU tensors only")
+def test_compact_cpu_leaves_other_paths_to_the_reference():
+    """A path no walk returns (a node revisited, a depth's node below its depth) is the reference's to move (it reads
+    every source first); the native moves in depth order hold only for a walk's rising path."""
+    layers, cap, kvh, d = 2, 12, 1, 4
+    path = torch.tensor([[0, 3, 3, -1], [0, 2, 1, -1]])
+    accepted, start = torch.tensor([2, 2]), torch.tensor([1, 0])
+    k, v = torch.randn(layers, 2, cap, kvh, d), torch.randn(layers, 2, cap, kvh, d)
+    k_ref, v_ref = k.clone(), v.clone()
+    dk.tree_compact(k_ref, v_ref, path, accepted, start, backend="torch")
+    dk.tree_compact(k, v, path, accepted, start, backend="cpu")
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
 
 
 def _walk_distribution(p, tokens, parents, bsz, first_child_only=False):

@@ -881,5 +881,5 @@ def tree_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, path: torch.Tenso
     accepted, start = accepted.contiguous(), start.contiguous()
     _lib.dflash_cpu_tree_compact(k_cache.data_ptr(), v_cache.data_ptr(), path.data_ptr(), path.stride(0),
                                  accepted.data_ptr(), start.data_ptr(), _ptr(rows), len(acc), layers, nb, cap,
-                                 k_cache[0, 0, 0].numel() * k_cache.element_size())
+                                 k_cache.shape[3:].numel() * k_cache.element_size())
     return True

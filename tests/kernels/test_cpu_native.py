@@ -202,17 +202,20 @@ def test_inject_context_kv_native(calls, kvh, d, new_rows, cached, rows, cap):
     idx = None if rows is None else torch.tensor(rows)
     n_cache = len(new_rows) if rows is None else max(rows) + 1
     rope = dict(inv_freq=_inv_freq(d), attention_scaling=0.9, eps=1e-6, cache_batch_idx=idx)
-    outs = []
-    for dt in (torch.float32, torch.float64, torch.float32):
+
+    def nan_caches(dt):
         kc = torch.full((n_cache, cap, kvh, d), float("nan"), dtype=dt)
-        vc = kc.clone()
-        if len(outs) < 1:
-            inject_context_kv(k, v, kw, cu, lens, kc, vc, backend="cpu", **rope)
-        else:
-            inject_context_kv_reference(k.to(dt), v.to(dt), kw.to(dt), cu, lens, kc, vc, **rope)
-        outs.append((kc, vc))
+        return kc, kc.clone()
+
+    def reference(dt):
+        kc, vc = nan_caches(dt)
+        inject_context_kv_reference(k.to(dt), v.to(dt), kw.to(dt), cu, lens, kc, vc, **rope)
+        return kc, vc
+
+    kc, vc = nan_caches(torch.float32)
+    inject_context_kv(k, v, kw, cu, lens, kc, vc, backend="cpu", **rope)
     assert calls["inject"] == 1
-    (kc, vc), (k64, v64), (klo, vlo) = outs
+    (k64, v64), (klo, _) = reference(torch.float64), reference(torch.float32)
     written = ~torch.isnan(k64)
     assert written.sum() == sum(min(c, max(0, cap - p)) for c, p in zip(new_rows, cached)) * kvh * d
     assert torch.equal(~torch.isnan(kc), written) and torch.equal(~torch.isnan(vc), written), \

@@ -434,6 +434,8 @@ def test_compact_cpu_leaves_other_paths_to_the_reference():
     dk.tree_compact(k_ref, v_ref, path, accepted, start, backend="torch")
     dk.tree_compact(k, v, path, accepted, start, backend="cpu")
     assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    no_layers = torch.zeros(0, 2, cap, kvh, d)  # a walk's path on a cache without layers: nothing to move
+    dk.tree_compact(no_layers, no_layers.clone(), torch.tensor([[0, 3, 5, -1]] * 2), accepted, start, backend="cpu")
 
 
 def _walk_distribution(p, tokens, parents, bsz, first_child_only=False):

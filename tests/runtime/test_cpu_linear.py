@@ -400,6 +400,9 @@ def test_amx_non_finite_inputs():
     torch.testing.assert_close(out[1:3], ref[1:3], equal_nan=True)
     assert torch.isfinite(out[[0, 3]]).all()
     assert_within_rule(out[[0, 3]], F.linear(x[[0, 3]].double(), w.double()), ref[[0, 3]], "finite rows")
+    x[1:3] = torch.randn(2, k)
+    x.view(torch.int32)[2, 11] = 0x7F800001  # a NaN whose top 16 bits alone would read as inf
+    assert cpu_linear.linear(x, w)[2].isnan().all() and torch.isfinite(cpu_linear.linear(x, w)[[0, 1, 3]]).all()
 
 
 @needs_amx

@@ -237,7 +237,8 @@ extern "C" void dflash_cpu_linear3_f32(const float* x, long M, long K, const flo
 # split into three bf16 parts with x = hi + mid + lo exactly (each the top 8 significant bits of what is left), so
 # every product w * part is exact in fp32 and TDPBF16PS accumulates them in fp32: the fp32 dot product, only the
 # order of its fp32 sums differs (as between any two GEMMs). Tile registers: C 0-2 (hi, mid, lo sums), A 3-5
-# (the parts of up to 16 rows), B 6 (16 columns x 32 deep, 1 KiB).
+# (the parts of up to 16 rows), B 6 (16 columns x 32 deep, 1 KiB); up to 10 rows, C 1-2 and A 4-5 hold the 3M part
+# rows in 16-row slices instead (packed_group).
 _AMX_SOURCE = r"""
 #include <immintrin.h>
 #include <math.h>
@@ -258,6 +259,10 @@ constexpr long PREFETCH = 4;  // B tiles requested ahead (4 KiB): 2, 8 and 16 we
 // and lo are 2^-8 and 2^-16 of it) are moved out every FLUSH steps (256 deep) and summed in fp32 outside: measured
 // error at K 1536, 8 rows: 2.2x torch's without it.
 constexpr long FLUSH = 8;
+// Up to PACK rows, the 3M part rows (the hi, mid and lo planes one after another) fill 16-row tiles back to back:
+// one tile product a step up to 5 rows, two up to 10, where one tile per part took three. Past 10 rows this saves
+// nothing (16 rows: three either way) and the packed loop's sums cost more (it was 1.01-1.13x the time at 16-32 rows).
+constexpr long PACK = 10;
 
 struct TileConfig { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
 
@@ -292,6 +297,52 @@ void split(const float* x, long ldx, long M, long K, long Mp, long Kp, uint16_t*
 }
 
 struct Block { const uint16_t* tiles; long n; const float* b; };
+
+// The packed loop's tiles (M <= PACK rows, a row chunk of M rows): C 1 and A 4 the first min(3M, 16) part rows, C 2
+// and A 5 the rest (none up to 5 rows).
+inline void packed_config(TileConfig& cfg, long M) {
+  const long first = 3 * M < TR ? 3 * M : TR, rest = 3 * M - first;
+  cfg.rows[1] = cfg.rows[4] = (uint8_t)first;
+  cfg.colsb[1] = cfg.colsb[4] = 64;
+  cfg.rows[2] = cfg.rows[5] = (uint8_t)rest;
+  cfg.colsb[2] = cfg.colsb[5] = rest ? 64 : 0;
+}
+
+// One 16-column group with the M <= PACK rows packed (the planes of split(..., Mp = M, ...) at a): ps [3M][16] = each
+// part row's sums over the K depth, moved out of the tiles every FLUSH steps; c: a [16][16] scratch. The value of
+// row m, column n is packed_value(ps, M, m, n) (+ bias).
+__attribute__((always_inline)) inline void packed_group(const uint16_t* wt, long steps, const uint16_t* a, long M,
+                                                        long Kp, float* ps, float* c) {
+  const long first = 3 * M < TR ? 3 * M : TR, rest = 3 * M - first;
+  _tile_zero(1);
+  if (rest) _tile_zero(2);  // (a tile of no rows is not configured: touching it faults)
+  for (long i = 0; i < 3 * M * TN; ++i) ps[i] = 0.f;
+  for (long t = 0; t < steps; ++t) {
+    const char* pf = (const char*)(wt + (t + PREFETCH) * TILE);  // as linear3's one chunk
+    for (int l = 0; l < 16; ++l) _mm_prefetch(pf + 64 * l, _MM_HINT_T0);
+    _tile_loadd(6, wt + t * TILE, 64);
+    _tile_loadd(4, a + t * TK, Kp * 2);
+    _tile_dpbf16ps(1, 4, 6);
+    if (rest) {
+      _tile_loadd(5, a + TR * Kp + t * TK, Kp * 2);
+      _tile_dpbf16ps(2, 5, 6);
+    }
+    if ((t + 1) % FLUSH == 0 || t + 1 == steps) {
+      _tile_stored(1, c, 64);
+      _tile_zero(1);
+      for (long i = 0; i < first * TN; ++i) ps[i] += c[i];
+      if (rest) {
+        _tile_stored(2, c, 64);
+        _tile_zero(2);
+        for (long i = 0; i < rest * TN; ++i) ps[TR * TN + i] += c[i];
+      }
+    }
+  }
+}
+
+inline float packed_value(const float* ps, long M, long m, long n) {
+  return (ps[m * TN + n] + ps[(M + m) * TN + n]) + ps[(2 * M + m) * TN + n];
+}
 }  // namespace
 
 // Linux grants a process the AMX tile state only on request; 0 = granted.
@@ -337,7 +388,8 @@ extern "C" void dflash_amx_column_norms(const uint16_t* tiles, long N, long K, d
 
 // y [M, N] = x [M, K] (row stride ldx) times the weight made of up to three packed row blocks (n = 0: none), plus
 // their biases. Each thread takes a contiguous range of 16-column groups of each block; per group, the rows in
-// chunks of at most 16 (the B tiles of the later chunks come from L1/L2: the weight leaves memory once).
+// chunks of at most 16 (the B tiles of the later chunks come from L1/L2: the weight leaves memory once), or up to
+// PACK rows packed (packed_group).
 extern "C" int dflash_amx_linear3(const float* x, long ldx, long M, long K, const uint16_t* t0, long n0,
                                   const float* b0, const uint16_t* t1, long n1, const float* b1, const uint16_t* t2,
                                   long n2, const float* b2, float* y, int threads) {
@@ -355,9 +407,11 @@ extern "C" int dflash_amx_linear3(const float* x, long ldx, long M, long K, cons
     for (int t = 0; t < 6; ++t) { cfg.rows[t] = (uint8_t)R; cfg.colsb[t] = 64; }
     cfg.rows[6] = 16;
     cfg.colsb[6] = 64;
+    if (M <= PACK) packed_config(cfg, M);
     _tile_loadconfig(&cfg);  // per call: other code (oneDNN) may have configured the tiles differently
     alignas(64) float c[3][TR * TN];
     alignas(64) float hi[TR * TN];
+    alignas(64) float ps[3 * PACK * TN];
     long col = 0;
     for (int s = 0; s < 3; ++s) {
       const Block bk = blk[s];
@@ -366,6 +420,13 @@ extern "C" int dflash_amx_linear3(const float* x, long ldx, long M, long K, cons
       for (long g = 0; g < groups; ++g) {
         const uint16_t* wt = bk.tiles + g * steps * TILE;
         const long nv = bk.n - g * TN < TN ? bk.n - g * TN : TN;
+        if (M <= PACK) {
+          packed_group(wt, steps, a, M, Kp, ps, c[0]);
+          for (long m = 0; m < M; ++m)
+            for (long n = 0; n < nv; ++n)
+              y[m * N + col + g * TN + n] = packed_value(ps, M, m, n) + (bk.b ? bk.b[g * TN + n] : 0.f);
+          continue;
+        }
         for (long ch = 0; ch < chunks; ++ch) {
           _tile_zero(0);
           _tile_zero(1);
@@ -465,9 +526,11 @@ extern "C" long dflash_amx_argmax(const float* x, long ldx, long M, long K, cons
     for (int t = 0; t < 6; ++t) { cfg.rows[t] = (uint8_t)R; cfg.colsb[t] = 64; }
     cfg.rows[6] = 16;
     cfg.colsb[6] = 64;
+    if (M <= PACK) packed_config(cfg, M);  // (the screen takes tiles 0 and 3)
     _tile_loadconfig(&cfg);
     alignas(64) float cs[3][TR * TN];
     alignas(64) float hi[TR * TN];
+    alignas(64) float ps[3 * PACK * TN];
     // The screen: per group, per row, the largest a (AVX-512 over the group's 16 columns).
 #pragma omp for schedule(static)
     for (long g = 0; g < groups; ++g) {
@@ -524,8 +587,9 @@ extern "C" long dflash_amx_argmax(const float* x, long ldx, long M, long K, cons
       }
     }
     // Exact values of the (chunk, group) pairs a row of the chunk needs; each needed (row, group) keeps its maximum
-    // and first index (a NaN first). linear3's loop, repeated on purpose: the same bits need the same operations,
-    // and linear3 calling one shared inline function was 3-7 % slower at 24 rows (in-process A/B, alternated).
+    // and first index (a NaN first). linear3's loop (packed_group up to PACK rows), repeated on purpose: the same
+    // bits need the same operations, and linear3 calling one shared inline function for its row chunks was 3-7 %
+    // slower at 24 rows (in-process A/B, alternated).
 #pragma omp for schedule(dynamic, 1)
     for (long pair = 0; pair < groups * chunks; ++pair) {
       const long g = pair / chunks, ch = pair % chunks;
@@ -535,33 +599,39 @@ extern "C" long dflash_amx_argmax(const float* x, long ldx, long M, long K, cons
       const uint16_t* wt = tiles + g * steps * TILE;
       const long nv = N - g * TN < TN ? N - g * TN : TN;
       const uint16_t* ah = a + ch * R * Kp;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      for (long i = 0; i < R * TN; ++i) hi[i] = 0.f;
-      for (long t = 0; t < steps; ++t) {
-        _tile_loadd(6, wt + t * TILE, 64);
-        _tile_loadd(3, ah + t * TK, Kp * 2);
-        _tile_loadd(4, ah + Mp * Kp + t * TK, Kp * 2);
-        _tile_loadd(5, ah + 2 * Mp * Kp + t * TK, Kp * 2);
-        _tile_dpbf16ps(0, 3, 6);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_dpbf16ps(2, 5, 6);
-        if ((t + 1) % FLUSH == 0 || t + 1 == steps) {
-          _tile_stored(0, cs[0], 64);
-          _tile_zero(0);
-          for (long i = 0; i < R * TN; ++i) hi[i] += cs[0][i];
+      const bool packed = M <= PACK;
+      if (packed) {
+        packed_group(wt, steps, a, M, Kp, ps, cs[0]);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        for (long i = 0; i < R * TN; ++i) hi[i] = 0.f;
+        for (long t = 0; t < steps; ++t) {
+          _tile_loadd(6, wt + t * TILE, 64);
+          _tile_loadd(3, ah + t * TK, Kp * 2);
+          _tile_loadd(4, ah + Mp * Kp + t * TK, Kp * 2);
+          _tile_loadd(5, ah + 2 * Mp * Kp + t * TK, Kp * 2);
+          _tile_dpbf16ps(0, 3, 6);
+          _tile_dpbf16ps(1, 4, 6);
+          _tile_dpbf16ps(2, 5, 6);
+          if ((t + 1) % FLUSH == 0 || t + 1 == steps) {
+            _tile_stored(0, cs[0], 64);
+            _tile_zero(0);
+            for (long i = 0; i < R * TN; ++i) hi[i] += cs[0][i];
+          }
         }
+        _tile_stored(1, cs[1], 64);
+        _tile_stored(2, cs[2], 64);
       }
-      _tile_stored(1, cs[1], 64);
-      _tile_stored(2, cs[2], 64);
       for (long m = 0; m < R && ch * R + m < M; ++m) {
         const long row = ch * R + m;
         if (!need[row * groups + g]) continue;
         float bv = 0.f;
         long bi = -1;
         for (long n = 0; n < nv; ++n) {
-          const float v = (hi[m * TN + n] + cs[1][m * TN + n]) + cs[2][m * TN + n] + (b ? b[g * TN + n] : 0.f);
+          const float e = packed ? packed_value(ps, M, m, n) : (hi[m * TN + n] + cs[1][m * TN + n]) + cs[2][m * TN + n];
+          const float v = e + (b ? b[g * TN + n] : 0.f);
           if (bi >= 0 && isnan(bv)) break;
           if (bi < 0 || isnan(v) || v > bv) { bv = v; bi = g * TN + n; }
         }

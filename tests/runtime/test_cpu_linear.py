@@ -473,10 +473,11 @@ def test_argmax_many_near_ties():
     idx = torch.randint(0, 96, (300,), generator=g)
     w[torch.arange(300), idx] = _bf16_values(w[torch.arange(300), idx] * (1 + 2.0**-7))
     w[150:160] = w[140]
-    x = torch.randn(12, 96, generator=g)
-    assert torch.equal(cpu_linear.linear_argmax(x, w), cpu_linear.linear(x, w).argmax(-1))
-    _, exact = _argmax_exact_pairs(x, w)
-    assert exact > 12
+    for rows in (12, 7):  # (7: the packed rows of the AMX path)
+        x = torch.randn(rows, 96, generator=g)
+        assert torch.equal(cpu_linear.linear_argmax(x, w), cpu_linear.linear(x, w).argmax(-1))
+        _, exact = _argmax_exact_pairs(x, w)
+        assert exact > rows
 
 
 @needs_amx

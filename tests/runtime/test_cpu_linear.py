@@ -5,6 +5,7 @@ import functools
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -478,6 +479,38 @@ def test_argmax_many_near_ties():
         assert torch.equal(cpu_linear.linear_argmax(x, w), cpu_linear.linear(x, w).argmax(-1))
         _, exact = _argmax_exact_pairs(x, w)
         assert exact > rows
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 12])
+def test_argmax_sums_in_the_linears_order(rows):
+    """The exact pass adds a value's three part sums in linear's order, (hi + mid) + lo: a column whose value is the
+    other order's, hi + (mid + lo), 1 ulp off, sits first; the argmax must still be the linear's (1: packed rows,
+    12: a row chunk)."""
+    def parts(v: float):
+        u = np.float32(v).view(np.uint32)
+        hi = (u & np.uint32(0xFFFF0000)).view(np.float32)
+        r = np.float32(v) - hi
+        mid = (r.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+        return hi, mid, np.float32(r - mid)
+
+    c = np.float32(1 + 2.0**-7)  # 8 significant bits: each part's product with it is exact in fp32
+    rng = np.random.default_rng(3)
+    for _ in range(1000):  # an input whose two orders round apart
+        x0 = np.float32(rng.uniform(1, 2))
+        hi, mid, lo = (c * p for p in parts(x0))
+        ours, other = (hi + mid) + lo, hi + (mid + lo)
+        if ours != other:
+            break
+    assert ours != other
+    w = torch.zeros(2, 1)
+    w[1, 0] = float(c)
+    b = torch.tensor([float(min(ours, other)), 0.0])  # column 0: the smaller of the two orders' values, exactly
+    x = torch.full((rows, 1), float(x0))
+    assert cpu_linear.linear(x, w, b)[:, 1].eq(float(ours)).all()
+    want = torch.full((rows,), 1 if ours > other else 0)  # the tie goes to column 0
+    assert torch.equal(cpu_linear.linear(x, w, b).argmax(-1), want)
+    assert torch.equal(cpu_linear.linear_argmax(x, w, b), want)
 
 
 @needs_amx

@@ -298,14 +298,23 @@ void split(const float* x, long ldx, long M, long K, long Mp, long Kp, uint16_t*
 
 struct Block { const uint16_t* tiles; long n; const float* b; };
 
-// The packed loop's tiles (M <= PACK rows, a row chunk of M rows): C 1 and A 4 the first min(3M, 16) part rows, C 2
-// and A 5 the rest (none up to 5 rows).
-inline void packed_config(TileConfig& cfg, long M) {
-  const long first = 3 * M < TR ? 3 * M : TR, rest = 3 * M - first;
-  cfg.rows[1] = cfg.rows[4] = (uint8_t)first;
-  cfg.colsb[1] = cfg.colsb[4] = 64;
-  cfg.rows[2] = cfg.rows[5] = (uint8_t)rest;
-  cfg.colsb[2] = cfg.colsb[5] = rest ? 64 : 0;
+// The tiles of linear3 and of the argmax (which must compute linear3's values) for M rows in chunks of R: C 0-2 and
+// A 3-5 of R rows, B 6 of 16. Up to PACK rows (one chunk) packed_group's instead in 1-2 and 4-5: C 1 and A 4 the
+// first min(3M, 16) part rows, C 2 and A 5 the rest (none up to 5 rows); the argmax's screen keeps 0 and 3.
+inline TileConfig tile_config(long R, long M) {
+  TileConfig cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 6; ++t) { cfg.rows[t] = (uint8_t)R; cfg.colsb[t] = 64; }
+  cfg.rows[6] = 16;
+  cfg.colsb[6] = 64;
+  if (M <= PACK) {
+    const long first = 3 * M < TR ? 3 * M : TR, rest = 3 * M - first;
+    cfg.rows[1] = cfg.rows[4] = (uint8_t)first;
+    cfg.rows[2] = cfg.rows[5] = (uint8_t)rest;
+    cfg.colsb[2] = cfg.colsb[5] = rest ? 64 : 0;
+  }
+  return cfg;
 }
 
 // One 16-column group with the M <= PACK rows packed (the planes of split(..., Mp = M, ...) at a): ps [3M][16] = each
@@ -401,13 +410,7 @@ extern "C" int dflash_amx_linear3(const float* x, long ldx, long M, long K, cons
   split(x, ldx, M, K, Mp, Kp, a);
 #pragma omp parallel num_threads(threads)
   {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 6; ++t) { cfg.rows[t] = (uint8_t)R; cfg.colsb[t] = 64; }
-    cfg.rows[6] = 16;
-    cfg.colsb[6] = 64;
-    if (M <= PACK) packed_config(cfg, M);
+    const TileConfig cfg = tile_config(R, M);
     _tile_loadconfig(&cfg);  // per call: other code (oneDNN) may have configured the tiles differently
     alignas(64) float c[3][TR * TN];
     alignas(64) float hi[TR * TN];
@@ -520,13 +523,7 @@ extern "C" long dflash_amx_argmax(const float* x, long ldx, long M, long K, cons
   long exact = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : exact)
   {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 6; ++t) { cfg.rows[t] = (uint8_t)R; cfg.colsb[t] = 64; }
-    cfg.rows[6] = 16;
-    cfg.colsb[6] = 64;
-    if (M <= PACK) packed_config(cfg, M);  // (the screen takes tiles 0 and 3)
+    const TileConfig cfg = tile_config(R, M);
     _tile_loadconfig(&cfg);
     alignas(64) float cs[3][TR * TN];
     alignas(64) float hi[TR * TN];

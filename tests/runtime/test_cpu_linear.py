@@ -403,7 +403,8 @@ def test_amx_non_finite_inputs():
     assert_within_rule(out[[0, 3]], F.linear(x[[0, 3]].double(), w.double()), ref[[0, 3]], "finite rows")
     x[1:3] = torch.randn(2, k)
     x.view(torch.int32)[2, 11] = 0x7F800001  # a NaN whose top 16 bits alone would read as inf
-    assert cpu_linear.linear(x, w)[2].isnan().all() and torch.isfinite(cpu_linear.linear(x, w)[[0, 1, 3]]).all()
+    out = cpu_linear.linear(x, w)
+    assert out[2].isnan().all() and torch.isfinite(out[[0, 1, 3]]).all()
 
 
 @needs_amx
@@ -507,9 +508,10 @@ def test_argmax_sums_in_the_linears_order(rows):
     w[1, 0] = float(c)
     b = torch.tensor([float(min(ours, other)), 0.0])  # column 0: the smaller of the two orders' values, exactly
     x = torch.full((rows, 1), float(x0))
-    assert cpu_linear.linear(x, w, b)[:, 1].eq(float(ours)).all()
+    out = cpu_linear.linear(x, w, b)
+    assert out[:, 1].eq(float(ours)).all()
     want = torch.full((rows,), 1 if ours > other else 0)  # the tie goes to column 0
-    assert torch.equal(cpu_linear.linear(x, w, b).argmax(-1), want)
+    assert torch.equal(out.argmax(-1), want)
     assert torch.equal(cpu_linear.linear_argmax(x, w, b), want)
 
 

@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 import torch
 
 from dflash.draft import DraftModel
-from dflash.engine import cached_engine, graph_mode_for, unsupported_reason
+from dflash.engine import cached_engine, graph_mode_for, target_lock, unsupported_reason
 from dflash.reference import MAX_TREE_BUDGET, reference_generate
 from dflash.results import BatchResult, GenerateResult
 from dflash.sampling import SamplingParams
@@ -191,6 +191,12 @@ def generate(
     Returns:
         :class:`GenerateResult` with ``.sequences`` [1, P + n] and ``.acceptance_lengths``; for batched
         input, a :class:`BatchResult` whose fields are per-request lists.
+
+    Threads: safe to call from several threads. Calls that share a target model run one at a time (one lock
+    per target model, held for the whole call; both runtimes keep per-call state on the model: the engine's
+    buffers, the reference's feature hooks); calls on different target models run in parallel. Calling
+    ``generate`` on the same target from inside ``on_tokens`` raises RuntimeError. The cached engine lives
+    on its target model: dropping the target and draft frees both, engine included.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -210,7 +216,7 @@ def generate(
         input_ids, block = check_prompt(target, draft, input_ids, max_new_tokens, block_size)
         check_tree_budget(tree_budget, block, draft, target)
         stops = stop_list(stop_token_ids)
-        with torch.inference_mode():
+        with target_lock(target.model), torch.inference_mode():
             return reference_generate(target, draft, input_ids, max_new_tokens, stops, sampling, block, seed,
                                       on_tokens=on_tokens, tree_budget=tree_budget)
 
@@ -241,7 +247,8 @@ def generate(
     limit = getattr(target.config, "max_position_embeddings", None)
     if limit is not None and needed > limit:
         raise ValueError(f"prompt + max_new_tokens = {needed} exceeds the target's max_position_embeddings {limit}")
-    engine = cached_engine(target.model, draft, batch=n, capacity=max_length, block_size=block,
-                           kernel_backend=kernel_backend, use_cuda_graphs=use_cuda_graphs, tree_budget=tree_budget)
-    results: list[GenerateResult] = engine.generate(checked, limits, stops, sampling, seed, on_tokens=on_tokens)
+    with target_lock(target.model):
+        engine = cached_engine(target.model, draft, batch=n, capacity=max_length, block_size=block,
+                               kernel_backend=kernel_backend, use_cuda_graphs=use_cuda_graphs, tree_budget=tree_budget)
+        results: list[GenerateResult] = engine.generate(checked, limits, stops, sampling, seed, on_tokens=on_tokens)
     return BatchResult(results) if batched else results[0]

@@ -19,6 +19,9 @@ from dflash.target import TargetAdapter, check_target
 from dflash_kernels import distinct_prefixes
 
 BACKENDS = ("auto", "fast", "reference")
+# Largest block size B: the kernels' verify and attention paths hold up to 64 block rows (the engine's buffers
+# and the reference's position table grow with B); z-lab drafts use 16.
+MAX_BLOCK_SIZE = 64
 
 
 def as_target(target, draft: DraftModel) -> TargetAdapter:
@@ -35,7 +38,9 @@ def as_target(target, draft: DraftModel) -> TargetAdapter:
 
 def check_prompt(target: TargetAdapter, draft: DraftModel, input_ids, max_new_tokens: int, block_size: int | None,
                  *, max_batch: int | None = 1) -> tuple[torch.Tensor, int]:
-    """Check the pair and one prompt; returns (input_ids [b, P] on the target's device, block size)."""
+    """Check the pair and one prompt, for both runtimes: token ids, lengths (prompt + ``max_new_tokens`` within
+    the target's ``max_position_embeddings``) and the block size (1..``MAX_BLOCK_SIZE``); returns (input_ids
+    [b, P] on the target's device, block size)."""
     tcfg = target.config
     if tcfg.hidden_size != draft.config.hidden_size:
         raise ValueError(
@@ -70,10 +75,16 @@ def check_prompt(target: TargetAdapter, draft: DraftModel, input_ids, max_new_to
         raise ValueError(f"input_ids holds token ids outside the target vocabulary [0, {vocab})")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    limit = getattr(tcfg, "max_position_embeddings", None)
+    if limit is not None and input_ids.shape[1] + max_new_tokens > limit:
+        raise ValueError(f"prompt + max_new_tokens = {input_ids.shape[1] + max_new_tokens} exceeds the target's "
+                         f"max_position_embeddings {limit}; pass a shorter prompt or fewer max_new_tokens")
+    what = "block_size"
     if block_size is None:
-        block_size = draft.config.block_size
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        block_size, what = draft.config.block_size, "block_size (the draft config's)"
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"{what} must be an integer in [1, {MAX_BLOCK_SIZE}], got {block_size!r}; "
+                         "pass block_size=16 or another value in range")
     return input_ids.to(target.device, torch.long), block_size
 
 
@@ -170,7 +181,8 @@ def generate(
             list per request.
         temperature: 0 = greedy (output equals the target's greedy output); > 0 samples, with
             ``top_p``/``top_k`` applied to the target distribution (output distributed as the target's).
-        block_size: B (default: the draft's); 1 = plain autoregressive decoding with the same machinery.
+        block_size: B, 1..``MAX_BLOCK_SIZE`` (64; default: the draft's); 1 = plain autoregressive decoding with
+            the same machinery.
         backend: "reference" (the pure-PyTorch loop of :mod:`dflash.reference`, one request), "fast"
             (:mod:`dflash.engine`: static state, kernels, captured steps, batches), or "auto": fast where
             it can run (LLaMA/Qwen3 targets, supported draft layers), else reference.
@@ -244,9 +256,6 @@ def generate(
     if needed > max_length:
         raise ValueError(f"max_length={max_length} is too small: the longest request (prompt + max_new_tokens) "
                          f"needs {needed}")
-    limit = getattr(target.config, "max_position_embeddings", None)
-    if limit is not None and needed > limit:
-        raise ValueError(f"prompt + max_new_tokens = {needed} exceeds the target's max_position_embeddings {limit}")
     with target_lock(target.model):
         engine = cached_engine(target.model, draft, batch=n, capacity=max_length, block_size=block,
                                kernel_backend=kernel_backend, use_cuda_graphs=use_cuda_graphs, tree_budget=tree_budget)

@@ -27,13 +27,32 @@ def ids(n=5, vocab=48):
     ({"top_p": 1.5}, ValueError, "top_p"),
     ({"top_k": -2}, ValueError, "top_k"),
     ({"block_size": 0}, ValueError, "block_size"),
+    ({"block_size": 65}, ValueError, r"block_size must be an integer in \[1, 64\]"),
+    ({"block_size": 100000}, ValueError, r"block_size must be an integer in \[1, 64\]"),
+    ({"block_size": 10**9}, ValueError, r"block_size must be an integer in \[1, 64\]"),
+    ({"max_new_tokens": 508}, ValueError, "max_position_embeddings 512"),
     ({"backend": "cuda-magic"}, ValueError, "backend"),
 ])
-def test_bad_arguments(pair, kwargs, exc, match):
+@pytest.mark.parametrize("backend", ["fast", "reference"])
+def test_bad_arguments(pair, kwargs, exc, match, backend):
+    """Both runtimes make the same checks, before any work."""
     target, draft = pair
-    args = {"max_new_tokens": 4, **kwargs}
+    args = {"max_new_tokens": 4, "backend": backend, **kwargs}
     with pytest.raises(exc, match=match):
         generate(target, draft, ids(), **args)
+
+
+def test_block_size_limits(pair):
+    target, draft = pair
+    prompt = ids()
+    for backend in ("fast", "reference"):
+        # the largest block size and the longest request still run (max_position_embeddings 512)
+        assert generate(target, draft, prompt, 6, block_size=64, backend=backend).sequences.shape == (1, 11)
+        assert generate(target, draft, prompt, 507, backend=backend).sequences.shape == (1, 512)
+    too_big = make_draft(target, layers=1, block_size=65)
+    for backend in ("fast", "reference"):
+        with pytest.raises(ValueError, match=r"block_size \(the draft config's\) must be an integer in \[1, 64\]"):
+            generate(target, too_big, prompt, 4, backend=backend)
 
 
 @pytest.mark.parametrize("input_ids,exc,match", [

@@ -53,6 +53,7 @@ from dflash.draft import DraftModel, rope_inv_freq
 from dflash.graphs import capture
 from dflash.lean_target import LeanTarget, check_lean_target, gate_up_act, linear_for
 from dflash.merged_linear import merged_weight
+from dflash.reference import finite_tree_logits_
 from dflash.results import GenerateResult, device_clock
 from dflash.sampling import GREEDY_EPS, SamplingParams, sample
 from dflash_kernels import (
@@ -302,7 +303,7 @@ class DFlashEngine:
         if self.tree_budget is None:
             draft.propose(x, self.target_model.lm_head, out=self.proposals, linear=self.linear)
         else:  # tree mode: the verify step builds the tree from all of the block's logits
-            self.draft_logits.copy_(draft.block_logits(x, self.target_model.lm_head, self.linear))
+            finite_tree_logits_(self.draft_logits.copy_(draft.block_logits(x, self.target_model.lm_head, self.linear)))
 
     def verify_step(self) -> None:
         """Target forward over [anchor, proposals] (or the draft tree), acceptance, commit."""

@@ -25,14 +25,23 @@ MAX_BLOCK_SIZE = 64
 
 
 def as_target(target, draft: DraftModel) -> TargetAdapter:
-    """The target as a :class:`TargetAdapter` tapping the draft's ``target_layer_ids``."""
+    """The target as a :class:`TargetAdapter` tapping the draft's ``target_layer_ids``; a draft built for a
+    target of another depth (config ``num_target_layers``, or taps past the target's layers) is refused: it
+    would run on the wrong tapped layers."""
     if not isinstance(draft, DraftModel):
         raise TypeError(f"draft must be a dflash.DFlashDraftModel, got {type(draft).__name__}")
+    model = target.model if isinstance(target, TargetAdapter) else target
+    check_target(model)
+    depth, built_for = len(model.model.layers), draft.config.num_target_layers
+    if built_for is not None and built_for != depth:
+        raise ValueError(f"draft config num_target_layers={built_for}, but the target has {depth} decoder layers: "
+                         "this draft was built for another target (its target_layer_ids "
+                         f"{draft.config.target_layer_ids} would tap the wrong layers); pass the target it was "
+                         "trained for")
     if isinstance(target, TargetAdapter):
         if target.layer_ids != draft.config.target_layer_ids:
             return TargetAdapter(target.model, draft.config.target_layer_ids)
         return target
-    check_target(target)
     return TargetAdapter(target, draft.config.target_layer_ids)
 
 

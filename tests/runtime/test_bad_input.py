@@ -79,6 +79,13 @@ def test_mismatched_models():
         generate(target, make_draft(target, mask_token_id=48), ids(), 4)
     with pytest.raises(ValueError, match="target_layer_ids"):
         generate(target, make_draft(target, taps=[0, 4]), ids(), 4)
+    deeper = make_target("qwen3", layers=6)  # taps 1 and 2 exist in both: only the config tells them apart
+    for backend in ("fast", "reference"):
+        for model in (target, TargetAdapter(target, [1, 2])):
+            with pytest.raises(ValueError, match="num_target_layers=6, but the target has 4 decoder layers"):
+                generate(model, make_draft(deeper, taps=[1, 2]), ids(), 4, backend=backend)
+            with pytest.raises(ValueError, match="layer 4 is out of range for a target with 4 decoder layers"):
+                generate(model, make_draft(target, taps=[1, 4]), ids(), 4, backend=backend)
     with pytest.raises(TypeError, match="draft"):
         generate(target, torch.nn.Linear(2, 2), ids(), 4)
 

@@ -269,3 +269,38 @@ def test_responses_file_round_trip_and_reuse(tmp_path):
         assert torch.equal(r["ids"], want["ids"]) and r["finished"] == want["finished"]
         assert (r["features"].float() - want["features"].float()).abs().max() <= 2 ** -7 * want["features"].float().abs().max()
     assert load_responses(path)[key] == first[3]["ids"][first[3]["prompt_len"]:].tolist()
+
+
+def _raw_responses(path, head, body=b""):
+    import lzma
+
+    with lzma.open(path, "wb", preset=0) as f:
+        f.write(json.dumps(head).encode() + b"\n" + body)
+
+
+def test_responses_file_limits(tmp_path):
+    """Responses files past the loading limits, or not in the format, fail with a clear error before their
+    contents are read into memory; a file at the record-length limit still loads."""
+    import struct
+
+    from dflash.train.responses import FORMAT, MAX_BYTES, MAX_RESPONSE_TOKENS, MAX_RESPONSES, load_responses
+
+    path = str(tmp_path / "r.xz")
+    head = {"format": FORMAT, "count": 1, "tokens": MAX_RESPONSE_TOKENS + 1}
+    body = b"k" * 8 + struct.pack("<H", MAX_RESPONSE_TOKENS + 1) + b"\x07\x00" * (MAX_RESPONSE_TOKENS + 1)
+    _raw_responses(path, head, body)
+    with pytest.raises(ValueError, match=f"a response of {MAX_RESPONSE_TOKENS + 1} ids; the limit is"):
+        load_responses(path)
+    head["tokens"] = MAX_RESPONSE_TOKENS
+    _raw_responses(path, head, body[:10].replace(struct.pack("<H", MAX_RESPONSE_TOKENS + 1),
+                                                 struct.pack("<H", MAX_RESPONSE_TOKENS)) + body[12:])
+    assert load_responses(path) == {b"k" * 8: [7] * MAX_RESPONSE_TOKENS}
+    _raw_responses(path, {"format": FORMAT, "count": MAX_RESPONSES + 1, "tokens": 0})
+    with pytest.raises(ValueError, match=f"count at most {MAX_RESPONSES}"):
+        load_responses(path)
+    _raw_responses(path, {"format": FORMAT, "count": 0, "tokens": 0}, bytes(MAX_BYTES))  # a decompression bomb
+    with pytest.raises(ValueError, match=f"more than {MAX_BYTES} bytes decompressed"):
+        load_responses(path)
+    (tmp_path / "plain.xz").write_bytes(b"not lzma")
+    with pytest.raises(ValueError, match="not lzma-compressed"):
+        load_responses(str(tmp_path / "plain.xz"))

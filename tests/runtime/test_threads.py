@@ -56,6 +56,34 @@ def test_threads_sharing_a_pair_get_the_single_threaded_outputs(options):
             assert torch.equal(got[t][c], expected[t][c]), (t, c)
 
 
+def test_threads_on_two_pairs_get_the_single_threaded_outputs():
+    """Calls on different targets run in parallel, each building its engine (the cache keeps one): still exact."""
+    pairs = []
+    for arch in ("qwen3", "llama"):
+        target = make_target(arch)
+        pairs.append((target, make_draft(target, layers=1, block_size=3)))
+    prompts = [torch.randint(0, 48, (4 + c,)) for c in range(CALLS)]
+    expected = [[generate(*pair, p, 8, backend="fast").sequences for p in prompts] for pair in pairs]
+    got = [[None] * CALLS for _ in pairs]
+    errors: list[BaseException] = []
+
+    def work(t):
+        try:
+            for c, p in enumerate(prompts):
+                got[t][c] = generate(*pairs[t], p, 8, backend="fast").sequences
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(len(pairs))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    assert all(torch.equal(got[t][c], expected[t][c]) for t in range(len(pairs)) for c in range(CALLS))
+
+
 def test_dropped_models_are_freed():
     target = make_target("qwen3")
     draft = make_draft(target, layers=1, block_size=4)

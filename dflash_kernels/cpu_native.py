@@ -841,7 +841,11 @@ def build_tree(draft_logits: torch.Tensor, lse: torch.Tensor, anchor: torch.Tens
     reference's trees bit for bit, or None (nothing done) where it does not apply: no native library, non-fp32
     logits, or a NaN / +inf logit (the reference then decides by torch.topk's NaN rule)."""
     r, p, v = draft_logits.shape
-    if not (enabled() and draft_logits.dtype == torch.float32 and draft_logits.stride(2) == 1):
+    i64 = torch.int64
+    # Every extent the kernel indexes with, whatever the op validated (its unchecked path).
+    if not (enabled() and draft_logits.dtype == torch.float32 and draft_logits.stride(2) == 1 and budget >= 1
+            and v >= 1 and p >= 1 and anchor.dtype == i64 and anchor.shape == (r,) and lse.shape == (r, p)
+            and (vocab_ids is None or (vocab_ids.dtype == i64 and vocab_ids.shape == (v,)))):
         return None
     t = budget + 1
     out = tuple(torch.empty((r, t), dtype=torch.int64) for _ in range(3))
@@ -858,25 +862,31 @@ def build_tree(draft_logits: torch.Tensor, lse: torch.Tensor, anchor: torch.Tens
 def tree_ancestor_mask(tree_parents: torch.Tensor, words: int) -> torch.Tensor | None:
     """``tree_ancestor_mask``'s "cpu" body for validated CPU parents; None without the native library. A node
     whose parent is not an earlier node (or a root whose parent is not -1) raises ValueError naming it."""
-    if not enabled():
+    if not (enabled() and tree_parents.dtype == torch.int64):
         return None
     r, t = tree_parents.shape
     par = tree_parents if tree_parents.stride(1) == 1 else tree_parents.contiguous()
     mask = torch.empty((r, t, words), dtype=torch.int64)
     bad = _lib.dflash_cpu_tree_ancestor_mask(par.data_ptr(), par.stride(0), r, t, words, mask.data_ptr())
     if bad >= 0:
-        req, node = divmod(bad, t)
-        raise ValueError(f"tree_ancestor_mask: tree_parents[{req}, {node}] = {int(par[req, node])} is not a valid "
-                         f"parent: node 0 (the root) needs -1, node i > 0 an earlier node (0 <= parent < i), as "
-                         "build_tree returns them")
+        raise ValueError(bad_parent_message("tree_ancestor_mask", par, *divmod(bad, t)))
     return mask
+
+
+def bad_parent_message(op: str, tree_parents: torch.Tensor, req: int, node: int) -> str:
+    """The error of a tree whose node ``node`` of request ``req`` has no valid parent."""
+    return (f"{op}: tree_parents[{req}, {node}] = {int(tree_parents[req, node])} is not a valid parent: node 0 (the "
+            "root) needs -1, node i > 0 an earlier node (0 <= parent < i), as build_tree returns them")
 
 
 def tree_walk_tokens(target_tokens: torch.Tensor, tree_tokens: torch.Tensor, tree_parents: torch.Tensor,
                      block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``tree_accept_greedy_tokens``' "cpu" body (validated CPU inputs: [R, T] rows, the last dim contiguous): the
     reference's walk, ``(path, accepted, bonus)``; None without the native library."""
-    if not enabled():
+    i64 = torch.int64
+    if not (enabled() and block_size >= 1 and tree_tokens.dtype == tree_parents.dtype == i64
+            and target_tokens.shape == tree_tokens.shape == tree_parents.shape
+            and tree_tokens.stride(1) == tree_parents.stride(1) == 1):
         return None
     r, t = tree_tokens.shape
     target = target_tokens.to(torch.int64)
@@ -890,27 +900,46 @@ def tree_walk_tokens(target_tokens: torch.Tensor, tree_tokens: torch.Tensor, tre
     return path, accepted, bonus
 
 
+def compact_index_error(paths: list[list[int]], accepted: list[int], start: list[int], rows: list[int],
+                        batch_rows: int) -> str | None:
+    """Why ``tree_compact``'s host values would address rows outside the caches, or None: ``accepted[r]`` must be
+    a depth of the path, the moved sources ``path[r, :accepted[r] + 1]`` and ``start[r]`` non-negative (a
+    negative host index would take a row from the end), batch rows inside the cache. Sources at or past the
+    capacity are allowed: the moves skip them."""
+    for r, (a, s, b, p) in enumerate(zip(accepted, start, rows, paths)):
+        if not 0 <= a < len(p):
+            return f"accepted[{r}] = {a} is not a depth of path (0 <= accepted < B = {len(p)})"
+        if min(p[:a + 1]) < 0:
+            return f"path[{r}, :{a + 1}] = {p[:a + 1]} holds a negative node (the walk's path, -1 only past accepted)"
+        if s < 0:
+            return f"start[{r}] = {s} must be >= 0 (the cache length before the verify step)"
+        if not 0 <= b < batch_rows:
+            return f"cache_batch_idx[{r}] = {b} is outside the cache's {batch_rows} batch rows"
+    return None
+
+
 def tree_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor,
                  start: torch.Tensor, cache_batch_idx: torch.Tensor | None) -> bool:
-    """``tree_compact``'s "cpu" body (validated CPU inputs): the moves by ``memcpy``; False (nothing done) where it
-    does not apply: no native library, non-contiguous caches, or any value the reference would treat otherwise
-    (a path that is not a walk's, negative starts, batch rows outside the cache): the reference then decides."""
-    if not (enabled() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+    """``tree_compact``'s "cpu" body: the moves by ``memcpy``; False (nothing done) where it does not apply: no
+    native library, non-contiguous caches, indices outside the caches (:func:`compact_index_error`), or a path
+    that is not a walk's (node 0, then d <= path[d] < path[d + 1]: only then does no move in depth order overwrite
+    a later one's source); the reference then decides. The kernel reads int64 copies of the values checked here."""
+    if not (enabled() and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+            and k_cache.dim() == 5):
         return False
     layers, nb, cap = k_cache.shape[:3]
-    acc, st = accepted.tolist(), start.tolist()
-    rows = None if cache_batch_idx is None else cache_batch_idx.to(torch.int64).contiguous()
-    batch_rows = rows.tolist() if rows is not None else list(range(len(acc)))
-    paths = path.tolist()
-    bsz = path.shape[1]
-    for a, s, b, p in zip(acc, st, batch_rows, paths):
-        walk = p[:a + 1] if 0 <= a < bsz else None
-        if (walk is None or walk[0] != 0 or s < 0 or not 0 <= b < nb
-                or any(not (d <= x < y) for d, (x, y) in enumerate(zip(walk, walk[1:])))):
+    paths, acc, st = path.tolist(), accepted.tolist(), start.tolist()
+    if not acc:
+        return True
+    rows = cache_batch_idx.tolist() if cache_batch_idx is not None else list(range(len(acc)))
+    if not (len(paths) == len(acc) == len(st) == len(rows)) or compact_index_error(paths, acc, st, rows, nb):
+        return False
+    for a, p in zip(acc, paths):
+        walk = p[:a + 1]
+        if walk[0] != 0 or any(not (d <= x < y) for d, (x, y) in enumerate(zip(walk, walk[1:]))):
             return False
-    path = path.contiguous()
-    accepted, start = accepted.contiguous(), start.contiguous()
-    _lib.dflash_cpu_tree_compact(k_cache.data_ptr(), v_cache.data_ptr(), path.data_ptr(), path.stride(0),
-                                 accepted.data_ptr(), start.data_ptr(), _ptr(rows), len(acc), layers, nb, cap,
+    path_t, acc_t, st_t, rows_t = (_host_index_tensor(x) for x in (paths, acc, st, rows))
+    _lib.dflash_cpu_tree_compact(k_cache.data_ptr(), v_cache.data_ptr(), path_t.data_ptr(), path_t.shape[1],
+                                 acc_t.data_ptr(), st_t.data_ptr(), rows_t.data_ptr(), len(acc), layers, nb, cap,
                                  k_cache.shape[3:].numel() * k_cache.element_size())
     return True

@@ -44,7 +44,8 @@ then (request, head, 4 query rows); the norm and silu_mul split their rows once 
 
 Build: :func:`build_library` compiles a C++ source once per source, flags, compiler and CPU (``-O3
 -march=native -fopenmp``) into ``$DFLASH_CACHE/<name>/<hash>.so`` (default ``~/.cache/dflash``) and loads it
-with ctypes. Without Linux x86-64 or a compiler, :func:`enabled` is False (:func:`unavailable_reason` says why,
+with ctypes; it refuses a cache folder other users can write and loads only a file whose sha256 matches the
+sidecar it wrote with it (else it rebuilds). Without Linux x86-64 or a compiler, :func:`enabled` is False (:func:`unavailable_reason` says why,
 one warning too) and the ops keep their torch formulas (bit-equal to the references). ``DFLASH_CPU_NATIVE=0``
 turns these kernels off (A/B runs, tests of the torch formulas).
 """
@@ -55,6 +56,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import threading
 import warnings
@@ -78,24 +80,79 @@ def cpu_flags() -> str:
         return next((line for line in f if line.startswith("flags")), "")
 
 
-def build_library(name: str, source: str, flags) -> ctypes.CDLL:
-    """Compile ``source`` (C++) with ``flags`` once per source, flags, compiler and CPU into
-    ``<cache_root>/<name>/<hash>.so`` and load it. Raises RuntimeError (no compiler, compile error, not Linux
-    x86-64), OSError or SubprocessError."""
+def private_dir(path: str) -> str:
+    """``path`` as a folder only the current user can write (created mode 0700 when missing). Raises RuntimeError
+    naming ``DFLASH_CACHE`` when it is not: not a folder, owned by another user, or writable by group or others
+    (anyone who can write there could plant a library that the next build would load)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    problem = ("is not a folder" if not stat.S_ISDIR(st.st_mode)
+               else f"is owned by uid {st.st_uid}, not by this user ({os.getuid()})" if st.st_uid != os.getuid()
+               else f"is writable by {'group' if st.st_mode & stat.S_IWGRP else 'others'} (mode "
+                    f"{stat.S_IMODE(st.st_mode):o})" if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) else None)
+    if problem:
+        raise RuntimeError(f"the native-library cache {path} (DFLASH_CACHE, default ~/.cache/dflash) {problem}: other "
+                           f"users could plant code there. Point DFLASH_CACHE at a folder of your own, or run "
+                           f"chmod go-w {path} if it is yours")
+    return path
+
+
+def _digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _own_build(path: str, key: str) -> bool:
+    """Whether ``path`` is the library this process's builder wrote for ``key``: the file and its sidecar
+    ``<path>.sha256`` (the key and the file's sha256, written by :func:`build_library`) owned by this user and
+    writable by no one else, and the file's digest the one recorded."""
+    sidecar = f"{path}.sha256"
+    try:
+        for p in (path, sidecar):
+            st = os.lstat(p)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                return False
+        with open(sidecar, encoding="ascii") as f:
+            recorded = f.read().split()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return recorded == [key, _digest(path)]
+
+
+def library_path(name: str, source: str, flags) -> tuple[str, str, str]:
+    """``(compiler, key, path)`` of :func:`build_library`'s library of ``source`` built with ``flags``: the key
+    hashes the source, flags, compiler and CPU features. Raises RuntimeError without a compiler or off Linux
+    x86-64."""
     features = cpu_flags()
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx:
         raise RuntimeError("no C++ compiler ($CXX, c++ or g++)")
     key = hashlib.sha256("\0".join((source, *flags, cxx, features)).encode()).hexdigest()[:16]
-    path = os.path.join(cache_root(), name, f"{key}.so")
-    if not os.path.isfile(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
+    return cxx, key, os.path.join(cache_root(), name, f"{key}.so")
+
+
+def build_library(name: str, source: str, flags) -> ctypes.CDLL:
+    """Compile ``source`` (C++) with ``flags`` once per source, flags, compiler and CPU into
+    ``<cache_root>/<name>/<hash>.so`` and load it. The folders must be private to this user
+    (:func:`private_dir`); a library is loaded only if this builder wrote it (:func:`_own_build`: its sha256
+    matches the sidecar written with it), else it is rebuilt. Raises RuntimeError (no compiler, compile error,
+    not Linux x86-64, a shared cache folder), OSError or SubprocessError."""
+    cxx, key, path = library_path(name, source, flags)
+    private_dir(cache_root())
+    private_dir(os.path.dirname(path))
+    if not _own_build(path, key):
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # each concurrent builder writes its own
         done = subprocess.run([cxx, *flags, "-x", "c++", "-", "-o", tmp], input=source, text=True,
                               capture_output=True, timeout=300)
         if done.returncode:
             raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, path)  # atomic: concurrent builders each write their own tmp
+        os.chmod(tmp, 0o700)
+        with open(f"{tmp}.sha256", "w", encoding="ascii") as f:
+            f.write(f"{key} {_digest(tmp)}\n")
+        os.replace(f"{tmp}.sha256", f"{path}.sha256")  # atomic: the sidecar first, then the file it describes
+        os.replace(tmp, path)
+        if not _own_build(path, key):  # another builder replaced the sidecar in between: its file is as good
+            raise RuntimeError(f"{path} changed while it was built; run again")
     return ctypes.CDLL(path)
 
 

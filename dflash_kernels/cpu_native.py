@@ -578,10 +578,11 @@ struct Candidate {  // a heap entry, ordered as the reference's tuples (-score, 
 // z [R, P, V] fp32 (strides ldr, ldp; last dim contiguous), lse [R, P] (the log normalizer), K = min(T - 1, V)
 // -> tokens / parents / depths [R, T] int64. Per row the K largest logits, by value desc then index asc, as
 // log p = fp32(z - lse); then the best-first enumeration. Returns 1 (nothing usable written) when a logit is
-// NaN or +inf (the reference's order then follows torch.topk's NaN rule), else 0.
-extern "C" int dflash_cpu_build_tree(const float* z, long ldr, long ldp, long R, long P, long V, const float* lse,
-                                     long K, long T, const int64_t* anchor, const int64_t* vocab_ids,
-                                     int64_t* tokens, int64_t* parents, int64_t* depths) {
+// NaN or +inf (the reference's order then follows torch.topk's NaN rule), 2 when its work memory cannot be
+// allocated, else 0.
+static int build_tree(const float* z, long ldr, long ldp, long R, long P, long V, const float* lse, long K, long T,
+                      const int64_t* anchor, const int64_t* vocab_ids, int64_t* tokens, int64_t* parents,
+                      int64_t* depths) {
   std::vector<float> lp(P * K);
   std::vector<long> idx(P * K);
   std::vector<float> score(T);
@@ -631,6 +632,16 @@ extern "C" int dflash_cpu_build_tree(const float* z, long ldr, long ldp, long R,
     }
   }
   return 0;
+}
+
+extern "C" int dflash_cpu_build_tree(const float* z, long ldr, long ldp, long R, long P, long V, const float* lse,
+                                     long K, long T, const int64_t* anchor, const int64_t* vocab_ids,
+                                     int64_t* tokens, int64_t* parents, int64_t* depths) {
+  try {
+    return build_tree(z, ldr, ldp, R, P, V, lse, K, T, anchor, vocab_ids, tokens, parents, depths);
+  } catch (const std::bad_alloc&) {  // an exception must not cross the C boundary (it would abort the process)
+    return 2;
+  }
 }
 
 // parents [R, T] (row stride ldr) -> mask [R, T, W]: node i's words are its parent's plus bit i. Returns the
@@ -909,11 +920,12 @@ def build_tree(draft_logits: torch.Tensor, lse: torch.Tensor, anchor: torch.Tens
     lse = lse.contiguous()
     anchor = anchor.contiguous()
     ids = None if vocab_ids is None else vocab_ids.contiguous()
-    if _lib.dflash_cpu_build_tree(draft_logits.data_ptr(), draft_logits.stride(0), draft_logits.stride(1), r, p, v,
-                                  lse.data_ptr(), min(budget, v), t, anchor.data_ptr(), _ptr(ids),
-                                  *(o.data_ptr() for o in out)) != 0:
-        return None
-    return out
+    status = _lib.dflash_cpu_build_tree(draft_logits.data_ptr(), draft_logits.stride(0), draft_logits.stride(1), r,
+                                        p, v, lse.data_ptr(), min(budget, v), t, anchor.data_ptr(), _ptr(ids),
+                                        *(o.data_ptr() for o in out))
+    if status == 2:
+        _raise_on_failure(status, "build_tree", f"{r} trees of {t} nodes over {p} depths")
+    return None if status else out
 
 
 def tree_ancestor_mask(tree_parents: torch.Tensor, words: int) -> torch.Tensor | None:

@@ -65,6 +65,9 @@ import torch
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 ENV = "DFLASH_CPU_NATIVE"
+# A sanitizer for every native build (e.g. "address": csrc/tests/asan_cpu.sh runs the op tests on ASan builds;
+# the process needs the sanitizer's runtime preloaded). Part of the flags, so of the cache key.
+SANITIZE_ENV = "DFLASH_CPU_SANITIZE"
 
 
 def cache_root() -> str:
@@ -135,8 +138,12 @@ def build_library(name: str, source: str, flags) -> ctypes.CDLL:
     """Compile ``source`` (C++) with ``flags`` once per source, flags, compiler and CPU into
     ``<cache_root>/<name>/<hash>.so`` and load it. The folders must be private to this user
     (:func:`private_dir`); a library is loaded only if this builder wrote it (:func:`_own_build`: its sha256
-    matches the sidecar written with it), else it is rebuilt. Raises RuntimeError (no compiler, compile error,
+    matches the sidecar written with it), else it is rebuilt. ``$DFLASH_CPU_SANITIZE`` adds a sanitizer to the
+    flags. Raises RuntimeError (no compiler, compile error,
     not Linux x86-64, a shared cache folder), OSError or SubprocessError."""
+    sanitizer = os.environ.get(SANITIZE_ENV)
+    if sanitizer:
+        flags = (*flags, f"-fsanitize={sanitizer}", "-fno-omit-frame-pointer", "-g")
     cxx, key, path = library_path(name, source, flags)
     private_dir(cache_root())
     private_dir(os.path.dirname(path))

@@ -44,7 +44,8 @@ then (request, head, 4 query rows); the norm and silu_mul split their rows once 
 
 Build: :func:`build_library` compiles a C++ source once per source, flags, compiler and CPU (``-O3
 -march=native -fopenmp``) into ``$DFLASH_CACHE/<name>/<hash>.so`` (default ``~/.cache/dflash``) and loads it
-with ctypes. Without Linux x86-64 or a compiler, :func:`enabled` is False (:func:`unavailable_reason` says why,
+with ctypes; it refuses a cache folder other users can write and loads only a file whose sha256 matches the
+sidecar it wrote with it (else it rebuilds). Without Linux x86-64 or a compiler, :func:`enabled` is False (:func:`unavailable_reason` says why,
 one warning too) and the ops keep their torch formulas (bit-equal to the references). ``DFLASH_CPU_NATIVE=0``
 turns these kernels off (A/B runs, tests of the torch formulas).
 """
@@ -55,6 +56,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import threading
 import warnings
@@ -63,6 +65,9 @@ import torch
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 ENV = "DFLASH_CPU_NATIVE"
+# A sanitizer for every native build (e.g. "address": csrc/tests/asan_cpu.sh runs the op tests on ASan builds;
+# the process needs the sanitizer's runtime preloaded). Part of the flags, so of the cache key.
+SANITIZE_ENV = "DFLASH_CPU_SANITIZE"
 
 
 def cache_root() -> str:
@@ -78,24 +83,83 @@ def cpu_flags() -> str:
         return next((line for line in f if line.startswith("flags")), "")
 
 
-def build_library(name: str, source: str, flags) -> ctypes.CDLL:
-    """Compile ``source`` (C++) with ``flags`` once per source, flags, compiler and CPU into
-    ``<cache_root>/<name>/<hash>.so`` and load it. Raises RuntimeError (no compiler, compile error, not Linux
-    x86-64), OSError or SubprocessError."""
+def private_dir(path: str) -> str:
+    """``path`` as a folder only the current user can write (created mode 0700 when missing). Raises RuntimeError
+    naming ``DFLASH_CACHE`` when it is not: not a folder, owned by another user, or writable by group or others
+    (anyone who can write there could plant a library that the next build would load)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    problem = ("is not a folder" if not stat.S_ISDIR(st.st_mode)
+               else f"is owned by uid {st.st_uid}, not by this user ({os.getuid()})" if st.st_uid != os.getuid()
+               else f"is writable by {'group' if st.st_mode & stat.S_IWGRP else 'others'} (mode "
+                    f"{stat.S_IMODE(st.st_mode):o})" if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) else None)
+    if problem:
+        raise RuntimeError(f"the native-library cache {path} (DFLASH_CACHE, default ~/.cache/dflash) {problem}: other "
+                           f"users could plant code there. Point DFLASH_CACHE at a folder of your own, or run "
+                           f"chmod go-w {path} if it is yours")
+    return path
+
+
+def _digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()  # a library of a few hundred KB: one read
+
+
+def _own_build(path: str, key: str) -> bool:
+    """Whether ``path`` is the library this process's builder wrote for ``key``: the file and its sidecar
+    ``<path>.sha256`` (the key and the file's sha256, written by :func:`build_library`) owned by this user and
+    writable by no one else, and the file's digest the one recorded."""
+    sidecar = f"{path}.sha256"
+    try:
+        for p in (path, sidecar):
+            st = os.lstat(p)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                return False
+        with open(sidecar, encoding="ascii") as f:
+            recorded = f.read().split()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return recorded == [key, _digest(path)]
+
+
+def library_path(name: str, source: str, flags) -> tuple[str, str, str]:
+    """``(compiler, key, path)`` of :func:`build_library`'s library of ``source`` built with ``flags``: the key
+    hashes the source, flags, compiler and CPU features. Raises RuntimeError without a compiler or off Linux
+    x86-64."""
     features = cpu_flags()
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx:
         raise RuntimeError("no C++ compiler ($CXX, c++ or g++)")
     key = hashlib.sha256("\0".join((source, *flags, cxx, features)).encode()).hexdigest()[:16]
-    path = os.path.join(cache_root(), name, f"{key}.so")
-    if not os.path.isfile(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
+    return cxx, key, os.path.join(cache_root(), name, f"{key}.so")
+
+
+def build_library(name: str, source: str, flags) -> ctypes.CDLL:
+    """Compile ``source`` (C++) with ``flags`` once per source, flags, compiler and CPU into
+    ``<cache_root>/<name>/<hash>.so`` and load it. The folders must be private to this user
+    (:func:`private_dir`); a library is loaded only if this builder wrote it (:func:`_own_build`: its sha256
+    matches the sidecar written with it), else it is rebuilt. ``$DFLASH_CPU_SANITIZE`` adds a sanitizer to the
+    flags. Raises RuntimeError (no compiler, compile error,
+    not Linux x86-64, a shared cache folder), OSError or SubprocessError."""
+    sanitizer = os.environ.get(SANITIZE_ENV)
+    if sanitizer:
+        flags = (*flags, f"-fsanitize={sanitizer}", "-fno-omit-frame-pointer", "-g")
+    cxx, key, path = library_path(name, source, flags)
+    private_dir(cache_root())
+    private_dir(os.path.dirname(path))
+    if not _own_build(path, key):
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # each concurrent builder writes its own
         done = subprocess.run([cxx, *flags, "-x", "c++", "-", "-o", tmp], input=source, text=True,
                               capture_output=True, timeout=300)
         if done.returncode:
             raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, path)  # atomic: concurrent builders each write their own tmp
+        os.chmod(tmp, 0o700)
+        with open(f"{tmp}.sha256", "w", encoding="ascii") as f:
+            f.write(f"{key} {_digest(tmp)}\n")
+        os.replace(f"{tmp}.sha256", f"{path}.sha256")  # atomic: the sidecar first, then the file it describes
+        os.replace(tmp, path)
+        if not _own_build(path, key):  # another builder replaced the sidecar in between: its file is as good
+            raise RuntimeError(f"{path} changed while it was built; run again")
     return ctypes.CDLL(path)
 
 
@@ -106,8 +170,11 @@ _SOURCE = r"""
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <new>
 #include <queue>
 #include <vector>
+
+#include <omp.h>
 
 namespace {
 
@@ -347,8 +414,12 @@ extern "C" void dflash_cpu_inject_kv_f32(const float* k, long sk, const float* v
 // [N, B, words] ancestor bits; out [N, B, nH, D] contiguous. write_kv: the block's K/V rows go to cache rows
 // lens[n] + i (the verify step), else to a scratch copy (the draft step: its cache holds the context only).
 // Block key j of request n is seen by query row i iff j < block_lens[n] and (tree: bit j of row i's mask;
-// causal: j <= i; else always). The caller guarantees lens[n] (+ B with write_kv) <= cap, D <= 512, D % 16 == 0.
-extern "C" void dflash_cpu_block_attention_f32(
+// causal: j <= i; else always). The caller guarantees lens[n] (+ B with write_kv) <= cap, D <= 512, D % 16 == 0,
+// 0 <= block_lens[n] <= B. NaN follows the definition's SDPA: a NaN (or +inf) score of query row i against any
+// key j < lens[n] + block_lens[n], seen or masked, makes that row's output NaN; a NaN in a V row reaches every
+// output its zero or non-zero weight multiplies. Returns 0, or 1 (nothing computed) when its scratch memory cannot
+// be allocated.
+extern "C" int dflash_cpu_block_attention_f32(
     const float* q, long sq_n, long sq_b, const float* k, long sk_n, long sk_b, const float* v, long sv_n,
     long sv_b, float* kc, float* vc, long cap, const int64_t* lens, const int64_t* rows, const int64_t* block_lens,
     const float* qw, const float* kw, float eps, const float* cos_t, const float* sin_t, const int64_t* tree_mask,
@@ -356,7 +427,11 @@ extern "C" void dflash_cpu_block_attention_f32(
     int threads) {
   const long group = nH / kvH, row_stride = kvH * D;
   const long kmax = max_len(lens, N) + B, tiles = (kmax + L - 1) / L, kpad = tiles * L;
-  std::unique_ptr<float[]> scratch(new float[write_kv ? 1 : 2 * N * B * kvH * D]);
+  std::unique_ptr<float[]> scratch(new (std::nothrow) float[write_kv ? 1 : 2 * N * B * kvH * D]);
+  // Each thread's query rows after norm + RoPE (B x D) and score rows (B x kpad).
+  const long per_thread = B * D + B * kpad;
+  std::unique_ptr<float[]> work(new (std::nothrow) float[threads * per_thread]);
+  if (!scratch || !work) return 1;
   float* bk = scratch.get();
   float* bv = bk + N * B * kvH * D;
   auto cache_row = [&](long n) { return rows ? rows[n] : n; };  // request n's row of the caches
@@ -368,7 +443,8 @@ extern "C" void dflash_cpu_block_attention_f32(
   // Few query rows per KV head (a one-token step): a score is a dot product and a vector sum, cheaper than
   // transposing the keys, which pays for itself from about 8 rows per head (64 moves per key vs ~8 ops per sum).
   const bool transpose = B * group >= 8;
-  std::unique_ptr<v16[]> kt(new v16[transpose ? N * kvH * tiles * D : 1]);  // C++17: over-aligned, not zeroed
+  std::unique_ptr<v16[]> kt(new (std::nothrow) v16[transpose ? N * kvH * tiles * D : 1]);  // over-aligned
+  if (!kt) return 1;
 #pragma omp parallel num_threads(threads)
   {
     // Phase 1: the block's K (normed, rotated) and V rows into the cache (or the scratch copy).
@@ -403,7 +479,8 @@ extern "C" void dflash_cpu_block_attention_f32(
     // smaller units than a whole head balance the threads: 9 heads on 2 threads would idle one for a ninth of the
     // time; 8-row units were no faster here).
     constexpr long UR = 4;
-    std::vector<float> qr(B * D), s(B * kpad);
+    float* const qr = work.get() + omp_get_thread_num() * per_thread;
+    float* const s = qr + B * D;
     const long chunks = (B + UR - 1) / UR;
 #pragma omp for schedule(static)
     for (long u = 0; u < N * nH * chunks; ++u) {
@@ -441,10 +518,12 @@ extern "C" void dflash_cpu_block_attention_f32(
         }
       }
       float inv[UR];
+      const long nb = block_lens ? block_lens[n] : B;
       for (long i = ib; i < ie; ++i) {
         float* si = &s[i * kpad];
         const int64_t* bits = tree_mask ? tree_mask + (n * B + i) * words : 0;
-        long nb = block_lens ? block_lens[n] : B;
+        bool poisoned = false;  // a NaN / +inf score: the definition's softmax row is NaN
+        for (long j = 0; j < ctx + nb; ++j) poisoned |= !(si[j] < INFINITY);
         for (long bj = 0; bj < B; ++bj) {
           bool seen = bj < nb && (bits ? ((bits[bj >> 6] >> (bj & 63)) & 1) != 0 : !causal || bj <= i);
           if (!seen) si[ctx + bj] = -INFINITY;
@@ -463,7 +542,7 @@ extern "C" void dflash_cpu_block_attention_f32(
           sum += e;
         }
         float l = hsum(sum);
-        inv[i - ib] = l > 0.f ? 1.f / l : 0.f;
+        inv[i - ib] = poisoned ? NAN : l > 0.f ? 1.f / l : 0.f;
       }
       // The weighted sums of the V rows for the unit's query rows together (each V row loaded once for all of
       // them): the context rows in the cache, then the block's (in the cache after them, or aside), 64 output
@@ -476,7 +555,7 @@ extern "C" void dflash_cpu_block_attention_f32(
         const int nv = D - d0 >= 4 * L ? 4 : (int)((D - d0) / L);
         v16 acc[UR][4] = {};
         weighted_rows_any(ctx_v + d0, row_stride, &s[ib * kpad], kpad, ctx, nr, nv, acc);
-        weighted_rows_any(blk_v + d0, blk_stride, &s[ib * kpad + ctx], kpad, B, nr, nv, acc);
+        weighted_rows_any(blk_v + d0, blk_stride, &s[ib * kpad + ctx], kpad, nb, nr, nv, acc);
         for (int r = 0; r < nr; ++r) {
           float* o = out + ((n * B + ib + r) * nH + h) * D;
           for (int c = 0; c < nv; ++c)
@@ -485,6 +564,7 @@ extern "C" void dflash_cpu_block_attention_f32(
       }
     }
   }
+  return 0;
 }
 // ---- draft trees (dflash_kernels.tree's "cpu" bodies; definitions: build_tree_reference,
 // tree_ancestor_mask_reference, whose results these reproduce bit for bit).
@@ -505,10 +585,11 @@ struct Candidate {  // a heap entry, ordered as the reference's tuples (-score, 
 // z [R, P, V] fp32 (strides ldr, ldp; last dim contiguous), lse [R, P] (the log normalizer), K = min(T - 1, V)
 // -> tokens / parents / depths [R, T] int64. Per row the K largest logits, by value desc then index asc, as
 // log p = fp32(z - lse); then the best-first enumeration. Returns 1 (nothing usable written) when a logit is
-// NaN or +inf (the reference's order then follows torch.topk's NaN rule), else 0.
-extern "C" int dflash_cpu_build_tree(const float* z, long ldr, long ldp, long R, long P, long V, const float* lse,
-                                     long K, long T, const int64_t* anchor, const int64_t* vocab_ids,
-                                     int64_t* tokens, int64_t* parents, int64_t* depths) {
+// NaN or +inf (the reference's order then follows torch.topk's NaN rule), 2 when its work memory cannot be
+// allocated, else 0.
+static int build_tree(const float* z, long ldr, long ldp, long R, long P, long V, const float* lse, long K, long T,
+                      const int64_t* anchor, const int64_t* vocab_ids, int64_t* tokens, int64_t* parents,
+                      int64_t* depths) {
   std::vector<float> lp(P * K);
   std::vector<long> idx(P * K);
   std::vector<float> score(T);
@@ -558,6 +639,16 @@ extern "C" int dflash_cpu_build_tree(const float* z, long ldr, long ldp, long R,
     }
   }
   return 0;
+}
+
+extern "C" int dflash_cpu_build_tree(const float* z, long ldr, long ldp, long R, long P, long V, const float* lse,
+                                     long K, long T, const int64_t* anchor, const int64_t* vocab_ids,
+                                     int64_t* tokens, int64_t* parents, int64_t* depths) {
+  try {
+    return build_tree(z, ldr, ldp, R, P, V, lse, K, T, anchor, vocab_ids, tokens, parents, depths);
+  } catch (const std::bad_alloc&) {  // an exception must not cross the C boundary (it would abort the process)
+    return 2;
+  }
 }
 
 // parents [R, T] (row stride ldr) -> mask [R, T, W]: node i's words are its parent's plus bit i. Returns the
@@ -650,7 +741,7 @@ def _load():
                 lib.dflash_cpu_add_rms_norm_f32.argtypes = [p, n, p, p, p, n, n, f, i]
                 lib.dflash_cpu_silu_mul_f32.restype = None
                 lib.dflash_cpu_silu_mul_f32.argtypes = [p, n, p, n, n, i]
-                lib.dflash_cpu_block_attention_f32.restype = None
+                lib.dflash_cpu_block_attention_f32.restype = i
                 lib.dflash_cpu_block_attention_f32.argtypes = [
                     p, n, n, p, n, n, p, n, n, p, p, n, p, p, p, p, p, f, p, p, p, n, i, i, p, n, n, n, n, n, f, i]
                 lib.dflash_cpu_inject_kv_f32.restype = None
@@ -693,6 +784,13 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
+def _raise_on_failure(status: int, kernel: str, size: str) -> None:
+    """A kernel's non-zero status (its scratch memory could not be allocated) as a MemoryError naming the size."""
+    if status:
+        raise MemoryError(f"cpu_native.{kernel}: not enough memory for the kernel's scratch ({size}); use fewer or "
+                          "shorter requests")
+
+
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
                  out: torch.Tensor) -> bool:
     """``add_rms_norm``'s "cpu" body for fp32 tensors (x rows viewable as ``[rows, H]`` with a row stride,
@@ -728,79 +826,87 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> bool:
     return True
 
 
-def block_attention(q, k, v, k_cache, v_cache, lens: list[int], cache_lens: torch.Tensor, rows, q_norm_weight,
-                    k_norm_weight, eps, scale, cos, sin_signed, *, causal: bool, write_kv: bool, block_lens=None,
-                    tree_mask=None, row_list=None) -> torch.Tensor | None:
+def _host_index_tensor(values) -> torch.Tensor | None:
+    """A new contiguous int64 tensor of host ``values`` (None: None): what a kernel reads, built from the very
+    values its caller checked, so no other thread's write to the caller's tensor between the check and the call
+    reaches the C code, and an int32 input is read at its values, not as half of an int64."""
+    return None if values is None else torch.tensor(values, dtype=torch.int64)
+
+
+def block_attention(q, k, v, k_cache, v_cache, lens: list[int], rows: list[int] | None, q_norm_weight,
+                    k_norm_weight, eps, scale, cos, sin_signed, *, causal: bool, write_kv: bool,
+                    block_lens: list[int] | None = None, tree_mask=None) -> torch.Tensor | None:
     """The "cpu" body of ``verify_attention`` (``write_kv``, causal or a tree) and ``draft_attention`` (no write,
-    ``block_lens``) for fp32 tensors on a contiguous cache (with room for the block where it is written; ``lens``:
-    ``cache_lens`` on the host, ``row_list``: ``rows`` on the host, None for 0..N-1); None (nothing done) where it
-    does not apply, including cache rows outside the cache (the torch formulas then raise the IndexError)."""
+    ``block_lens``) for fp32 tensors on a contiguous cache (with room for the block where it is written).
+    ``lens``, ``rows`` (None: 0..N-1) and ``block_lens`` (None: all B rows) are host values: the kernel reads
+    int64 copies of exactly these. None (nothing done) where it does not apply, including cache rows outside the
+    cache (the torch formulas then raise the IndexError). Raises MemoryError when the kernel's scratch cannot be
+    allocated."""
     f32 = torch.float32
     n, b, nh, d = q.shape
     kvh = k.shape[2]
     cap = k_cache.shape[1]
     norms = [t for t in (q_norm_weight, k_norm_weight) if t is not None]
-    # Every extent the kernel indexes with, checked here whatever the op validated: a mismatch falls back to the
-    # torch formula (which raises) instead of reaching memory past a buffer.
+    # Every extent and index the kernel uses, checked here whatever the op validated: a mismatch falls back to
+    # the torch formula (which raises) instead of reaching memory past a buffer.
     shapes_ok = (k.shape == v.shape == (n, b, kvh, d) and nh % kvh == 0 and k_cache.dim() == 4
                  and k_cache.shape[2:] == (kvh, d) and v_cache.shape == k_cache.shape
-                 and cache_lens.numel() == len(lens) == n and all(t.numel() == d for t in norms)
+                 and len(lens) == n and all(t.numel() == d for t in norms)
                  and cos.shape == sin_signed.shape == (n * b, d)
-                 and (rows is None or rows.numel() == n) and (block_lens is None or block_lens.numel() == n)
+                 and (rows is None or len(rows) == n) and (block_lens is None or len(block_lens) == n)
                  and (tree_mask is None or (tree_mask.shape[:2] == (n, b) and tree_mask.shape[2] * 64 >= b)))
     if not (shapes_ok and q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == f32 and d <= MAX_HEAD_DIM
             and all(t.dtype == f32 and t.is_contiguous() for t in norms) and k_cache.is_contiguous()
             and v_cache.is_contiguous() and all(t.stride(3) == 1 and t.stride(2) == d for t in (q, k, v))
             and d % 16 == 0 and n > 0 and max(lens) + (b if write_kv else 0) <= cap and min(lens) >= 0
-            and (row_list is None or all(0 <= r < k_cache.shape[0] for r in row_list))
-            and (rows is not None or n <= k_cache.shape[0]) and enabled()):
+            and (rows is None or all(0 <= r < k_cache.shape[0] for r in rows))
+            and (rows is not None or n <= k_cache.shape[0])
+            and (block_lens is None or all(0 <= x <= b for x in block_lens)) and enabled()):
         return None
     words = 0
     if tree_mask is not None:
         tree_mask = tree_mask.contiguous()
         words = tree_mask.shape[-1]
-    cache_lens, cos, sin_signed = cache_lens.contiguous(), cos.contiguous(), sin_signed.contiguous()
-    rows = None if rows is None else rows.contiguous()
-    block_lens = None if block_lens is None else block_lens.contiguous()
+    cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
+    lens_t, rows_t, block_lens_t = (_host_index_tensor(x) for x in (lens, rows, block_lens))
     out = q.new_empty((n, b, nh, d))
-    _lib.dflash_cpu_block_attention_f32(
+    status = _lib.dflash_cpu_block_attention_f32(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
-        v.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), cap, cache_lens.data_ptr(), _ptr(rows),
-        _ptr(block_lens), _ptr(q_norm_weight), _ptr(k_norm_weight), eps, cos.data_ptr(), sin_signed.data_ptr(),
+        v.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), cap, lens_t.data_ptr(), _ptr(rows_t),
+        _ptr(block_lens_t), _ptr(q_norm_weight), _ptr(k_norm_weight), eps, cos.data_ptr(), sin_signed.data_ptr(),
         _ptr(tree_mask), words, int(causal), int(write_kv), out.data_ptr(), n, b, nh, kvh, d, scale,
         torch.get_num_threads())
+    _raise_on_failure(status, "block_attention", f"{n} requests x {b} block rows over {max(lens)} context rows")
     return out
 
 
 def inject_context_kv(k: torch.Tensor, v: torch.Tensor, k_norm_weight: torch.Tensor, eps: float, cu: list[int],
-                      cache_lens: torch.Tensor, cache_rows: torch.Tensor | None, cos: torch.Tensor,
-                      sin_signed: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """``inject_context_kv``'s "cpu" body for fp32 tensors on a contiguous cache (``cu``: the row offsets on the
-    host; ``cache_rows``: ``cache_batch_idx`` or None; ``cos`` / ``sin_signed`` [cu[-1], D]: each row's tables);
-    False (nothing done) where it does not apply, including offsets that are not a partition of k's first rows and
-    cache rows outside the cache (the reference then decides)."""
+                      lens: list[int], rows: list[int] | None, cos: torch.Tensor, sin_signed: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """``inject_context_kv``'s "cpu" body for fp32 tensors on a contiguous cache (host values: ``cu`` the row
+    offsets, ``lens`` the cache lengths, ``rows`` ``cache_batch_idx`` or None; ``cos`` / ``sin_signed``
+    [cu[-1], D]: each row's tables); False (nothing done) where it does not apply, including offsets that are not
+    a partition of k's first rows and cache rows outside the cache (the reference then decides)."""
     f32 = torch.float32
     m, kvh, d = k.shape
     n = len(cu) - 1
-    rows = None if cache_rows is None else cache_rows.to(torch.int64).contiguous()
-    lens = cache_lens.to(torch.int64).contiguous()
-    # Every extent the kernel indexes with, checked here: a mismatch falls back to the reference.
+    # Every extent and index the kernel uses, checked here: a mismatch falls back to the reference.
     if not (enabled() and k.dtype == v.dtype == k_norm_weight.dtype == k_cache.dtype == v_cache.dtype == f32
             and v.shape == k.shape and k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == d
             and k_cache.dim() == 4 and k_cache.shape[2:] == (kvh, d) and v_cache.shape == k_cache.shape
             and k_cache.is_contiguous() and v_cache.is_contiguous() and k_norm_weight.is_contiguous()
             and k_norm_weight.numel() == d and 0 < d <= MAX_HEAD_DIM and n > 0 and cu[0] == 0 and cu[-1] <= m
-            and all(a <= b for a, b in zip(cu, cu[1:])) and lens.numel() == n and min(lens.tolist()) >= 0
+            and all(a <= b for a, b in zip(cu, cu[1:])) and len(lens) == n and min(lens) >= 0
             and cos.shape == sin_signed.shape == (cu[-1], d)
-            and (rows.numel() == n and all(0 <= r < k_cache.shape[0] for r in rows.tolist()) if rows is not None
+            and (len(rows) == n and all(0 <= r < k_cache.shape[0] for r in rows) if rows is not None
                  else n <= k_cache.shape[0])):
         return False
-    offsets = torch.tensor(cu, dtype=torch.int64)
+    offsets, lens_t, rows_t = (_host_index_tensor(x) for x in (cu, lens, rows))
     cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
     _lib.dflash_cpu_inject_kv_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_norm_weight.data_ptr(), eps,
-                                  offsets.data_ptr(), lens.data_ptr(), _ptr(rows), n, cos.data_ptr(), sin_signed.data_ptr(),
-                                  k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], kvh, d,
-                                  torch.get_num_threads())
+                                  offsets.data_ptr(), lens_t.data_ptr(), _ptr(rows_t), n, cos.data_ptr(),
+                                  sin_signed.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], kvh,
+                                  d, torch.get_num_threads())
     return True
 
 
@@ -810,42 +916,53 @@ def build_tree(draft_logits: torch.Tensor, lse: torch.Tensor, anchor: torch.Tens
     reference's trees bit for bit, or None (nothing done) where it does not apply: no native library, non-fp32
     logits, or a NaN / +inf logit (the reference then decides by torch.topk's NaN rule)."""
     r, p, v = draft_logits.shape
-    if not (enabled() and draft_logits.dtype == torch.float32 and draft_logits.stride(2) == 1):
+    i64 = torch.int64
+    # Every extent the kernel indexes with, whatever the op validated (its unchecked path).
+    if not (enabled() and draft_logits.dtype == torch.float32 and draft_logits.stride(2) == 1 and budget >= 1
+            and v >= 1 and p >= 1 and anchor.dtype == i64 and anchor.shape == (r,) and lse.shape == (r, p)
+            and (vocab_ids is None or (vocab_ids.dtype == i64 and vocab_ids.shape == (v,)))):
         return None
     t = budget + 1
     out = tuple(torch.empty((r, t), dtype=torch.int64) for _ in range(3))
     lse = lse.contiguous()
     anchor = anchor.contiguous()
     ids = None if vocab_ids is None else vocab_ids.contiguous()
-    if _lib.dflash_cpu_build_tree(draft_logits.data_ptr(), draft_logits.stride(0), draft_logits.stride(1), r, p, v,
-                                  lse.data_ptr(), min(budget, v), t, anchor.data_ptr(), _ptr(ids),
-                                  *(o.data_ptr() for o in out)) != 0:
-        return None
-    return out
+    status = _lib.dflash_cpu_build_tree(draft_logits.data_ptr(), draft_logits.stride(0), draft_logits.stride(1), r,
+                                        p, v, lse.data_ptr(), min(budget, v), t, anchor.data_ptr(), _ptr(ids),
+                                        *(o.data_ptr() for o in out))
+    if status == 2:
+        _raise_on_failure(status, "build_tree", f"{r} trees of {t} nodes over {p} depths")
+    return None if status else out
 
 
 def tree_ancestor_mask(tree_parents: torch.Tensor, words: int) -> torch.Tensor | None:
     """``tree_ancestor_mask``'s "cpu" body for validated CPU parents; None without the native library. A node
     whose parent is not an earlier node (or a root whose parent is not -1) raises ValueError naming it."""
-    if not enabled():
+    if not (enabled() and tree_parents.dtype == torch.int64):
         return None
     r, t = tree_parents.shape
     par = tree_parents if tree_parents.stride(1) == 1 else tree_parents.contiguous()
     mask = torch.empty((r, t, words), dtype=torch.int64)
     bad = _lib.dflash_cpu_tree_ancestor_mask(par.data_ptr(), par.stride(0), r, t, words, mask.data_ptr())
     if bad >= 0:
-        req, node = divmod(bad, t)
-        raise ValueError(f"tree_ancestor_mask: tree_parents[{req}, {node}] = {int(par[req, node])} is not a valid "
-                         f"parent: node 0 (the root) needs -1, node i > 0 an earlier node (0 <= parent < i), as "
-                         "build_tree returns them")
+        raise ValueError(bad_parent_message("tree_ancestor_mask", par, *divmod(bad, t)))
     return mask
+
+
+def bad_parent_message(op: str, tree_parents: torch.Tensor, req: int, node: int) -> str:
+    """The error of a tree whose node ``node`` of request ``req`` has no valid parent."""
+    return (f"{op}: tree_parents[{req}, {node}] = {int(tree_parents[req, node])} is not a valid parent: node 0 (the "
+            "root) needs -1, node i > 0 an earlier node (0 <= parent < i), as build_tree returns them")
 
 
 def tree_walk_tokens(target_tokens: torch.Tensor, tree_tokens: torch.Tensor, tree_parents: torch.Tensor,
                      block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``tree_accept_greedy_tokens``' "cpu" body (validated CPU inputs: [R, T] rows, the last dim contiguous): the
     reference's walk, ``(path, accepted, bonus)``; None without the native library."""
-    if not enabled():
+    i64 = torch.int64
+    if not (enabled() and block_size >= 1 and tree_tokens.dtype == tree_parents.dtype == i64
+            and target_tokens.shape == tree_tokens.shape == tree_parents.shape
+            and tree_tokens.stride(1) == tree_parents.stride(1) == 1):
         return None
     r, t = tree_tokens.shape
     target = target_tokens.to(torch.int64)
@@ -859,27 +976,46 @@ def tree_walk_tokens(target_tokens: torch.Tensor, tree_tokens: torch.Tensor, tre
     return path, accepted, bonus
 
 
+def compact_index_error(paths: list[list[int]], accepted: list[int], start: list[int], rows: list[int],
+                        batch_rows: int) -> str | None:
+    """Why ``tree_compact``'s host values would address rows outside the caches, or None: ``accepted[r]`` must be
+    a depth of the path, the moved sources ``path[r, :accepted[r] + 1]`` and ``start[r]`` non-negative (a
+    negative host index would take a row from the end), batch rows inside the cache. Sources at or past the
+    capacity are allowed: the moves skip them."""
+    for r, (a, s, b, p) in enumerate(zip(accepted, start, rows, paths)):
+        if not 0 <= a < len(p):
+            return f"accepted[{r}] = {a} is not a depth of path (0 <= accepted < B = {len(p)})"
+        if min(p[:a + 1]) < 0:
+            return f"path[{r}, :{a + 1}] = {p[:a + 1]} holds a negative node (the walk's path, -1 only past accepted)"
+        if s < 0:
+            return f"start[{r}] = {s} must be >= 0 (the cache length before the verify step)"
+        if not 0 <= b < batch_rows:
+            return f"cache_batch_idx[{r}] = {b} is outside the cache's {batch_rows} batch rows"
+    return None
+
+
 def tree_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor,
                  start: torch.Tensor, cache_batch_idx: torch.Tensor | None) -> bool:
-    """``tree_compact``'s "cpu" body (validated CPU inputs): the moves by ``memcpy``; False (nothing done) where it
-    does not apply: no native library, non-contiguous caches, or any value the reference would treat otherwise
-    (a path that is not a walk's, negative starts, batch rows outside the cache): the reference then decides."""
-    if not (enabled() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+    """``tree_compact``'s "cpu" body: the moves by ``memcpy``; False (nothing done) where it does not apply: no
+    native library, non-contiguous caches, indices outside the caches (:func:`compact_index_error`), or a path
+    that is not a walk's (node 0, then d <= path[d] < path[d + 1]: only then does no move in depth order overwrite
+    a later one's source); the reference then decides. The kernel reads int64 copies of the values checked here."""
+    if not (enabled() and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+            and k_cache.dim() == 5):
         return False
     layers, nb, cap = k_cache.shape[:3]
-    acc, st = accepted.tolist(), start.tolist()
-    rows = None if cache_batch_idx is None else cache_batch_idx.to(torch.int64).contiguous()
-    batch_rows = rows.tolist() if rows is not None else list(range(len(acc)))
-    paths = path.tolist()
-    bsz = path.shape[1]
-    for a, s, b, p in zip(acc, st, batch_rows, paths):
-        walk = p[:a + 1] if 0 <= a < bsz else None
-        if (walk is None or walk[0] != 0 or s < 0 or not 0 <= b < nb
-                or any(not (d <= x < y) for d, (x, y) in enumerate(zip(walk, walk[1:])))):
+    paths, acc, st = path.tolist(), accepted.tolist(), start.tolist()
+    if not acc:
+        return True
+    rows = cache_batch_idx.tolist() if cache_batch_idx is not None else list(range(len(acc)))
+    if not (len(paths) == len(acc) == len(st) == len(rows)) or compact_index_error(paths, acc, st, rows, nb):
+        return False
+    for a, p in zip(acc, paths):
+        walk = p[:a + 1]
+        if walk[0] != 0 or any(not (d <= x < y) for d, (x, y) in enumerate(zip(walk, walk[1:]))):
             return False
-    path = path.contiguous()
-    accepted, start = accepted.contiguous(), start.contiguous()
-    _lib.dflash_cpu_tree_compact(k_cache.data_ptr(), v_cache.data_ptr(), path.data_ptr(), path.stride(0),
-                                 accepted.data_ptr(), start.data_ptr(), _ptr(rows), len(acc), layers, nb, cap,
+    path_t, acc_t, st_t, rows_t = (_host_index_tensor(x) for x in (paths, acc, st, rows))
+    _lib.dflash_cpu_tree_compact(k_cache.data_ptr(), v_cache.data_ptr(), path_t.data_ptr(), path_t.shape[1],
+                                 acc_t.data_ptr(), st_t.data_ptr(), rows_t.data_ptr(), len(acc), layers, nb, cap,
                                  k_cache.shape[3:].numel() * k_cache.element_size())
     return True

@@ -72,7 +72,7 @@ def run(args, partial_csv: Path):
     if not cuda:
         print("# graph: UNAVAILABLE on this machine (no CUDA device); CPU timings say nothing about an H200")
     target, draft = common.randomize_(*traffic.build_models(model, capacity, args.block, device, dtype))
-    rows: list[dict] = []
+    rows = common.RowLog(partial_csv, env)
     with torch.inference_mode():
         for batch in batches:
             for mode in MODES:
@@ -99,7 +99,6 @@ def run(args, partial_csv: Path):
                         print(f"{model} b{batch:<2d} ctx{context:<6d} {step:6s} {mode:5s} {t['median_ms']:9.4g} ms  "
                               f"predicted {p['predicted_ms_h200']:7.4g} ms (x{ratio:.2f})  floor "
                               f"{p['floor_ms_h200']:7.4g} ms  [{time.perf_counter() - t0:4.0f} s]", flush=True)
-                common.write_csv(partial_csv, rows, env)
                 del engine
                 gc.collect()
                 if cuda:
@@ -126,10 +125,9 @@ def main(argv=None) -> int:
     out = common.out_dir(args.out)
     stem = args.tag or f"step_latency-{common.pick_device(args.device).type}"
     rows, env = run(args, out / f"{stem}.partial.csv")
-    (out / f"{stem}.partial.csv").unlink()
     print()
     print(summarize.step_latency_summary(rows))
-    path = common.write_csv(out / f"{stem}.csv", rows, env)
+    path = rows.finish(out / f"{stem}.csv")
     print(f"# wrote {path}")
     return 0
 

@@ -96,3 +96,24 @@ def test_one_build_only():
     assert len(builds) == 1 and "BUILD=(" in builds[0], builds
     ext = [line for line in code if "tests/ext" in line]
     assert len(ext) == 1 and "-m gpu" in ext[0] and "not nvcc_compiles and not cmake_build" in ext[0], ext
+
+
+def test_row_log_is_on_disk_after_every_row(tmp_path):
+    """A benchmark killed at its timeout leaves every finished row: each row rewrites the partial CSV."""
+    import common
+
+    partial = tmp_path / "x.partial.csv"
+    rows = common.RowLog(partial, {"commit": "abc"})
+    for i in range(3):
+        rows.append({"i": i, "_seq": [1, 2], **({"late": "y"} if i == 2 else {})})
+        with open(partial, newline="") as f:
+            got = list(csv.DictReader(f))
+        assert [r["i"] for r in got] == [str(j) for j in range(i + 1)] and all(r["commit"] == "abc" for r in got)
+        assert "_seq" not in got[0]
+    assert got[-1]["late"] == "y" and got[0]["late"] == ""
+    rows[0]["done"] = 1  # a row completed in place later
+    rows.flush()
+    with open(partial, newline="") as f:
+        assert next(csv.DictReader(f))["done"] == "1"
+    final = rows.finish(tmp_path / "x.csv")
+    assert not partial.exists() and final.read_text().count("\n") == 4

@@ -316,7 +316,9 @@ def table(rows: Sequence[dict], columns: Sequence[str], markdown: bool = False) 
 class RowLog(list):
     """Result rows that reach the disk as they come: every ``append``/``extend`` rewrites ``path`` (the run's
     ``<stem>.partial.csv``) with all rows so far, replaced atomically, so a run killed at its timeout still
-    leaves each finished row. :meth:`finish` writes the final CSV and removes the partial file."""
+    leaves each finished row. :meth:`finish` writes the final CSV and removes the partial file. With
+    ``DFLASH_ROWS_JOURNAL`` set (bench/gpu_check.sh sets it), each write also appends ``<file name>\t<rows>`` to
+    that file: how many rows each step had on disk while it ran, whether it finished or not."""
 
     def __init__(self, path: Path, env: dict | None = None):
         super().__init__()
@@ -340,6 +342,10 @@ class RowLog(list):
         tmp = self.path.with_name(self.path.name + ".tmp")
         write_csv(tmp, self.public(), self.env)
         os.replace(tmp, self.path)
+        journal = os.environ.get("DFLASH_ROWS_JOURNAL")
+        if journal:
+            with open(journal, "a") as f:
+                f.write(f"{self.path.name}\t{len(self)}\n")
 
     def public(self) -> list[dict]:
         """The rows without their private (``_``-prefixed) fields, such as a kept output sequence."""

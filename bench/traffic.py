@@ -15,7 +15,8 @@ Model, per recorded op (a model, not a measurement):
             contracts in dflash_kernels/README.md, on the Triton/ext GPU path:
             fused_context 1 GEMM + 1 RMSNorm unless the norm fuses into the epilogue (one split and
             one column tile covers H), inject_context_kv 1, draft_attention / verify_attention 1
-            (split-KV, merged by the last split to finish), add_rms_norm 1, silu_mul 1, gate_up_silu 1 (2 above
+            (split-KV, merged by the last split to finish; + 1 memset of its merge counters when the grid
+            has more than one split), add_rms_norm 1, silu_mul 1, gate_up_silu 1 (2 above
             ``MAX_FUSED_ROWS`` rows: cuBLAS + silu_mul), verify_greedy 2, verify_sample 2 (+ the
             radix-select threshold's launches with top-k/top-p, ``threshold_launches``),
             commit_round 1 (the ext op), draft_round_setup 1. Draft trees (``--tree-budget``): build_tree 3 + ATen's
@@ -51,8 +52,11 @@ Model, per recorded op (a model, not a measurement):
             written once, the step's inputs and outputs (draft: fused-context features; verify:
             the tapped features written), and the logits written once and read once.
   time      predicted_ms_h200 = max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s) + launches x per-launch
-            cost (1.5 us replayed in a CUDA graph, 4 us eager; assumed, not measured). 4.3 TB/s is
-            the H200 copy bandwidth measured on this project's device runs, 790 TFLOP/s the bf16 dense rate.
+            cost (1.5 us replayed in a CUDA graph, 4 us eager; assumed, not measured) + the attention
+            launches' split-KV merge tails (merge_ms_h200: the merging program's dependent L2 round trips,
+            ``merge_round_trips``, x 0.3 us, assumed), which run after the splits, not under their traffic.
+            4.3 TB/s is the H200 copy bandwidth measured on this project's device runs, 790 TFLOP/s the bf16
+            dense rate.
 
 Usage: python bench/traffic.py [--model qwen3-8b] [--batch 1,8] [--context 2k,32k] [--capacity 32k]
        [--block 16] [--tree-budget 16,32,64] [--eager] [--json] [--out DIR]
@@ -75,7 +79,7 @@ import common  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from dflash_kernels.draft_attention import partial_slots, pick_max_splits  # noqa: E402
+from dflash_kernels.draft_attention import merge_round_trips, partial_slots, pick_max_splits  # noqa: E402
 from dflash_kernels.gated_mlp import gate_up_silu_cost  # noqa: E402
 from dflash_kernels.verify import threshold_bytes, threshold_launches  # noqa: E402
 
@@ -83,6 +87,9 @@ H200_BYTES_PER_S = 4.3e12
 H200_FLOPS = 790e12
 H200_SMS = 132
 LAUNCH_US = {"graph": 1.5, "eager": 4.0}
+# One dependent L2 round trip of an attention launch's merge tail (assumed: the merge's former 4 serial passes
+# over 32 split slots, one dependent load per slot, were estimated at 25-45 us a layer at 32k context).
+L2_ROUND_TRIP_US = 0.3
 
 # Target shapes from the Hugging Face configs; draft shapes of the z-lab checkpoints (the project's
 # research notes, "z-lab DFlash": Qwen3-8B-DFlash-b16 and Qwen3-4B-DFlash-b16 have 5 layers, the
@@ -232,17 +239,18 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
         q, k, v, k_cache, v_cache = args[:5]
         n, b, nh, d = q.shape
         kvh = k.shape[2]
-        num_splits, bound = (args[16], args[17]) if name == "draft_attention" else (args[14], args[15])
-        bound = k_cache.shape[1] if bound is None else min(k_cache.shape[1], max(1, bound))
-        splits = num_splits or pick_max_splits(n, kvh, bound, H200_SMS)
+        splits, slots = attention_splits(name, args, context)
         # fp32 partials (acc [B*nH, D], max, sum) of the active splits but the merging one, written once, read
-        # once; with more than one active split, kvH pairs of int32 merge counters read and written per request
-        slots = partial_slots(context, splits)
-        partials = 2 * n * slots * b * nh * (d + 2) * 4 + (2 * n * kvh * 2 * 4 if slots else 0)
+        # once; with more than one active split, kvH pairs of int32 merge counters read and written per request;
+        # with a grid of more than one split, the counters' memset (a launch) writes them first
+        counters = n * kvh * 2 * 4
+        partials = 2 * n * slots * b * nh * (d + 2) * 4 + (2 * counters if slots else 0)
+        memset = counters if splits > 1 else 0
         live = 2 * n * context * kvh * d * k_cache.element_size()  # live context K/V only, not the capacity
         written = 2 * n * b * kvh * d * k_cache.element_size() if name == "verify_attention" else 0
         small = nbytes([q, k, v, *args[5:9]]) + nbytes([args[15]] if name == "draft_attention" else args[16:18])
-        return 1, small + live + written + partials + distinct_bytes(out), 4 * n * b * nh * d * (context + b)
+        return (1 + (splits > 1), small + live + written + partials + memset + distinct_bytes(out),
+                4 * n * b * nh * d * (context + b))
     if name == "add_rms_norm":  # x, weight (and the residual, read and written in place) -> out
         x, weight, residual, out = args[0], args[1], args[3], args[4]
         return 1, nbytes([x, weight]) + 2 * nbytes([residual]) + distinct_bytes(out), 4 * x.numel()
@@ -294,6 +302,26 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
     raise ValueError(f"traffic: no cost contract for torch.ops.dflash.{name}; add one to dflash_cost")
 
 
+def attention_splits(name: str, args, context: int) -> tuple[int, int]:
+    """(the grid's split count, partial slots a request writes) of a draft/verify_attention call on an H200 with
+    ``context`` live rows per request: the kernels' own plan."""
+    q, k, k_cache = args[0], args[1], args[3]
+    num_splits, bound = (args[16], args[17]) if name == "draft_attention" else (args[14], args[15])
+    bound = k_cache.shape[1] if bound is None else min(k_cache.shape[1], max(1, bound))
+    splits = num_splits or pick_max_splits(q.shape[0], k.shape[2], bound, H200_SMS)
+    return splits, partial_slots(context, splits)
+
+
+def merge_latency_us(name: str, args, context: int) -> float:
+    """The serial tail of an attention launch's split-KV merge: its dependent L2 round trips (the kernels' own
+    count, ``merge_round_trips``) x ``L2_ROUND_TRIP_US``; 0 for other ops and for one active split."""
+    if name not in ("draft_attention", "verify_attention"):
+        return 0.0
+    q, k = args[0], args[1]
+    slots = attention_splits(name, args, context)[1]
+    return merge_round_trips(slots + 1, q.shape[1] * (q.shape[2] // k.shape[2]), q.shape[3]) * L2_ROUND_TRIP_US
+
+
 def storage_key(t: torch.Tensor) -> tuple[int, int]:
     return t.untyped_storage()._cdata, t.storage_offset()
 
@@ -309,6 +337,7 @@ class Accountant(TorchDispatchMode):
         self.markers = markers or {}
         self.phase = "pre"
         self.records: list[tuple[str, str, int, int, int]] = []
+        self.merge_us = 0.0  # the attention launches' serial merge tails (merge_latency_us), summed
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -318,6 +347,7 @@ class Accountant(TorchDispatchMode):
         ns, name = func.namespace, func._schema.name.split("::")[-1]
         if ns == "dflash":
             cost = dflash_cost(name, args, out, self.context)
+            self.merge_us += merge_latency_us(name, args, self.context)
         else:
             cost = aten_cost(func, args, kwargs, out)
         self.records.append((self.phase, f"{ns}.{name}", *cost))
@@ -386,7 +416,8 @@ def summarize(engine, step: str, context: int, mode: Accountant, launch_us: floa
         "launches_outside_layers": launches - in_layers, "layers": layers,
         "bytes": nbytes, "floor_bytes": floor, "ratio": nbytes / floor, "flops": flops,
         "roofline_ms_h200": roof_ms, "launch_ms_h200": launches * launch_us / 1e3,
-        "predicted_ms_h200": roof_ms + launches * launch_us / 1e3,
+        "merge_ms_h200": mode.merge_us / 1e3,
+        "predicted_ms_h200": roof_ms + launches * launch_us / 1e3 + mode.merge_us / 1e3,
         "floor_ms_h200": floor / H200_BYTES_PER_S * 1e3,
         "ops": {op: dict(calls=a[0], launches=a[1], bytes=a[2], flops=a[3]) for op, a in by_op.items()},
     }
@@ -434,7 +465,8 @@ def check_args(args) -> None:
 
 
 COLUMNS = ["model", "batch", "context", "tree_budget", "step", "launches", "launches_per_layer",
-           "launches_outside_layers", "bytes_GB", "floor_GB", "ratio", "GFLOP", "predicted_ms_h200", "floor_ms_h200",
+           "launches_outside_layers", "bytes_GB", "floor_GB", "ratio", "GFLOP", "merge_ms_h200", "predicted_ms_h200",
+           "floor_ms_h200",
            "goal_ratio", "goal_per_layer", "goal_outside"]
 
 
@@ -453,7 +485,8 @@ def print_human(s: dict, top: int) -> None:
           f"{s['launches_outside_layers']} outside layers); bytes {s['bytes'] / 1e9:.3f} GB vs floor "
           f"{s['floor_bytes'] / 1e9:.3f} GB = {s['ratio']:.2f}x; {s['flops'] / 1e9:.1f} GFLOP")
     print(f"model H200 time {s['predicted_ms_h200']:.3f} ms = roofline {s['roofline_ms_h200']:.3f} + launches "
-          f"{s['launch_ms_h200']:.3f} ({s['launch_us']} us each, assumed); floor {s['floor_ms_h200']:.3f} ms")
+          f"{s['launch_ms_h200']:.3f} ({s['launch_us']} us each, assumed) + split-KV merge tails "
+          f"{s['merge_ms_h200']:.3f}; floor {s['floor_ms_h200']:.3f} ms")
     print(goal_text(s["step"]))
     print(common.table(op_rows(s, top), OP_COLUMNS))
 

@@ -46,9 +46,8 @@ _BACKENDS = ("triton", "cpu", "torch")
 _LOG2E = 1.4426950408889634
 
 # The floor of context rows per active split (A = cdiv(live, MIN_CHUNK) capped by the grid, whose split count
-# follows the SM count: ``pick_max_splits``). The grid fills the GPU first: Qwen3-8B (kvH 8) at batch 1 and 2k
-# context runs 8 splits per KV head, 64 programs, where a 1024-row floor left 2 (16 programs, 116 of 132 SMs
-# idle). The price is the partials: when A > 1, one split's fp32 partial (acc [B*G, D], max and sum [B*G]) is
+# follows the SM count: ``pick_max_splits``). Qwen3-8B (kvH 8) at batch 1 and 2k context runs 8 splits per KV
+# head, 64 programs, where a 1024-row floor left 2 (16 programs, 116 of 132 SMs idle). The price is the partials: when A > 1, one split's fp32 partial (acc [B*G, D], max and sum [B*G]) is
 # B*G*(D+2)*4 bytes per KV head, written once and read once by the merging split (whose own partial stays in
 # registers); the bf16 K/V rows it summarises are chunk*D*2*2 bytes, chunk = live / A. Partials / K/V =
 # 2*B*G*(D+2) / (chunk*D): 51 % at chunk = 256 and B*G = 64 (Qwen3-8B verify or draft, B = 16, G = 4, D = 128),
@@ -59,10 +58,12 @@ MIN_CHUNK = 256
 MAX_SPLITS = 64
 # The SM count the split plan assumes without a GPU (the CPU interpreter, the traffic accountant): an H200's.
 H200_SMS = 132
-# Split slots whose maxima and sums the merge loads as one tile.
-_MERGE_TILE = tl.constexpr(8)
-# Split slots whose partial tiles the merge loads together (one unrolled group, independent loads in flight).
-_MERGE_UNROLL = tl.constexpr(2)
+# Split slots whose maxima and sums the merge loads as one tile, and slots whose partial tiles it loads together
+# (one unrolled step, independent loads in flight). Larger values spill registers at the Qwen3-8B tile on sm_90.
+MERGE_TILE = 8
+MERGE_UNROLL = 2
+_MERGE_TILE = tl.constexpr(MERGE_TILE)
+_MERGE_UNROLL = tl.constexpr(MERGE_UNROLL)
 
 
 def active_splits(live: int, max_splits: int) -> int:
@@ -78,10 +79,23 @@ def partial_slots(live: int, max_splits: int) -> int:
 
 
 def pick_max_splits(n: int, kvh: int, bound: int, num_sms: int = H200_SMS) -> int:
-    """The grid's split count, host side (no sync): about two waves of (request, KV head, split) programs on
-    ``num_sms`` SMs (default: an H200's, the plan tests on the CPU follow), no more splits than a context of
-    ``bound`` rows makes active, at most ``MAX_SPLITS``."""
-    return max(1, min(triton.cdiv(2 * num_sms, max(1, n * kvh)), triton.cdiv(bound, MIN_CHUNK), MAX_SPLITS))
+    """The grid's split count, host side (no sync): one wave, as many splits as give each (request, KV head,
+    split) program an SM of its own on ``num_sms`` SMs (default: an H200's, the plan tests on the CPU follow;
+    1 once N*kvH fills them), no more than a context of ``bound`` rows makes active, at most ``MAX_SPLITS``.
+    A second wave would not add bandwidth where the SMs are already busy, only partials (Qwen3-8B at batch 8
+    and 2k context: 5 splits instead of 2 move 1.065x the draft step's floor bytes, over its 1.05 goal)."""
+    return max(1, min(num_sms // max(1, n * kvh), triton.cdiv(bound, MIN_CHUNK), MAX_SPLITS))
+
+
+def merge_round_trips(active: int, rows: int, d: int) -> int:
+    """Dependent L2 round trips on the merging program's path once its own split is done, for ``active`` splits
+    and a [rows = B*G, D] tile: the arrival ticket, the maxima/sums tiles, and each D half's partial tiles,
+    ``MERGE_UNROLL`` slots a step (1 for tiles wider than 64 x 64); none with one active split."""
+    if active <= 1:
+        return 0
+    block_r, block_half = _tile_dims(rows, d)
+    unroll = MERGE_UNROLL if block_r * block_half <= 4096 else 1
+    return 1 + triton.cdiv(active, MERGE_TILE) + 2 * triton.cdiv(active, unroll)
 
 
 def _validate(op, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, sliding_window,
@@ -642,7 +656,8 @@ def _merged_half(po_ptr, pm_ptr, first, slot_rows, row_len, rows, cols, own_acc,
     by other SMs, read from L2), slot ``split`` from ``own_acc``. _MERGE_UNROLL slots a step, their loads
     independent; the slots past A add exact zeros."""
     total = tl.zeros(own_acc.shape, tl.float32)
-    # Tiles wider than Qwen3-8B's 64 x 64 (trees of 32 nodes: 128 rows) take one slot a step: no room for two.
+    # Tiles wider than Qwen3-8B's 64 x 64 (trees of 32 nodes: 128 rows) take one slot a step: no room for two
+    # (``merge_round_trips`` counts the steps).
     UNROLL: tl.constexpr = _MERGE_UNROLL if own_acc.shape[0] * own_acc.shape[1] <= 4096 else 1
     for s0 in range(0, active, UNROLL):
         for u in tl.static_range(UNROLL):
@@ -662,10 +677,15 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _tile_dims(rows: int, d: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_HALF) of the split kernel for ``rows`` = B*G query rows per KV head and head dim D."""
+    return max(16, next_pow2(rows)), max(16, next_pow2(d // 2))
+
+
 def _split_tile(b: int, g: int, d: int, lowp_dot: bool) -> tuple[dict, dict]:
     """The split kernel's tile constexprs and launch options (num_warps, maxnreg) on a GPU for B block rows,
     G = nH/kvH, head dim D, 16-bit dot operands or not."""
-    block_r, block_half = max(16, next_pow2(b * g)), max(16, next_pow2(d // 2))
+    block_r, block_half = _tile_dims(b * g, d)
     wide = block_r * block_half >= 4096
     # The wide tiles (Qwen3-8B: 64 rows x D 128) take 8 warps; 32 context rows per step keep the score tile and
     # the K/V staging within 128 registers, 2 CTAs/SM (README resource table). At 64 x 64 with 16-bit operands
@@ -688,9 +708,10 @@ def _partials(n: int, splits: int, b: int, nh: int, d: int, device: torch.device
 
 
 def _merge_counters(pairs: int, device: torch.device) -> torch.Tensor:
-    """int32 [pairs, 2] merge counters of one launch (arrival tickets, partials written), zeroed by a memset
-    on the launch's stream (a node of its own in a captured graph): no two launches share counters, whatever
-    stream or graph runs them, and a launch cut short leaves nothing behind for the next."""
+    """int32 [pairs, 2] merge counters of one launch with a grid of more than one split (arrival tickets,
+    partials written), zeroed by a memset on the launch's stream (a node of its own in a captured graph): no
+    two launches share counters, whatever stream or graph runs them, and a launch cut short leaves nothing
+    behind for the next."""
     return torch.zeros((pairs, 2), dtype=torch.int32, device=device)
 
 
@@ -729,7 +750,7 @@ def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_no
         table_ptr=table if table is not None else cache_lens,
         qw_ptr=q_norm_weight if has_norm else inv_freq, kw_ptr=k_norm_weight if has_norm else inv_freq,
         inv_freq_ptr=inv_freq.to(torch.float32), po_ptr=po, pm_ptr=pm, pl_ptr=pl,
-        sem_ptr=_merge_counters(n * kvh, q.device), out_ptr=out,
+        sem_ptr=_merge_counters(n * kvh, q.device) if num_splits > 1 else cache_lens, out_ptr=out,
         depth_ptr=tree_depths if tree else cache_lens, tmask_ptr=tree_mask if tree else cache_lens,
         B=b, G=g, NH=nh, HALF=half, page_size=page_size, CAP=capacity, window=sliding_window or 0,
         attention_scaling=float(attention_scaling), eps=float(eps),
@@ -763,7 +784,7 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     Fuses the per-head ``q_norm``/``k_norm`` RMSNorm and NeoX RoPE of the block rows (at positions
     ``cache_lens[n] + i``), GQA packing (B x nH/kvH rows per KV head), split-KV over the context merged by
     the last split to finish, fp32 softmax statistics, scale D**-0.5. One launch (after a memset of its own
-    merge counters), no host sync: calls may run concurrently on different streams. The block's K/V are
+    merge counters when the grid has splits), no host sync: calls may run concurrently on different streams. The block's K/V are
     only used in-register: nothing is written to the cache.
 
     Args:

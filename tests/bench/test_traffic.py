@@ -186,3 +186,22 @@ def test_tree_budget_verify_step_on_tiny():
     assert verify["floor_bytes"] > chain["floor_bytes"] and verify["bytes"] >= verify["floor_bytes"]
     with pytest.raises(SystemExit, match="--tree-budget"):
         traffic.main(["--model", "tiny", "--tree-budget", "65"])
+
+
+def test_verify_rows_carry_the_merge_latency():
+    """Tiny model (kvH 2, B*G 32, D 16) at 2000 context rows, capacity 2048 (graph bound 2048 + 16): a grid of
+    cdiv(2064, 256) = 9 splits, 8 active: every attention launch is 2 (the counters' memset, the kernel) and its
+    merge tail 1 + cdiv(8, 8) + 2 * cdiv(8, 2) = 10 dependent round trips of 0.3 us, in the prediction."""
+    from dflash_kernels.draft_attention import active_splits, merge_round_trips, pick_max_splits
+
+    grid = pick_max_splits(1, 2, 2048 + 16)
+    assert grid == 9 and active_splits(2000, grid) == 8 and merge_round_trips(8, 16 * 2, 16) == 10
+    [draft, verify] = traffic.measure("tiny", batch=1, context=2000, capacity=2048, block=16)
+    assert verify["merge_ms_h200"] == pytest.approx(4 * 10 * traffic.L2_ROUND_TRIP_US / 1e3)  # 4 target layers
+    assert draft["merge_ms_h200"] == pytest.approx(2 * 10 * traffic.L2_ROUND_TRIP_US / 1e3)   # 2 draft layers
+    for s in (draft, verify):
+        assert s["predicted_ms_h200"] == pytest.approx(s["roofline_ms_h200"] + s["launch_ms_h200"]
+                                                       + s["merge_ms_h200"])
+    assert verify["ops"]["dflash.verify_attention"]["launches"] == 2 * 4
+    short = traffic.measure("tiny", batch=1, context=200, capacity=2048, block=16)[1]  # one active split
+    assert short["merge_ms_h200"] == 0

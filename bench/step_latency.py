@@ -67,7 +67,8 @@ def run(args, partial_csv: Path):
                  f"block {args.block}",
         "prediction": f"bench/traffic.py on meta tensors ({time.perf_counter() - t0:.1f} s): bytes at "
                       f"{traffic.H200_BYTES_PER_S / 1e12} TB/s or FLOPs at {traffic.H200_FLOPS / 1e12:.0f} TFLOP/s + "
-                      f"launches x {traffic.LAUNCH_US} us",
+                      f"launches (graph: {traffic.LAUNCH_US['graph']} us each; eager: the host time measured on this "
+                      f"CPU + {traffic.CUDA_LAUNCH_API_US} us a launch)",
     })
     if not cuda:
         print("# graph: UNAVAILABLE on this machine (no CUDA device); CPU timings say nothing about an H200")

@@ -51,12 +51,14 @@ Model, per recorded op (a model, not a measurement):
             as the rows looked up; the LM head in full), the live K/V once, the new K/V rows
             written once, the step's inputs and outputs (draft: fused-context features; verify:
             the tapped features written), and the logits written once and read once.
-  time      predicted_ms_h200 = max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s) + launches x per-launch
-            cost (1.5 us replayed in a CUDA graph, 4 us eager; assumed, not measured) + the attention
+  time      device = max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s) + the attention
             launches' split-KV merge tails (merge_ms_h200: the merging program's dependent L2 round trips,
             ``merge_round_trips``, x 0.3 us, assumed), which run after the splits, not under their traffic.
             4.3 TB/s is the H200 copy bandwidth measured on this project's device runs, 790 TFLOP/s the bf16
-            dense rate.
+            dense rate. predicted_ms_h200: replayed in a CUDA graph, device + launches x 1.5 us (assumed);
+            eager (--eager), the longer of device and host, the host's being the step's wall time on the
+            meta engine, measured on this CPU (``host_step_ms``: wrappers, validation, dispatcher), + 4 us a
+            launch for the launcher and the driver call, which a CPU cannot measure (assumed).
 
 Usage: python bench/traffic.py [--model qwen3-8b] [--batch 1,8] [--context 2k,32k] [--capacity 32k]
        [--block 16] [--tree-budget 16,32,64] [--eager] [--json] [--out DIR]
@@ -66,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import statistics
 import json
 import math
 import sys
@@ -86,7 +89,10 @@ from dflash_kernels.verify import threshold_bytes, threshold_launches  # noqa: E
 H200_BYTES_PER_S = 4.3e12
 H200_FLOPS = 790e12
 H200_SMS = 132
-LAUNCH_US = {"graph": 1.5, "eager": 4.0}
+LAUNCH_US = {"graph": 1.5}  # one replayed launch (assumed)
+# An eager launch's share of the host time a CPU cannot measure: the Triton launcher or ATen's launch and the CUDA
+# driver's launch call (assumed); the rest of the host's time is measured (``host_step_ms``).
+CUDA_LAUNCH_API_US = 4.0
 # One dependent L2 round trip of an attention launch's merge tail (assumed: the merge's former 4 serial passes
 # over 32 split slots, one dependent load per slot, were estimated at 25-45 us a layer at 32k context).
 L2_ROUND_TRIP_US = 0.3
@@ -394,7 +400,27 @@ def floor_bytes(engine, step: str, context: int) -> int:
     return (weights + kv + io) * elem + logits
 
 
-def summarize(engine, step: str, context: int, mode: Accountant, launch_us: float) -> dict:
+def host_step_ms(engine, step: str, reps: int = 5) -> float:
+    """Host milliseconds of one eager ``step`` ("draft" or "verify"), measured on this CPU: the step run on the
+    meta-device engine (median of ``reps`` runs after a warm-up), where every op costs what the host pays for it
+    on a GPU (the Python wrappers and their validation, the dispatcher, ``torch.ops.dflash``'s round trip) but no
+    device work: meta kernels only infer shapes. Not in it: the Triton launcher and the driver's launch call
+    (``CUDA_LAUNCH_API_US`` per launch, assumed)."""
+    run = getattr(engine, f"{step}_step")
+    times = []
+    with torch.no_grad():
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) * 1e3
+
+
+def summarize(engine, step: str, context: int, mode: Accountant, launch_us: float | None) -> dict:
+    """A step's totals and per-op table. ``launch_us``: the cost of one replayed launch (graph mode: the host
+    launches the whole graph once), added to the device time; None: eager, where the host launches every kernel
+    (``host_step_ms`` + the driver's call per launch) while the GPU runs behind it, so the step takes the longer
+    of the host's time and the device's."""
     records = mode.records
     launches = sum(r[2] for r in records)
     nbytes = sum(r[3] for r in records)
@@ -403,6 +429,13 @@ def summarize(engine, step: str, context: int, mode: Accountant, launch_us: floa
     in_layers = sum(r[2] for r in records if r[0] == "layer")
     floor = floor_bytes(engine, step, context)
     roof_ms = max(nbytes / H200_BYTES_PER_S, flops / H200_FLOPS) * 1e3
+    device_ms = roof_ms + mode.merge_us / 1e3
+    if launch_us is None:
+        launch_ms = host_step_ms(engine, step) + launches * CUDA_LAUNCH_API_US / 1e3
+        predicted = max(device_ms, launch_ms)
+    else:
+        launch_ms = launches * launch_us / 1e3
+        predicted = device_ms + launch_ms
     by_op: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
     for _, op, la, by, fl in records:
         if la:
@@ -415,9 +448,8 @@ def summarize(engine, step: str, context: int, mode: Accountant, launch_us: floa
         "step": step, "launches": launches, "launches_per_layer": in_layers / layers,
         "launches_outside_layers": launches - in_layers, "layers": layers,
         "bytes": nbytes, "floor_bytes": floor, "ratio": nbytes / floor, "flops": flops,
-        "roofline_ms_h200": roof_ms, "launch_ms_h200": launches * launch_us / 1e3,
-        "merge_ms_h200": mode.merge_us / 1e3,
-        "predicted_ms_h200": roof_ms + launches * launch_us / 1e3 + mode.merge_us / 1e3,
+        "roofline_ms_h200": roof_ms, "launch_ms_h200": launch_ms, "merge_ms_h200": mode.merge_us / 1e3,
+        "predicted_ms_h200": predicted,
         "floor_ms_h200": floor / H200_BYTES_PER_S * 1e3,
         "ops": {op: dict(calls=a[0], launches=a[1], bytes=a[2], flops=a[3]) for op, a in by_op.items()},
     }
@@ -438,11 +470,14 @@ def measure(model: str, batch: int, context: int, capacity: int, block: int, gra
     """Both steps' summaries for one configuration (tree rounds of ``tree_budget`` + 1 nodes when given)."""
     engine = build_engine(model, batch, capacity, block, graphs, tree_budget)
     engine.set_context(context)
-    launch_us = LAUNCH_US["graph" if graphs else "eager"]
+    launch_us = LAUNCH_US["graph"] if graphs else None
     config = dict(model=model, batch=batch, context=context, capacity=capacity, block=block,
-                  tree_budget=tree_budget or "", mode="graph" if graphs else "eager", launch_us=launch_us)
-    return [{**config, **summarize(engine, step, context, account(engine, step, context), launch_us)}
+                  tree_budget=tree_budget or "", mode="graph" if graphs else "eager")
+    rows = [{**config, **summarize(engine, step, context, account(engine, step, context), launch_us)}
             for step in ("draft", "verify")]
+    for r in rows:  # the cost of one launch: replayed (assumed), or eager (measured host cost, on average)
+        r["launch_us"] = launch_us if graphs else r["launch_ms_h200"] * 1e3 / max(1, r["launches"])
+    return rows
 
 
 def check_args(args) -> None:
@@ -484,9 +519,15 @@ def print_human(s: dict, top: int) -> None:
     print(f"launches {s['launches']} ({s['launches_per_layer']:.1f} per layer x {s['layers']}, "
           f"{s['launches_outside_layers']} outside layers); bytes {s['bytes'] / 1e9:.3f} GB vs floor "
           f"{s['floor_bytes'] / 1e9:.3f} GB = {s['ratio']:.2f}x; {s['flops'] / 1e9:.1f} GFLOP")
-    print(f"model H200 time {s['predicted_ms_h200']:.3f} ms = roofline {s['roofline_ms_h200']:.3f} + launches "
-          f"{s['launch_ms_h200']:.3f} ({s['launch_us']} us each, assumed) + split-KV merge tails "
-          f"{s['merge_ms_h200']:.3f}; floor {s['floor_ms_h200']:.3f} ms")
+    if s["mode"] == "graph":
+        print(f"model H200 time {s['predicted_ms_h200']:.3f} ms = roofline {s['roofline_ms_h200']:.3f} + split-KV "
+              f"merge tails {s['merge_ms_h200']:.3f} + launches {s['launch_ms_h200']:.3f} ({s['launch_us']:.2f} us "
+              f"each, replayed, assumed); floor {s['floor_ms_h200']:.3f} ms")
+    else:
+        print(f"model H200 time {s['predicted_ms_h200']:.3f} ms = the longer of the device's, roofline "
+              f"{s['roofline_ms_h200']:.3f} + split-KV merge tails {s['merge_ms_h200']:.3f}, and the host's "
+              f"{s['launch_ms_h200']:.3f} ({s['launch_us']:.2f} us a launch: measured on this CPU + "
+              f"{CUDA_LAUNCH_API_US} us assumed); floor {s['floor_ms_h200']:.3f} ms")
     print(goal_text(s["step"]))
     print(common.table(op_rows(s, top), OP_COLUMNS))
 

@@ -205,3 +205,21 @@ def test_verify_rows_carry_the_merge_latency():
     assert verify["ops"]["dflash.verify_attention"]["launches"] == 2 * 4
     short = traffic.measure("tiny", batch=1, context=200, capacity=2048, block=16)[1]  # one active split
     assert short["merge_ms_h200"] == 0
+
+
+def test_eager_rows_take_the_host_time_measured_here():
+    """Eager: the host's time is the step's wall time on the meta engine (measured) + the assumed launcher and
+    driver call per launch; the step takes the longer of the host's and the device's. Graph rows: device time +
+    1.5 us a replayed launch."""
+    graph = traffic.measure("tiny", batch=1, context=32, capacity=128, block=16)
+    eager = traffic.measure("tiny", batch=1, context=32, capacity=128, block=16, graphs=False)
+    for g, e in zip(graph, eager):
+        device = g["roofline_ms_h200"] + g["merge_ms_h200"]
+        assert g["predicted_ms_h200"] == pytest.approx(device + g["launches"] * traffic.LAUNCH_US["graph"] / 1e3)
+        assert e["launch_ms_h200"] > e["launches"] * traffic.CUDA_LAUNCH_API_US / 1e3  # + the measured host time
+        assert e["launch_us"] == pytest.approx(e["launch_ms_h200"] * 1e3 / e["launches"])
+        assert e["predicted_ms_h200"] == pytest.approx(max(e["roofline_ms_h200"] + e["merge_ms_h200"],
+                                                           e["launch_ms_h200"]))
+    engine = traffic.build_engine("tiny", 1, 128, 16, graphs=False)
+    engine.set_context(32)
+    assert 0 < traffic.host_step_ms(engine, "draft", reps=3) < 1e3

@@ -246,12 +246,15 @@ def hf_greedy(target, input_ids: torch.Tensor, max_new_tokens: int, stops: Seque
 
 # ---------------------------------------------------------------------------------------- environment
 def git_commit() -> str:
+    """``DFLASH_COMMIT`` when set (a copy without ``.git``, as on the GPU machine), else the checkout's HEAD."""
+    if os.environ.get("DFLASH_COMMIT"):
+        return os.environ["DFLASH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "bench", "dflash", "dflash_kernels", "csrc"],
                                cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-        head = out.stdout.strip() or os.environ.get("DFLASH_COMMIT", "unknown (no git checkout)")
+        head = out.stdout.strip() or "unknown (no git checkout and no DFLASH_COMMIT)"
         return head + ("+dirty" if dirty and out.stdout.strip() else "")
     except Exception:  # pragma: no cover
         return "unknown"
@@ -308,6 +311,52 @@ def table(rows: Sequence[dict], columns: Sequence[str], markdown: bool = False) 
         lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
         lines += ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)
+
+
+class RowLog(list):
+    """Result rows that reach the disk as they come: every ``append``/``extend`` rewrites ``path`` (the run's
+    ``<stem>.partial.csv``) with all rows so far, replaced atomically, so a run killed at its timeout still
+    leaves each finished row. :meth:`finish` writes the final CSV and removes the partial file. With
+    ``DFLASH_ROWS_JOURNAL`` set (bench/gpu_check.sh sets it), each write also appends ``<file name>\t<rows>`` to
+    that file: how many rows each step had on disk while it ran, whether it finished or not."""
+
+    def __init__(self, path: Path, env: dict | None = None):
+        super().__init__()
+        self.path = path
+        self.env = env or {}
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        self.flush()
+
+    def extend(self, rows: Iterable[dict]) -> None:
+        super().extend(rows)
+        self.flush()
+
+    def __iadd__(self, rows: Iterable[dict]) -> "RowLog":
+        self.extend(rows)
+        return self
+
+    def flush(self) -> None:
+        """Rewrite the partial file: rows already added may have been completed in place since."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        write_csv(tmp, self.public(), self.env)
+        os.replace(tmp, self.path)
+        journal = os.environ.get("DFLASH_ROWS_JOURNAL")
+        if journal:
+            with open(journal, "a") as f:
+                f.write(f"{self.path.name}\t{len(self)}\n")
+
+    def public(self) -> list[dict]:
+        """The rows without their private (``_``-prefixed) fields, such as a kept output sequence."""
+        return [{k: v for k, v in r.items() if not k.startswith("_")} for r in self]
+
+    def finish(self, path: Path, env: dict | None = None) -> Path:
+        """Write the rows to the final ``path`` (``env``: the columns every row shares, default the partial
+        file's); the partial file goes."""
+        written = write_csv(path, self.public(), self.env if env is None else env)
+        self.path.unlink(missing_ok=True)
+        return written
 
 
 def write_csv(path: Path, rows: Iterable[dict], env: dict | None = None) -> Path:

@@ -132,7 +132,7 @@ def make_engine(target, draft, batch: int, capacity: int, block: int, graphs: bo
     return DFlashEngine(target, draft, batch=batch, capacity=capacity, block_size=block, use_cuda_graphs=graphs)
 
 
-def run(args, partial_csv: Path | None = None):
+def run(args, partial_csv: Path):
     device = common.pick_device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
@@ -159,7 +159,7 @@ def run(args, partial_csv: Path | None = None):
     if not graph_ok:
         print("# fast-graph: UNAVAILABLE on this machine (no CUDA device): CUDA graphs need a GPU; rows say so")
     l2 = common.l2_bytes(device)
-    rows: list[dict] = []
+    rows = common.RowLog(partial_csv, {**env, **bw, **mm})
     t_start = time.perf_counter()
     with torch.inference_mode():
         for name in models:
@@ -215,8 +215,6 @@ def run(args, partial_csv: Path | None = None):
                         print(f"{name:9s} b{batch:<3d} ctx{context:<6d} B{block:<3d} ref {r:9.3f} ms  fast {f:9.3f} ms"
                               f"  graph {'n/a (no GPU)' if gm != gm else f'{gm:9.3f} ms'}  floor(mem) {floor_mem:8.3f} ms"
                               f"  [{time.perf_counter() - t_start:5.0f} s]", flush=True)
-                    if partial_csv:
-                        common.write_csv(partial_csv, rows, {**env, **bw, **mm})
                     del engine, refs
                     if graph_ok:
                         del genv
@@ -327,14 +325,13 @@ def main(argv=None) -> int:
     out = common.out_dir(args.out)
     stem = args.tag or f"draft_latency-{device.type}"
     rows, env, bw, mm = run(args, partial_csv=out / f"{stem}.partial.csv")
-    (out / f"{stem}.partial.csv").unlink(missing_ok=True)
     print()
     print(common.table(wide(rows), WIDE_COLUMNS))
     print(f"# %mem = memory floor / median (memory floor at {bw['copy_GBps']:.1f} GB/s measured copy bandwidth); "
           f"floor_cmp_ms = FLOPs at {mm['mm_TFLOPs']:.3f} TFLOP/s; ref/fast, ref/graph = speedup over the reference")
     if device.type != "cuda":
         print("# graph columns: n/a = CUDA graphs unavailable (no GPU in this run), not skipped silently")
-    csv_path = common.write_csv(out / f"{stem}.csv", rows, {**env, **bw, **mm})
+    csv_path = rows.finish(out / f"{stem}.csv")
     print(f"# wrote {csv_path}")
     png = plot(rows, out / f"{stem}.png")
     if png:

@@ -220,11 +220,12 @@ def bandwidth_bound(target, draft, ctx: int, block: int, bw_gbps: float) -> dict
     return {"floor_AR_ms": ar * 1e3, "floor_round_ms": rnd * 1e3, "target_GB": t_bytes / 1e9, "draft_GB": d_bytes / 1e9}
 
 
-def measure_pair(label, target, draft, prompts, max_new, block, stops, device, oracle_accept=None,
-                 runtimes=("ar-fast", "ar-reference", "reference", "fast"), log=print, ar_cache=None):
-    """Runs every runtime on each prompt (after one short warm-up each); returns rows. AR runs are
-    shared between pairs of the same models through ``ar_cache``."""
-    rows = []
+def measure_pair(label, target, draft, prompts, max_new, block, stops, device, *, rows: common.RowLog,
+                 oracle_accept=None, runtimes=("ar-fast", "ar-reference", "reference", "fast"), log=print,
+                 ar_cache=None) -> None:
+    """Runs every runtime on each prompt (after one short warm-up each); each runtime's row goes to ``rows`` as it
+    finishes, completed by the prompt's lossless check. AR runs are shared between pairs of the same models
+    through ``ar_cache``."""
     ar_cache = {} if ar_cache is None else ar_cache
     vocab = target.config.vocab_size
     for pi, ids in enumerate(prompts):
@@ -266,6 +267,7 @@ def measure_pair(label, target, draft, prompts, max_new, block, stops, device, o
             r.update(pair=label, prompt=pi, prompt_len=int(ids.shape[0]), block=1 if rt.startswith("ar") else block,
                      mode=("ar" if rt.startswith("ar") else f"{kind}" + (f"-{oracle_accept}" if oracle_accept else "")))
             r["name"] = rt
+            rows.append(r)
             log(f"  {label} prompt {pi} {rt:12s} τ {r['tau']:5.2f}  {r['tokens_per_s']:8.1f} tok/s  "
                 f"round {r['T_round_ms']:8.2f} ms (draft {r['T_draft_ms']:.2f}, verify {r['T_verify_ms']:.2f}, "
                 f"other {r['T_other_ms']:.2f})", flush=True)
@@ -286,8 +288,7 @@ def measure_pair(label, target, draft, prompts, max_new, block, stops, device, o
             cost = r["T_draft_ms"] + r["T_verify_ms"] + r["T_other_ms"]
             for key, tau in PAPER_TAU.items():
                 r[f"proj_{key}"] = tau * t_ar / cost if not rt.startswith("ar") else float("nan")
-            rows.append(r)
-    return rows
+        rows.flush()
 
 
 def main(argv=None) -> int:
@@ -328,14 +329,15 @@ def main(argv=None) -> int:
         "bandwidth": f"{bw['copy_GBps']:.1f} GB/s measured copy (read+write)",
     })
     torch.manual_seed(0)
-    rows, notes = [], []
+    out = common.out_dir(args.out)
+    stem = args.tag or f"e2e-{device.type}"
+    rows, notes = common.RowLog(out / f"{stem}.partial.csv", {**env, **bw}), []
     random_models = None
     ar_cache: dict = {}
     torch.manual_seed(1)
     for pair in pairs:
         if pair == "smollm2":
-            r = smollm2_rows(block, max_new, device, runtimes, notes)
-            rows += r
+            smollm2_rows(block, max_new, device, runtimes, notes, rows)
             continue
         if pair != "random" and not pair.startswith("oracle-"):
             raise SystemExit(f"--pairs: unknown pair {pair!r}")
@@ -351,8 +353,8 @@ def main(argv=None) -> int:
         if accept is not None and not 1 <= accept <= block:
             raise SystemExit(f"--pairs {pair}: acceptance must be in 1..{block}")
         label = f"{model}-{pair}" if pair == "random" else f"{model}-ORACLE-{accept}"
-        rows += measure_pair(label, target, draft, prompts, max_new, block, [], device, oracle_accept=accept,
-                             runtimes=runtimes, ar_cache=ar_cache)
+        measure_pair(label, target, draft, prompts, max_new, block, [], device, oracle_accept=accept, rows=rows,
+                     runtimes=runtimes, ar_cache=ar_cache)
     if random_models is not None:
         target, draft = random_models
         bound = bandwidth_bound(target, draft, prompt_len + max_new // 2, block, bw["copy_GBps"])
@@ -373,14 +375,13 @@ def main(argv=None) -> int:
         print(f"# {n}")
     print("# speedup_vs_AR: tokens/s over the same runtime's block_size=1 run (fast vs ar-fast, reference vs "
           "ar-reference); ORACLE rows: cost side only")
-    out = common.out_dir(args.out)
-    path = common.write_csv(out / f"{args.tag or f'e2e-{device.type}'}.csv",
-                            [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows], {**env, **bw})
+    path = rows.finish(out / f"{stem}.csv")
     print(f"# wrote {path}")
     return 0
 
 
-def smollm2_rows(block, max_new, device, runtimes, notes) -> list[dict]:
+def smollm2_rows(block, max_new, device, runtimes, notes, rows: common.RowLog) -> None:
+    """The trained SmolLM2 pair's rows into ``rows``, or a note saying why it is unavailable."""
     from dflash import smollm2
 
     why = smollm2.unavailable_reason()
@@ -391,7 +392,7 @@ def smollm2_rows(block, max_new, device, runtimes, notes) -> list[dict]:
         msg = f"smollm2 pair: UNAVAILABLE: {why}"
         print(f"# {msg}")
         notes.append(msg)
-        return []
+        return
     from dflash.model import DFlashDraftModel
 
     target, tok = smollm2.load(verbose=False)
@@ -400,8 +401,8 @@ def smollm2_rows(block, max_new, device, runtimes, notes) -> list[dict]:
     stops = smollm2.stop_token_ids(tok)
     prompts = [torch.tensor(tok(smollm2.chat_prompt(tok, t), add_special_tokens=False)["input_ids"])
                for t in SMOLLM2_PROMPTS]
-    return measure_pair("smollm2-135m", target, draft, prompts, max_new, block or draft.config.block_size, stops,
-                        device, runtimes=runtimes)
+    measure_pair("smollm2-135m", target, draft, prompts, max_new, block or draft.config.block_size, stops,
+                 device, rows=rows, runtimes=runtimes)
 
 
 if __name__ == "__main__":

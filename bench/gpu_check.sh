@@ -1,118 +1,139 @@
 #!/usr/bin/env bash
-# The one script to run on an H200 (CUDA) machine, from the repository root; it ends in <= 8 minutes
-# with a summary printed last. No package registry is needed there.
+# The one script to run on an H200 (CUDA) machine, from the repository root. It fits a 420 s budget, a cold
+# Triton cache included: every step runs under its cap and the caps add up to at most the budget; the summary
+# comes last. No package registry is needed there (torch, triton, numpy and transformers as installed).
 #   PY=python3 DFLASH_COMMIT=<hash> bash bench/gpu_check.sh
-#   GPU_CHECK_DRY_RUN=1 PY=.venv/bin/python bash bench/gpu_check.sh   (CPU plumbing check, tests/bench runs it)
+#   PY=.venv/bin/python bash bench/gpu_check.sh --dry-run   (or GPU_CHECK_DRY_RUN=1: the CPU plumbing check)
 #
-# Order: correctness before timings, so a run that is cut short still answers "is it right".
-#   toolchain      nvcc's CUDA version vs torch's (bench/toolchain.py); a major mismatch skips the build
-#   build          the ONE build of the extension: setup.py build_ext --inplace (CPU + CUDA ops, sm_90).
-#                  Nothing later builds again: tests/ext runs with -m gpu and without its two build
-#                  checks (per-.cu nvcc compile, CMake + ctest), which CPU machines with nvcc run.
-#   graphs_runtime tests/runtime/test_graphs.py, all of it (CUDA-graph replay tests; skipped while absent)
-#   graphs_e2e     bench/gpu_tests.py: graph capture/replay of both steps == target greedy == eager,
-#                  fast == reference runtime, sampling graph == eager, bf16 draft step == reference draft
-#   ext_gpu        tests/ext -m gpu: CUDA ops vs references, torch.compile, graph capture of the ops
-#   kernels_real   bench/gpu_tests.py: every compiled backend vs its reference at Qwen3-8B shapes, and the
-#                  verify step's lean target vs HF's bf16 forward (Qwen3 and LLaMA)
-#   step_latency   bench/step_latency.py: both decode steps of qwen3-8b, eager and graph, batch 1/8, ctx 2k/32k,
-#                  next to bench/traffic.py's H200 prediction
-#   draft_latency, e2e, kernels: the other benchmarks at a small sweep
-#   summary        bench/summarize.py: headline tables and every step's status and seconds
+# Order: the most valuable facts first, so a run cut short still answers the first questions.
+#   toolchain     bench/toolchain.py: g++ version, Python include dir (Python.h), nvcc vs torch's CUDA version;
+#                 the build runs only if all three fit
+#   build         the ONE build of the extension: setup.py build_ext --inplace (CPU + CUDA ops, sm_90).
+#                 Nothing later builds again: tests/ext runs with -m gpu and without its two build checks
+#   prewarm       every later step's workload at one repetition, all at once in parallel processes: compiles every
+#                 Triton specialisation (and inductor graph) the later steps use into the shared on-disk caches,
+#                 so no timed step pays a compile; reports its wall time and one row per job
+#   graphs_e2e    correctness: bench/gpu_tests.py's graph/runtime tests (capture + replay of both steps ==
+#                 target greedy == eager, fast == reference, sampling graph == eager, bf16 draft step)
+#   ext_gpu       correctness: tests/ext -m gpu (CUDA ops vs references, torch.compile, graph capture)
+#   kernels_real  correctness: bench/gpu_tests.py's kernels at Qwen3-8B shapes, lean target vs HF in bf16
+#   step_latency  draft and verify step times (qwen3-8b, eager and graph, batch 1/8, ctx 2k/32k) next to
+#                 bench/traffic.py's H200 prediction
+#   draft_latency draft step times (qwen3-8b, batch 1, ctx 2k/32k, blocks 1/16)
+#   e2e           end to end (qwen3-8b oracle-6, block 16, 64 new tokens)
+#   kernels       sweeps: every op at real shapes
+#   summary       bench/summarize.py: headline tables, every step's status, seconds and rows, the verdict
+# No CPU-only tests here: tests/runtime (the graph emulator included) runs on CPU machines.
 #
-# Budget per step (seconds; the cap is the step's timeout, clipped to what is left of
-# GPU_CHECK_BUDGET_S=450; a step that cannot get its minimum is reported SKIPPED, never dropped):
-#   step            expect  cap  how the estimate was made
-#   toolchain           5     -  one torch import (~3 s cold) + nvcc --version; CPU dry run: 4 s
-#   build              35   150  the three translation units, timed on the shared 2-core CPU machine:
-#                                nvcc 13.0 -O3 sm_90 of csrc/cuda/dflash_kernels.cu 4 s; the same
-#                                `setup.py build_ext --inplace` with CPU ops only (ops.cpp with torch's
-#                                headers, C++20, -g) 24 s wall, 15 s CPU; ops_cuda.cpp is alike. ninja
-#                                compiles the three side by side on 16 cores: the slowest one + link
-#   graphs_runtime     30   120  not written yet; pytest start-up 8 s + the cold Triton compiles
-#   graphs_e2e         60   150  CPU dry run of these 5 tests: 37 s of eager work on tiny models, which is
-#                                milliseconds on the GPU; the cost there is the cold Triton cache: ~6
-#                                kernels x 2-3 specialisations x ~1.5 s compile + graph capture + 8 s start
-#   ext_gpu            40    90  62 tests (tests/ext's 113 CPU twins: 7 s here); the two inductor
-#                                compiles on CUDA with cold caches dominate (~10-15 s each)
-#   kernels_real       65   100  25 tests; compiles not already cached by graphs_e2e (head_dim 128,
-#                                vocab 151936 shapes) ~1.5 s each; runs are milliseconds. The 8 new ones
-#                                (verify_attention x2, add_rms_norm x2, silu_mul x2 at Qwen3-8B shapes:
-#                                ~4 new specialisations, ~8 s; lean target vs HF x2 (4 layers, hidden 256,
-#                                head_dim 64): ~12 specialisations of both steps' kernels ~18 s, one graph
-#                                capture per step, 40-token decodes) were estimated, not timed: CPU dry
-#                                run of the 8 with the torch backend 100 s, all of it bf16 CPU math
-#   step_latency       45    75  imports ~8 s; the accountant's 8 predictions (2 batches x 2 contexts x
-#                                eager/graph, meta tensors: 8 s for the first on the shared 2-core CPU,
-#                                0.35 s each after); qwen3-8b pair (18 GB bf16, random on the GPU) ~10 s;
-#                                4 engines (batch x mode; batch 8 holds 44 GB of caches at 32k), state
-#                                drawn on the device; 16 medians of <= 20 reps or 0.2 s (steps 1-14 ms
-#                                predicted); 4 graph captures; compiles mostly cached by kernels_real.
-#                                A timeout keeps the finished engines' rows (.partial.csv)
-#   draft_latency      35    60  qwen3-8b draft + embedding/LM head (4.6 GB bf16, made on the GPU), batch 1, ctx 2k/32k,
-#                                blocks 1/16 x 3 providers = 12 measurements x (warm-up + 0.15 s) +
-#                                compiles and one graph capture per block; was blocks 1/4/16 (45 s, with the
-#                                context drawn on the host: ~2 s per 32k fill, now on the device); block 16
-#                                is also in step_latency
-#   e2e                60    90  qwen3-8b pair (19 GB bf16, random on the GPU: ~10 s), oracle-6, block 16,
-#                                512-token prompt, 64 new tokens, 4 runtimes each with a warm-up; the
-#                                eager HF AR baseline (~25 ms/token, 100 tokens) is the slowest part
-#   kernels            40    60  real shapes, 20 reps or 0.05 s per row, torch/triton/ext per op: 9 ops,
-#                                27 shapes (8 new: verify_attention, add_rms_norm, silu_mul); the 30 s of
-#                                the 6 older ops' 19 shapes scaled, fewer reps
-#   summary             3     -  reads the CSVs
-#   total             ~418  450  + summary: <= 8 minutes
-# Output under $OUT (the device tool returns at most 8 files): gpu_check.log (every step's output in
-# order), steps.tsv, the four CSVs and draft_latency's PNG.
+# Caps in seconds (a step's timeout: its cap, clipped to what is left of the budget with the summary's cap kept
+# in reserve; a step left less than a third of its cap is SKIPPED, never dropped). The per-step work was
+# estimated from CPU timings and compile counts, not timed on a GPU; the caps leave each step about 1.5x that.
+#   toolchain      10  one torch import (~3 s cold), nvcc and g++ --version
+#   build          60  three translation units side by side (ninja, 16 cores): the slowest, ops.cpp with torch's
+#                      headers, took 24 s on the 2-core CPU machine; nvcc -O3 sm_90 of the .cu file 4 s; + link
+#   prewarm        75  the slowest job bounds it: step_latency's (qwen3-8b pair made on the GPU ~10 s, 8 meta-tensor
+#                      predictions ~10 s, 4 engines, 4 captures) while ~40 specialisations compile at 2.5-3.6 s each
+#                      on 16 cores (~10 s of wall time); the 7 jobs hold ~90 GB of the 141 GB at once
+#   graphs_e2e     35  pytest start-up ~8 s, tiny models, compiles cached by prewarm
+#   ext_gpu        35  62 tests, the two inductor compiles cached by prewarm
+#   kernels_real   30  25 tests at real shapes, cached compiles, runs of milliseconds
+#   step_latency   50  predictions ~10 s, model ~10 s, 4 engines, 16 medians of <= 20 reps or 0.2 s, 4 captures
+#   draft_latency  30  draft + LM head ~5 s, 12 measurements x (warm-up + 0.15 s), 2 captures
+#   e2e            55  qwen3-8b pair ~10 s, 4 runtimes with a warm-up each; HF AR 64 tokens ~2 s
+#   kernels        25  9 ops x 27 shapes x 2-3 backends, 20 reps or 0.05 s per row, graph replays
+#   summary         5  reads the CSVs
+#   total         410  of 420
+# Output under $OUT (the device tool brings back at most 8 files): gpu_check.log (every step's output in order),
+# steps.tsv (status, seconds, rows written as they came), tests.csv (one row per test), the four benchmark CSVs
+# (a <name>.partial.csv instead for a benchmark stopped at its cap), draft_latency's PNG.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
+DRY=${GPU_CHECK_DRY_RUN:-0}
+[[ "${1:-}" == --dry-run ]] && DRY=1
 OUT=${OUT:-$(mktemp -d /tmp/gpu_check.XXXX)}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 STEPS="$OUT/steps.tsv"
+TESTS="$OUT/tests.csv"
 : > "$LOG"
 : > "$STEPS"
-BUDGET=${GPU_CHECK_BUDGET_S:-450}
+rm -f "$TESTS"
+BUDGET=${GPU_CHECK_BUDGET_S:-420}
+WORK=$(mktemp -d /tmp/gpu_check_work.XXXX)  # prewarm outputs and the rows journal: not brought back
+export DFLASH_ROWS_JOURNAL="$WORK/rows.journal"
+: > "$DFLASH_ROWS_JOURNAL"
 T0=$(date +%s)
-DRY=${GPU_CHECK_DRY_RUN:-0}
-# the checkout's packages (and the extension built in place) win over anything installed
-export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# the checkout's packages (and the extension built in place) win over anything installed; bench/ for -p pytest_rows
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} PYTHONPATH="$PWD:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
+export DFLASH_COMMIT=${DFLASH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "unknown: no .git here and no DFLASH_COMMIT")}
+
+ORDER=(toolchain build prewarm graphs_e2e ext_gpu kernels_real step_latency draft_latency e2e kernels summary)
+declare -A CAP=([toolchain]=10 [build]=60 [prewarm]=75 [graphs_e2e]=35 [ext_gpu]=35 [kernels_real]=30
+                [step_latency]=50 [draft_latency]=30 [e2e]=55 [kernels]=25 [summary]=5)
+# The dry run runs on a shared 2-core CPU: timeouts (not the caps' sum) get this much slack there.
+SLACK=1
+[[ "$DRY" == 1 ]] && SLACK=${GPU_CHECK_DRY_SLACK:-6}
 
 record() {  # record NAME STATUS SECONDS NOTE
   printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$STEPS"
   echo "== $1: $2${4:+ ($4)}" | tee -a "$LOG"
 }
 
-# step NAME CAP_S MIN_S CMD...: CMD under a timeout clipped to the budget left, output appended to $LOG
+rows_written() {  # rows_written FILE_NAME: the most rows the journal saw in that partial file (0: none)
+  awk -F'\t' -v f="$1" '$1 == f && $2 > n {n = $2} END {print n + 0}' "$DFLASH_ROWS_JOURNAL"
+}
+
+timeout_for() {  # timeout_for NAME: the step's timeout, or nothing when too little of the budget is left
+  local cap=$(( CAP[$1] * SLACK )) left=$(( (BUDGET - CAP[summary]) * SLACK - ($(date +%s) - T0) ))
+  local t=$(( cap < left ? cap : left ))
+  (( t * 3 >= cap )) && echo "$t"
+}
+
+# step NAME PARTIAL CMD...: CMD under the step's timeout, output appended to $LOG; PARTIAL: the file name the step
+# writes its rows to as it goes (checked through the journal: a step with no row is a problem)
 step() {
-  local name=$1 cap=$2 min=$3; shift 3
-  local left=$(( BUDGET - ($(date +%s) - T0) ))
-  local t=$(( cap < left - 5 ? cap : left - 5 ))
-  if (( t < min )); then
-    record "$name" SKIPPED 0 "only ${left}s of the ${BUDGET}s budget left"
-    return 0
-  fi
+  local name=$1 partial=$2; shift 2
+  local t
+  t=$(timeout_for "$name") || { record "$name" SKIPPED 0 "only $(( BUDGET - ($(date +%s) - T0) ))s of the ${BUDGET}s budget left"; return 0; }
   echo "== $name (timeout ${t}s): $*" | tee -a "$LOG"
   local from=$(( $(wc -l < "$LOG") + 1 )) s=$(date +%s) rc
   timeout --kill-after=10 "$t" "$@" >> "$LOG" 2>&1
   rc=$?
-  local dt=$(( $(date +%s) - s )) status=ok note
-  note=$(tail -n +"$from" "$LOG" | grep -E "^([0-9]+ (passed|failed|skipped|deselected|errors?)|# wrote )" | tail -1 | cut -c1-90)
+  local dt=$(( $(date +%s) - s )) status=ok note rows
+  rows=$(rows_written "$partial")
+  note=$(tail -n +"$from" "$LOG" | grep -E "^([0-9]+ (passed|failed|skipped|deselected|errors?)|# wrote )" | tail -1 | cut -c1-80)
   if (( rc == 124 || rc == 137 )); then status=TIMEOUT
   elif (( rc == 5 )); then status=EMPTY; note="no tests selected"
-  elif (( rc != 0 )); then status="FAILED(rc=$rc)"; fi
-  printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$dt" "${note:-}" >> "$STEPS"
+  elif (( rc != 0 )); then status="FAILED(rc=$rc)"
+  elif (( rows == 0 )); then status=NO-ROWS; note="no row reached $partial while it ran"; fi
+  printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$dt" "rows ${rows}${note:+; $note}" >> "$STEPS"
   tail -n +"$from" "$LOG" | tail -n 4 | sed 's/^/   | /'
 }
 
+# test_step NAME PYTEST_ARGS...: a pytest step; its rows (one per test) are folded into tests.csv afterwards
+test_step() {
+  local name=$1; shift
+  GPU_CHECK_ROWS="$OUT/$name.partial.csv" step "$name" "$name.partial.csv" "${PYTEST[@]}" "$@"
+  if [[ -f "$OUT/$name.partial.csv" ]]; then
+    [[ -f "$TESTS" ]] || echo "step,test,phase,outcome,seconds" > "$TESTS"
+    awk -v s="$name" 'NR > 1 {print s "," $0}' "$OUT/$name.partial.csv" >> "$TESTS"
+    rm -f "$OUT/$name.partial.csv"
+  fi
+}
+
 {
-  echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')  commit: $(git rev-parse --short HEAD 2>/dev/null || echo "${DFLASH_COMMIT:-unknown: no .git here, pass DFLASH_COMMIT=<hash>}")"
+  echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')  commit: $DFLASH_COMMIT"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>&1
 } 2>&1 | tee -a "$LOG"
 
-PYTEST=($PY -m pytest -q -rs -p no:cacheprovider)
+total=0
+for s in "${ORDER[@]}"; do total=$(( total + CAP[$s] )); done
+if (( total <= BUDGET )); then record caps ok 0 "the caps add up to ${total}s of the ${BUDGET}s budget"
+else record caps OVER-BUDGET 0 "the caps add up to ${total}s, over the ${BUDGET}s budget"; fi
+
+PYTEST=($PY -m pytest -q -rs -p no:cacheprovider -p pytest_rows)
 GRAPH_K="graph or runtime or draft_step"
 if [[ "$DRY" == 1 ]]; then  # plumbing check on a CPU machine: no build, tiny shapes, the cheapest tests
   export DFLASH_GPU_TESTS_DEVICE=cpu
@@ -130,16 +151,18 @@ else
   KER=(--size real --reps 20 --budget 0.05)
   SL=(--model qwen3-8b --batch 1,8 --contexts 2k,32k --warmup 3 --reps 20 --budget 0.2)
 fi
+EXT_SEL=(-m gpu tests/ext -k "not nvcc_compiles and not cmake_build")
+ONCE=(--warmup 1 --reps 1 --budget 0)  # prewarm: the same work, timed once
 
-# 1. versions, and the nvcc the build will use (exported as CUDA_HOME) against torch's CUDA version
+# 1. g++, Python.h, nvcc vs torch's CUDA (the nvcc found is exported as CUDA_HOME for the build)
 s=$(date +%s)
-TC_OUT=$($PY bench/toolchain.py 2>&1)
+TC_OUT=$(timeout "$(( CAP[toolchain] * SLACK ))" $PY bench/toolchain.py 2>&1)
 TC_RC=$?
 echo "$TC_OUT" | grep -v '^toolchain: ' | tee -a "$LOG"
 TOOLCHAIN=$(grep '^toolchain: ' <<< "$TC_OUT" || echo "toolchain: bench/toolchain.py failed: $(tail -n 1 <<< "$TC_OUT")")
 home=$(sed -n 's/^cuda_home: //p' <<< "$TC_OUT")
 [[ -n "$home" ]] && export CUDA_HOME=$home
-case $TC_RC in 0) TC_STATUS=ok ;; 2) TC_STATUS=MISMATCH ;; *) TC_STATUS=NO-CUDA ;; esac
+case $TC_RC in 0) TC_STATUS=ok ;; 2) TC_STATUS=MISMATCH ;; 3) TC_STATUS=NO-HOST-TOOLS ;; *) TC_STATUS=NO-CUDA ;; esac
 record toolchain "$TC_STATUS" $(( $(date +%s) - s )) "${TOOLCHAIN#toolchain: }"
 
 # 2. the one build of the extension
@@ -151,29 +174,80 @@ elif [[ "${GPU_CHECK_BUILD:-1}" == skip ]]; then
 elif (( TC_RC != 0 )); then
   record build SKIPPED 0 "toolchain $TC_STATUS: the ext backend stays unavailable, Triton and torch run"
 else
-  step build 150 30 "${BUILD[@]}"
+  t=$(timeout_for build) || t=0
+  s=$(date +%s)
+  echo "== build (timeout ${t}s): ${BUILD[*]}" | tee -a "$LOG"
+  if (( t > 0 )) && timeout --kill-after=10 "$t" "${BUILD[@]}" >> "$LOG" 2>&1; then
+    record build ok $(( $(date +%s) - s )) "the extension is built in place"
+  else
+    record build "FAILED" $(( $(date +%s) - s )) "see gpu_check.log; the ext backend stays unavailable"
+  fi
 fi
 $PY -c "import torch, dflash_kernels as d; dev = 'cuda' if torch.cuda.is_available() else 'cpu'; print('backends on', dev, d.available_backends(dev))" 2>&1 | tee -a "$LOG"
 
-# 3. correctness: CUDA-graph replay and end-to-end equality first, then the ops
-if [[ -f tests/runtime/test_graphs.py ]]; then
-  step graphs_runtime 120 20 "${PYTEST[@]}" tests/runtime/test_graphs.py
+# 3. prewarm: the later steps' work at one repetition, every job at once; a row per job as it ends
+prewarm() {
+  local t=$1 job pids=()
+  local -A JOBS=(
+    [tests_graphs]="${PYTEST[*]} bench/gpu_tests.py ${GRAPH_SEL[*]@Q}"
+    [tests_kernels]="${PYTEST[*]} bench/gpu_tests.py ${KERNEL_SEL[*]@Q}"
+    [tests_ext]="${PYTEST[*]} ${EXT_SEL[*]@Q}"
+    [step_latency]="$PY bench/step_latency.py ${SL[*]} ${ONCE[*]} --out $WORK --tag step_latency-warm"
+    [draft_latency]="$PY bench/draft_latency.py ${DL[*]} ${ONCE[*]} --out $WORK --tag draft_latency-warm"
+    [e2e]="$PY bench/e2e.py ${E2E[*]} --runtimes ar-fast,fast --out $WORK --tag e2e-warm"
+    [kernels]="$PY bench/kernels.py ${KER[*]} ${ONCE[*]} --out $WORK --tag kernels-warm"
+  )
+  echo "job,status,seconds" > "$OUT/prewarm.partial.csv"
+  for job in "${!JOBS[@]}"; do
+    (
+      s=$(date +%s)
+      DFLASH_ROWS_JOURNAL= GPU_CHECK_ROWS= timeout --kill-after=5 "$t" bash -c "${JOBS[$job]}" > "$WORK/$job.log" 2>&1
+      rc=$?
+      case $rc in 0) st=ok ;; 124|137) st=TIMEOUT ;; *) st="FAILED(rc=$rc)" ;; esac
+      echo "$job,$st,$(( $(date +%s) - s ))" >> "$OUT/prewarm.partial.csv"
+      printf 'prewarm.partial.csv\t%s\n' "$(( $(wc -l < "$OUT/prewarm.partial.csv") - 1 ))" >> "$DFLASH_ROWS_JOURNAL"
+    ) &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  for job in "${!JOBS[@]}"; do
+    echo "-- prewarm job $job: ${JOBS[$job]}"
+    tail -n 6 "$WORK/$job.log" | sed 's/^/   | /'
+  done
+  awk -F, 'NR > 1 && $2 != "ok" {bad = 1} END {exit bad}' "$OUT/prewarm.partial.csv"
+}
+if t=$(timeout_for prewarm); then
+  echo "== prewarm (timeout ${t}s): 7 jobs in parallel" | tee -a "$LOG"
+  s=$(date +%s)
+  prewarm "$t" >> "$LOG" 2>&1
+  rc=$?
+  rows=$(rows_written prewarm.partial.csv)
+  if (( rows == 0 )); then st=NO-ROWS; elif (( rc != 0 )); then st="FAILED(a job)"; else st=ok; fi
+  record prewarm "$st" $(( $(date +%s) - s )) "rows $rows; $(( $(date +%s) - s ))s of wall time for every compile"
+  awk -F, 'NR > 1 {printf "prewarm/%s\t%s\t%s\t\n", $1, $2, $3}' "$OUT/prewarm.partial.csv" >> "$STEPS"
+  rm -f "$OUT/prewarm.partial.csv"
 else
-  record graphs_runtime SKIPPED 0 "tests/runtime/test_graphs.py is not there yet"
+  record prewarm SKIPPED 0 "only $(( BUDGET - ($(date +%s) - T0) ))s of the ${BUDGET}s budget left"
 fi
-step graphs_e2e 150 30 "${PYTEST[@]}" bench/gpu_tests.py "${GRAPH_SEL[@]}"
-step ext_gpu 90 20 "${PYTEST[@]}" -m gpu tests/ext -k "not nvcc_compiles and not cmake_build"
-step kernels_real 100 20 "${PYTEST[@]}" bench/gpu_tests.py "${KERNEL_SEL[@]}"
 
-# 4. benchmarks, small sweeps: the decode steps against the accountant's prediction first
-step step_latency 75 25 $PY bench/step_latency.py "${SL[@]}" --out "$OUT" --tag step_latency-gpu_check
-step draft_latency 60 25 $PY bench/draft_latency.py "${DL[@]}" --out "$OUT" --tag draft_latency-gpu_check
-step e2e 90 30 $PY bench/e2e.py "${E2E[@]}" --out "$OUT" --tag e2e-gpu_check
-step kernels 60 15 $PY bench/kernels.py "${KER[@]}" --out "$OUT" --tag kernels-gpu_check
+# 4. correctness at real shapes
+test_step graphs_e2e bench/gpu_tests.py "${GRAPH_SEL[@]}"
+test_step ext_gpu "${EXT_SEL[@]}"
+test_step kernels_real bench/gpu_tests.py "${KERNEL_SEL[@]}"
 
-# 5. summary, last: the device tool returns the tail of the output
+# 5. draft/verify step times, then end to end, then the sweeps
+step step_latency step_latency-gpu_check.partial.csv \
+  $PY bench/step_latency.py "${SL[@]}" --out "$OUT" --tag step_latency-gpu_check
+step draft_latency draft_latency-gpu_check.partial.csv \
+  $PY bench/draft_latency.py "${DL[@]}" --out "$OUT" --tag draft_latency-gpu_check
+step e2e e2e-gpu_check.partial.csv $PY bench/e2e.py "${E2E[@]}" --out "$OUT" --tag e2e-gpu_check
+step kernels kernels-gpu_check.partial.csv $PY bench/kernels.py "${KER[@]}" --out "$OUT" --tag kernels-gpu_check
+rm -f "$OUT"/*.tmp  # a write cut by a timeout; the partial file beside it holds every finished row
+
+# 6. summary, last: the device tool returns the tail of the output
 echo
-echo "################ summary ($(( $(date +%s) - T0 )) s of a ${BUDGET} s budget; log, CSV and PNG in $OUT)"
-$PY bench/summarize.py "$OUT" --steps "$STEPS"
+echo "################ summary ($(( $(date +%s) - T0 )) s of a ${BUDGET} s budget; log and CSVs in $OUT; commit $DFLASH_COMMIT)"
+timeout "$(( CAP[summary] * SLACK ))" $PY bench/summarize.py "$OUT" --steps "$STEPS"
 echo "$TOOLCHAIN"
-awk -F'\t' '{n[$2 ~ /^(ok|SKIPPED)$/ ? $2 : "problem"]++} END {printf "gpu_check: %d ok, %d skipped, %d with a problem (TIMEOUT, FAILED, EMPTY, MISMATCH, NO-CUDA)\n", n["ok"], n["SKIPPED"], n["problem"]}' "$STEPS"
+awk -F'\t' '$1 !~ /^prewarm\// {n[$2 ~ /^(ok|SKIPPED)$/ ? $2 : "problem"]++} END {printf "gpu_check: %d ok, %d skipped, %d with a problem (TIMEOUT, FAILED, EMPTY, NO-ROWS, OVER-BUDGET, MISMATCH, NO-HOST-TOOLS, NO-CUDA)\n", n["ok"], n["SKIPPED"], n["problem"]}' "$STEPS"
+rm -rf "$WORK"

@@ -315,7 +315,8 @@ def compare(case: Case, x: dict, backend: str) -> str:
     return "equal" if worst == 0.0 else f"rel {worst:.1e}"
 
 
-def run(args):
+def run(args, rows: common.RowLog):
+    """Time every op at every shape and backend; each row goes to ``rows`` as it is measured."""
     device = common.pick_device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
@@ -332,6 +333,7 @@ def run(args):
         "floor": f"bytes (inputs read once + outputs written once) / {bw['copy_GBps']:.1f} GB/s measured copy "
                  f"bandwidth ({bw['copy_bytes'] / 2**20:.0f} MiB, read+write)",
     })
+    rows.env = {**env, **bw}
     status = {b: backend_status(b, device) for b in ("torch", "triton", "ext")}
     status["unfused"] = status["triton"]  # F.linear + the Triton silu_mul kernel
     for b, (ok, why) in status.items():
@@ -340,7 +342,6 @@ def run(args):
         print("# triton on CPU: not timed: TRITON_INTERPRET runs kernels in a Python interpreter, its timings are "
               "meaningless for the GPU kernel; rows say 'not timed on CPU'")
     graphs = device.type == "cuda" and not args.no_graphs
-    rows = []
     with torch.inference_mode():
         for op in ops:
             for shape in SWEEPS[size][op]:
@@ -447,14 +448,15 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     p.add_argument("--tag")
     args = p.parse_args(argv)
-    rows, env, bw, size = run(args)
     device = common.pick_device(args.device)
+    out = common.out_dir(args.out)
+    stem = args.tag or f"kernels-{device.type}"
+    rows, env, bw, size = run(args, common.RowLog(out / f"{stem}.partial.csv"))
     cols = [c for c in COLUMNS if any(c in r for r in rows)]
     print()
     print(common.table(rows, cols))
     print(f"# %copy = achieved GB/s over the measured copy bandwidth {bw['copy_GBps']:.1f} GB/s")
-    out = common.out_dir(args.out)
-    path = common.write_csv(out / f"{args.tag or f'kernels-{device.type}'}.csv", rows, {**env, **bw})
+    path = rows.finish(out / f"{stem}.csv")
     print(f"# wrote {path}")
     return 0
 

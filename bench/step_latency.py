@@ -67,12 +67,13 @@ def run(args, partial_csv: Path):
                  f"block {args.block}",
         "prediction": f"bench/traffic.py on meta tensors ({time.perf_counter() - t0:.1f} s): bytes at "
                       f"{traffic.H200_BYTES_PER_S / 1e12} TB/s or FLOPs at {traffic.H200_FLOPS / 1e12:.0f} TFLOP/s + "
-                      f"launches x {traffic.LAUNCH_US} us",
+                      f"launches (graph: {traffic.LAUNCH_US['graph']} us each; eager: the host time measured on this "
+                      f"CPU + {traffic.CUDA_LAUNCH_API_US} us a launch)",
     })
     if not cuda:
         print("# graph: UNAVAILABLE on this machine (no CUDA device); CPU timings say nothing about an H200")
     target, draft = common.randomize_(*traffic.build_models(model, capacity, args.block, device, dtype))
-    rows: list[dict] = []
+    rows = common.RowLog(partial_csv, env)
     with torch.inference_mode():
         for batch in batches:
             for mode in MODES:
@@ -99,7 +100,6 @@ def run(args, partial_csv: Path):
                         print(f"{model} b{batch:<2d} ctx{context:<6d} {step:6s} {mode:5s} {t['median_ms']:9.4g} ms  "
                               f"predicted {p['predicted_ms_h200']:7.4g} ms (x{ratio:.2f})  floor "
                               f"{p['floor_ms_h200']:7.4g} ms  [{time.perf_counter() - t0:4.0f} s]", flush=True)
-                common.write_csv(partial_csv, rows, env)
                 del engine
                 gc.collect()
                 if cuda:
@@ -126,10 +126,9 @@ def main(argv=None) -> int:
     out = common.out_dir(args.out)
     stem = args.tag or f"step_latency-{common.pick_device(args.device).type}"
     rows, env = run(args, out / f"{stem}.partial.csv")
-    (out / f"{stem}.partial.csv").unlink()
     print()
     print(summarize.step_latency_summary(rows))
-    path = common.write_csv(out / f"{stem}.csv", rows, env)
+    path = rows.finish(out / f"{stem}.csv")
     print(f"# wrote {path}")
     return 0
 

@@ -1,16 +1,22 @@
-"""First step of bench/gpu_check.sh: does the nvcc that the extension build will use match the CUDA
-version torch was built with? torch's extension builder refuses a different major version (and only
-warns about a different minor one), so a mismatch is reported here in one line, before the build.
+"""First step of bench/gpu_check.sh: can the extension build run here? It needs an nvcc of the CUDA major
+version torch was built with (torch's extension builder refuses another major version and only warns about
+another minor one), a host C++ compiler for nvcc and torch's headers, and the Python headers (``Python.h``).
+Each is reported on its own line, then one verdict line, before the build.
 
-Usage: python bench/toolchain.py   (prints the versions, the toolkit root it checked, then the verdict)
+Usage: python bench/toolchain.py   (prints the versions, the toolkit root, g++ and the Python include dir, then the
+verdict)
 Exit status: 0 the build can go ahead (same version, or only the minor differs: a warning is printed);
-1 no CUDA build is possible (CPU-only torch, or no nvcc found); 2 major-version mismatch.
+1 no CUDA build is possible (CPU-only torch, or no nvcc found); 2 major-version mismatch; 3 no host compiler or
+no Python.h.
 """
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +48,22 @@ def compare(nvcc: str | None, nvcc_version_text: str | None, torch_version: str,
     return 0, f"ok: {line}"
 
 
+def host_prerequisites(cxx: str | None, cxx_version_text: str | None, python_include: str,
+                       has_python_h: bool) -> tuple[bool, str]:
+    """(whether the host side of the build can run, one-line report) for the C++ compiler found (its path and
+    ``--version`` text) and the Python include directory."""
+    problems = []
+    if cxx is None:
+        problems.append("no host C++ compiler (g++ or $CXX) on PATH")
+    if not has_python_h:
+        problems.append(f"no Python.h in {python_include} (install the Python development headers)")
+    first = (cxx_version_text or "").strip().splitlines()[:1]
+    line = f"host compiler {cxx} ({first[0] if first else 'no version'}), Python headers {python_include}"
+    if problems:
+        return False, "; ".join(problems) + ": the extension build is skipped"
+    return True, line
+
+
 def find_cuda_home() -> str | None:
     """The toolkit setup.py builds with: $CUDA_HOME, else the nvcc on PATH (wrappers resolved), else
     /usr/local/cuda. gpu_check.sh exports the printed ``cuda_home`` as CUDA_HOME, so the build uses
@@ -70,6 +92,13 @@ def main() -> int:
         proc = subprocess.run([nvcc, "--version"], capture_output=True, text=True)
         text = proc.stdout + proc.stderr
     status, report = compare(nvcc, text, torch.__version__, torch.version.cuda)
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    cxx_text = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout if cxx else None
+    include = sysconfig.get_paths()["include"]
+    host_ok, host_report = host_prerequisites(cxx, cxx_text, include, (Path(include) / "Python.h").is_file())
+    print(f"host: {host_report}")
+    if status == 0 and not host_ok:
+        status, report = 3, f"{report}; {host_report}"
     print(f"toolchain: {report}")
     return status
 

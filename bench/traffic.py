@@ -15,7 +15,8 @@ Model, per recorded op (a model, not a measurement):
             contracts in dflash_kernels/README.md, on the Triton/ext GPU path:
             fused_context 1 GEMM + 1 RMSNorm unless the norm fuses into the epilogue (one split and
             one column tile covers H), inject_context_kv 1, draft_attention / verify_attention 1
-            (split-KV, merged by the last split to finish), add_rms_norm 1, silu_mul 1, gate_up_silu 1 (2 above
+            (split-KV, merged by the last split to finish; + 1 memset of its merge counters when the grid
+            has more than one split), add_rms_norm 1, silu_mul 1, gate_up_silu 1 (2 above
             ``MAX_FUSED_ROWS`` rows: cuBLAS + silu_mul), verify_greedy 2, verify_sample 2 (+ the
             radix-select threshold's launches with top-k/top-p, ``threshold_launches``),
             commit_round 1 (the ext op), draft_round_setup 1. Draft trees (``--tree-budget``): build_tree 3 + ATen's
@@ -50,9 +51,14 @@ Model, per recorded op (a model, not a measurement):
             as the rows looked up; the LM head in full), the live K/V once, the new K/V rows
             written once, the step's inputs and outputs (draft: fused-context features; verify:
             the tapped features written), and the logits written once and read once.
-  time      predicted_ms_h200 = max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s) + launches x per-launch
-            cost (1.5 us replayed in a CUDA graph, 4 us eager; assumed, not measured). 4.3 TB/s is
-            the H200 copy bandwidth measured on this project's device runs, 790 TFLOP/s the bf16 dense rate.
+  time      device = max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s) + the attention
+            launches' split-KV merge tails (merge_ms_h200: the merging program's dependent L2 round trips,
+            ``merge_round_trips``, x 0.3 us, assumed), which run after the splits, not under their traffic.
+            4.3 TB/s is the H200 copy bandwidth measured on this project's device runs, 790 TFLOP/s the bf16
+            dense rate. predicted_ms_h200: replayed in a CUDA graph, device + launches x 1.5 us (assumed);
+            eager (--eager), the longer of device and host, the host's being the step's wall time on the
+            meta engine, measured on this CPU (``host_step_ms``: wrappers, validation, dispatcher), + 4 us a
+            launch for the launcher and the driver call, which a CPU cannot measure (assumed).
 
 Usage: python bench/traffic.py [--model qwen3-8b] [--batch 1,8] [--context 2k,32k] [--capacity 32k]
        [--block 16] [--tree-budget 16,32,64] [--eager] [--json] [--out DIR]
@@ -62,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import statistics
 import json
 import math
 import sys
@@ -75,14 +82,20 @@ import common  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from dflash_kernels.draft_attention import partial_slots, pick_max_splits  # noqa: E402
+from dflash_kernels.draft_attention import merge_round_trips, partial_slots, pick_max_splits  # noqa: E402
 from dflash_kernels.gated_mlp import gate_up_silu_cost  # noqa: E402
 from dflash_kernels.verify import threshold_bytes, threshold_launches  # noqa: E402
 
 H200_BYTES_PER_S = 4.3e12
 H200_FLOPS = 790e12
 H200_SMS = 132
-LAUNCH_US = {"graph": 1.5, "eager": 4.0}
+LAUNCH_US = {"graph": 1.5}  # one replayed launch (assumed)
+# An eager launch's share of the host time a CPU cannot measure: the Triton launcher or ATen's launch and the CUDA
+# driver's launch call (assumed); the rest of the host's time is measured (``host_step_ms``).
+CUDA_LAUNCH_API_US = 4.0
+# One dependent L2 round trip of an attention launch's merge tail (assumed: the merge's former 4 serial passes
+# over 32 split slots, one dependent load per slot, were estimated at 25-45 us a layer at 32k context).
+L2_ROUND_TRIP_US = 0.3
 
 # Target shapes from the Hugging Face configs; draft shapes of the z-lab checkpoints (the project's
 # research notes, "z-lab DFlash": Qwen3-8B-DFlash-b16 and Qwen3-4B-DFlash-b16 have 5 layers, the
@@ -232,17 +245,18 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
         q, k, v, k_cache, v_cache = args[:5]
         n, b, nh, d = q.shape
         kvh = k.shape[2]
-        num_splits, bound = (args[16], args[17]) if name == "draft_attention" else (args[14], args[15])
-        bound = k_cache.shape[1] if bound is None else min(k_cache.shape[1], max(1, bound))
-        splits = num_splits or pick_max_splits(n, kvh, bound, H200_SMS)
+        splits, slots = attention_splits(name, args, context)
         # fp32 partials (acc [B*nH, D], max, sum) of the active splits but the merging one, written once, read
-        # once; with more than one active split, kvH pairs of int32 merge counters read and written per request
-        slots = partial_slots(context, splits)
-        partials = 2 * n * slots * b * nh * (d + 2) * 4 + (2 * n * kvh * 2 * 4 if slots else 0)
+        # once; with more than one active split, kvH pairs of int32 merge counters read and written per request;
+        # with a grid of more than one split, the counters' memset (a launch) writes them first
+        counters = n * kvh * 2 * 4
+        partials = 2 * n * slots * b * nh * (d + 2) * 4 + (2 * counters if slots else 0)
+        memset = counters if splits > 1 else 0
         live = 2 * n * context * kvh * d * k_cache.element_size()  # live context K/V only, not the capacity
         written = 2 * n * b * kvh * d * k_cache.element_size() if name == "verify_attention" else 0
         small = nbytes([q, k, v, *args[5:9]]) + nbytes([args[15]] if name == "draft_attention" else args[16:18])
-        return 1, small + live + written + partials + distinct_bytes(out), 4 * n * b * nh * d * (context + b)
+        return (1 + (splits > 1), small + live + written + partials + memset + distinct_bytes(out),
+                4 * n * b * nh * d * (context + b))
     if name == "add_rms_norm":  # x, weight (and the residual, read and written in place) -> out
         x, weight, residual, out = args[0], args[1], args[3], args[4]
         return 1, nbytes([x, weight]) + 2 * nbytes([residual]) + distinct_bytes(out), 4 * x.numel()
@@ -294,6 +308,26 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
     raise ValueError(f"traffic: no cost contract for torch.ops.dflash.{name}; add one to dflash_cost")
 
 
+def attention_splits(name: str, args, context: int) -> tuple[int, int]:
+    """(the grid's split count, partial slots a request writes) of a draft/verify_attention call on an H200 with
+    ``context`` live rows per request: the kernels' own plan."""
+    q, k, k_cache = args[0], args[1], args[3]
+    num_splits, bound = (args[16], args[17]) if name == "draft_attention" else (args[14], args[15])
+    bound = k_cache.shape[1] if bound is None else min(k_cache.shape[1], max(1, bound))
+    splits = num_splits or pick_max_splits(q.shape[0], k.shape[2], bound, H200_SMS)
+    return splits, partial_slots(context, splits)
+
+
+def merge_latency_us(name: str, args, context: int) -> float:
+    """The serial tail of an attention launch's split-KV merge: its dependent L2 round trips (the kernels' own
+    count, ``merge_round_trips``) x ``L2_ROUND_TRIP_US``; 0 for other ops and for one active split."""
+    if name not in ("draft_attention", "verify_attention"):
+        return 0.0
+    q, k = args[0], args[1]
+    slots = attention_splits(name, args, context)[1]
+    return merge_round_trips(slots + 1, q.shape[1] * (q.shape[2] // k.shape[2]), q.shape[3]) * L2_ROUND_TRIP_US
+
+
 def storage_key(t: torch.Tensor) -> tuple[int, int]:
     return t.untyped_storage()._cdata, t.storage_offset()
 
@@ -309,6 +343,7 @@ class Accountant(TorchDispatchMode):
         self.markers = markers or {}
         self.phase = "pre"
         self.records: list[tuple[str, str, int, int, int]] = []
+        self.merge_us = 0.0  # the attention launches' serial merge tails (merge_latency_us), summed
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -318,6 +353,7 @@ class Accountant(TorchDispatchMode):
         ns, name = func.namespace, func._schema.name.split("::")[-1]
         if ns == "dflash":
             cost = dflash_cost(name, args, out, self.context)
+            self.merge_us += merge_latency_us(name, args, self.context)
         else:
             cost = aten_cost(func, args, kwargs, out)
         self.records.append((self.phase, f"{ns}.{name}", *cost))
@@ -364,7 +400,27 @@ def floor_bytes(engine, step: str, context: int) -> int:
     return (weights + kv + io) * elem + logits
 
 
-def summarize(engine, step: str, context: int, mode: Accountant, launch_us: float) -> dict:
+def host_step_ms(engine, step: str, reps: int = 5) -> float:
+    """Host milliseconds of one eager ``step`` ("draft" or "verify"), measured on this CPU: the step run on the
+    meta-device engine (median of ``reps`` runs after a warm-up), where every op costs what the host pays for it
+    on a GPU (the Python wrappers and their validation, the dispatcher, ``torch.ops.dflash``'s round trip) but no
+    device work: meta kernels only infer shapes. Not in it: the Triton launcher and the driver's launch call
+    (``CUDA_LAUNCH_API_US`` per launch, assumed)."""
+    run = getattr(engine, f"{step}_step")
+    times = []
+    with torch.no_grad():
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) * 1e3
+
+
+def summarize(engine, step: str, context: int, mode: Accountant, launch_us: float | None) -> dict:
+    """A step's totals and per-op table. ``launch_us``: the cost of one replayed launch (graph mode: the host
+    launches the whole graph once), added to the device time; None: eager, where the host launches every kernel
+    (``host_step_ms`` + the driver's call per launch) while the GPU runs behind it, so the step takes the longer
+    of the host's time and the device's."""
     records = mode.records
     launches = sum(r[2] for r in records)
     nbytes = sum(r[3] for r in records)
@@ -373,6 +429,13 @@ def summarize(engine, step: str, context: int, mode: Accountant, launch_us: floa
     in_layers = sum(r[2] for r in records if r[0] == "layer")
     floor = floor_bytes(engine, step, context)
     roof_ms = max(nbytes / H200_BYTES_PER_S, flops / H200_FLOPS) * 1e3
+    device_ms = roof_ms + mode.merge_us / 1e3
+    if launch_us is None:
+        launch_ms = host_step_ms(engine, step) + launches * CUDA_LAUNCH_API_US / 1e3
+        predicted = max(device_ms, launch_ms)
+    else:
+        launch_ms = launches * launch_us / 1e3
+        predicted = device_ms + launch_ms
     by_op: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
     for _, op, la, by, fl in records:
         if la:
@@ -385,8 +448,8 @@ def summarize(engine, step: str, context: int, mode: Accountant, launch_us: floa
         "step": step, "launches": launches, "launches_per_layer": in_layers / layers,
         "launches_outside_layers": launches - in_layers, "layers": layers,
         "bytes": nbytes, "floor_bytes": floor, "ratio": nbytes / floor, "flops": flops,
-        "roofline_ms_h200": roof_ms, "launch_ms_h200": launches * launch_us / 1e3,
-        "predicted_ms_h200": roof_ms + launches * launch_us / 1e3,
+        "roofline_ms_h200": roof_ms, "launch_ms_h200": launch_ms, "merge_ms_h200": mode.merge_us / 1e3,
+        "predicted_ms_h200": predicted,
         "floor_ms_h200": floor / H200_BYTES_PER_S * 1e3,
         "ops": {op: dict(calls=a[0], launches=a[1], bytes=a[2], flops=a[3]) for op, a in by_op.items()},
     }
@@ -407,11 +470,14 @@ def measure(model: str, batch: int, context: int, capacity: int, block: int, gra
     """Both steps' summaries for one configuration (tree rounds of ``tree_budget`` + 1 nodes when given)."""
     engine = build_engine(model, batch, capacity, block, graphs, tree_budget)
     engine.set_context(context)
-    launch_us = LAUNCH_US["graph" if graphs else "eager"]
+    launch_us = LAUNCH_US["graph"] if graphs else None
     config = dict(model=model, batch=batch, context=context, capacity=capacity, block=block,
-                  tree_budget=tree_budget or "", mode="graph" if graphs else "eager", launch_us=launch_us)
-    return [{**config, **summarize(engine, step, context, account(engine, step, context), launch_us)}
+                  tree_budget=tree_budget or "", mode="graph" if graphs else "eager")
+    rows = [{**config, **summarize(engine, step, context, account(engine, step, context), launch_us)}
             for step in ("draft", "verify")]
+    for r in rows:  # the cost of one launch: replayed (assumed), or eager (measured host cost, on average)
+        r["launch_us"] = launch_us if graphs else r["launch_ms_h200"] * 1e3 / max(1, r["launches"])
+    return rows
 
 
 def check_args(args) -> None:
@@ -434,7 +500,8 @@ def check_args(args) -> None:
 
 
 COLUMNS = ["model", "batch", "context", "tree_budget", "step", "launches", "launches_per_layer",
-           "launches_outside_layers", "bytes_GB", "floor_GB", "ratio", "GFLOP", "predicted_ms_h200", "floor_ms_h200",
+           "launches_outside_layers", "bytes_GB", "floor_GB", "ratio", "GFLOP", "merge_ms_h200", "predicted_ms_h200",
+           "floor_ms_h200",
            "goal_ratio", "goal_per_layer", "goal_outside"]
 
 
@@ -452,8 +519,15 @@ def print_human(s: dict, top: int) -> None:
     print(f"launches {s['launches']} ({s['launches_per_layer']:.1f} per layer x {s['layers']}, "
           f"{s['launches_outside_layers']} outside layers); bytes {s['bytes'] / 1e9:.3f} GB vs floor "
           f"{s['floor_bytes'] / 1e9:.3f} GB = {s['ratio']:.2f}x; {s['flops'] / 1e9:.1f} GFLOP")
-    print(f"model H200 time {s['predicted_ms_h200']:.3f} ms = roofline {s['roofline_ms_h200']:.3f} + launches "
-          f"{s['launch_ms_h200']:.3f} ({s['launch_us']} us each, assumed); floor {s['floor_ms_h200']:.3f} ms")
+    if s["mode"] == "graph":
+        print(f"model H200 time {s['predicted_ms_h200']:.3f} ms = roofline {s['roofline_ms_h200']:.3f} + split-KV "
+              f"merge tails {s['merge_ms_h200']:.3f} + launches {s['launch_ms_h200']:.3f} ({s['launch_us']:.2f} us "
+              f"each, replayed, assumed); floor {s['floor_ms_h200']:.3f} ms")
+    else:
+        print(f"model H200 time {s['predicted_ms_h200']:.3f} ms = the longer of the device's, roofline "
+              f"{s['roofline_ms_h200']:.3f} + split-KV merge tails {s['merge_ms_h200']:.3f}, and the host's "
+              f"{s['launch_ms_h200']:.3f} ({s['launch_us']:.2f} us a launch: measured on this CPU + "
+              f"{CUDA_LAUNCH_API_US} us assumed); floor {s['floor_ms_h200']:.3f} ms")
     print(goal_text(s["step"]))
     print(common.table(op_rows(s, top), OP_COLUMNS))
 

@@ -65,10 +65,22 @@ def rope_inv_freq(config: DFlashConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
+    """cos/sin of the draft's RoPE: fp32 frequencies and angles in every model dtype (the official rule, HF
+    Qwen3's rotary embedding), cast to the model's dtype at the end."""
+
     def __init__(self, config: DFlashConfig):
         super().__init__()
         inv_freq, self.attention_scaling = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        """A module cast (``.to(dtype)``, ``.bfloat16()``, ``from_pretrained(dtype=...)``) moves ``inv_freq`` but
+        keeps its fp32 values: in bf16 the angle at position 32768 would be off by radians."""
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != inv_freq.dtype:
+            self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return self
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [b, n] -> cos, sin [b, n, D] in ``dtype`` (computed in fp32, like HF)."""

@@ -46,14 +46,25 @@ VERIFY_OP = "verify_attention"
 _BACKENDS = ("triton", "cpu", "torch")
 _LOG2E = 1.4426950408889634
 
-# Context rows per active split (A = cdiv(live, MIN_CHUNK) capped by the grid). When A > 1, one split's fp32
-# partial (acc [B*G, D], max and sum [B*G]) is B*G*(D+2)*4 bytes per KV head, written once and read once by the
-# merging split (whose own partial stays in registers); the bf16 K/V rows it summarises are chunk*D*2*2 bytes,
-# chunk = live / A. Partials / K/V = 2*B*G*(D+2) / (chunk*D): at chunk = 1024, 12.7 % at B*G = 64 (Qwen3-8B
-# verify or draft, B = 16, G = 4, D = 128) and 4.8 % at B*G = 24 (SmolLM2 draft, B = 8, G = 3, D = 64). chunk
-# ranges from 1024 down to 513 (live = 1025: twice that ratio, on a tiny context) and tends to 1024 or more on
-# long contexts. Smaller chunks would add parallelism at small N·kvH.
-MIN_CHUNK = 1024
+# The floor of context rows per active split (A = cdiv(live, MIN_CHUNK) capped by the grid, whose split count
+# follows the SM count: ``pick_max_splits``). Qwen3-8B (kvH 8) at batch 1 and 2k context runs 8 splits per KV
+# head, 64 programs, where a 1024-row floor left 2 (16 programs, 116 of 132 SMs idle). The price is the partials: when A > 1, one split's fp32 partial (acc [B*G, D], max and sum [B*G]) is
+# B*G*(D+2)*4 bytes per KV head, written once and read once by the merging split (whose own partial stays in
+# registers); the bf16 K/V rows it summarises are chunk*D*2*2 bytes, chunk = live / A. Partials / K/V =
+# 2*B*G*(D+2) / (chunk*D): 51 % at chunk = 256 and B*G = 64 (Qwen3-8B verify or draft, B = 16, G = 4, D = 128),
+# 12.7 % at chunk 1024, which long contexts reach as the grid caps A. Below 256 rows the partials would cost
+# more than the K/V rows they summarise.
+MIN_CHUNK = 256
+# The most splits a grid has (``pick_max_splits`` caps at it; a larger ``num_splits`` is lowered to it).
+MAX_SPLITS = 64
+# The SM count the split plan assumes without a GPU (the CPU interpreter, the traffic accountant): an H200's.
+H200_SMS = 132
+# Split slots whose maxima and sums the merge loads as one tile, and slots whose partial tiles it loads together
+# (one unrolled step, independent loads in flight). Larger values spill registers at the Qwen3-8B tile on sm_90.
+MERGE_TILE = 8
+MERGE_UNROLL = 2
+_MERGE_TILE = tl.constexpr(MERGE_TILE)
+_MERGE_UNROLL = tl.constexpr(MERGE_UNROLL)
 
 
 def active_splits(live: int, max_splits: int) -> int:
@@ -68,10 +79,24 @@ def partial_slots(live: int, max_splits: int) -> int:
     return active_splits(live, max_splits) - 1
 
 
-def pick_max_splits(n: int, kvh: int, bound: int, sm_count: int) -> int:
-    """The grid's split count, host side (no sync): about two waves of (request, KV head, split) programs on
-    ``sm_count`` SMs, and no more splits than a context of ``bound`` rows makes active."""
-    return max(1, min(triton.cdiv(2 * sm_count, max(1, n * kvh)), triton.cdiv(bound, MIN_CHUNK)))
+def pick_max_splits(n: int, kvh: int, bound: int, num_sms: int = H200_SMS) -> int:
+    """The grid's split count, host side (no sync): one wave, as many splits as give each (request, KV head,
+    split) program an SM of its own on ``num_sms`` SMs (default: an H200's, the plan tests on the CPU follow;
+    1 once N*kvH fills them), no more than a context of ``bound`` rows makes active, at most ``MAX_SPLITS``.
+    A second wave would not add bandwidth where the SMs are already busy, only partials (Qwen3-8B at batch 8
+    and 2k context: 5 splits instead of 2 move 1.065x the draft step's floor bytes, over its 1.05 goal)."""
+    return max(1, min(num_sms // max(1, n * kvh), triton.cdiv(bound, MIN_CHUNK), MAX_SPLITS))
+
+
+def merge_round_trips(active: int, rows: int, d: int) -> int:
+    """Dependent L2 round trips on the merging program's path once its own split is done, for ``active`` splits
+    and a [rows = B*G, D] tile: the arrival ticket, the maxima/sums tiles, and each D half's partial tiles,
+    ``MERGE_UNROLL`` slots a step (1 for tiles wider than 64 x 64); none with one active split."""
+    if active <= 1:
+        return 0
+    block_r, block_half = _tile_dims(rows, d)
+    unroll = MERGE_UNROLL if block_r * block_half <= 4096 else 1
+    return 1 + triton.cdiv(active, MERGE_TILE) + 2 * triton.cdiv(active, unroll)
 
 
 def _validate(op, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, sliding_window,
@@ -571,8 +596,9 @@ def _attn_split_kernel(
         # Split-KV merge without a merge launch: the last of the request's A active splits (for this KV head)
         # to finish merges; the A - 1 others write their unnormalised partials (acc, running max m, sum l) to
         # their slot of [N, S, B, nH, D] and signal. counter[0] hands out arrival tickets, counter[1] counts
-        # the partials written (Triton's atomics are acq_rel at GPU scope). The last one never writes its own
-        # partial. No deadlock: every split that took a ticket is running and does not wait on anyone.
+        # the partials written (Triton's atomics are acq_rel at GPU scope); the launch's own counters, zeroed
+        # before it (``_merge_counters``). The last one never writes its own partial. No deadlock: every split
+        # that took a ticket is running and does not wait on anyone.
         counter = sem_ptr + (n * tl.num_programs(1) + h) * 2
         ps = (n * NSPLIT + split) * B * NH + row
         ticket = tl.atomic_add(counter, 1)
@@ -588,25 +614,14 @@ def _attn_split_kernel(
             while tl.atomic_add(counter + 1, 0) < active - 1:
                 pass
             tl.debug_barrier()  # no thread reads a partial before the acquire above saw them all
-            # Both counters back to 0 for the next launch: nobody touches them again in this one.
-            tl.atomic_xchg(counter, 0)
-            tl.atomic_xchg(counter + 1, 0)
             # Combined in slot order 0..A-1 whichever split arrives last (its own slot from registers, which
-            # hold exactly what it would have stored): the result does not depend on the arrival order.
-            # A global max first, then the weighted sums, one D half at a time.
+            # hold exactly what it would have stored): the result does not depend on the arrival order. The
+            # slots' maxima and sums come _MERGE_TILE slots to a load ([slots, rows] tiles, .cg: written by other
+            # SMs, read from L2; one load each up to _MERGE_TILE active splits), folded into the global max and
+            # the weighted sum; then each D half in one pass over the slots, _MERGE_UNROLL slots' tiles at a time.
             first = n * NSPLIT * B * NH  # request n's slot 0, in rows
-            m = m_i
-            for slot in range(0, active):
-                m_s = tl.load(pm_ptr + (first + slot * B * NH) + row, mask=r_ok & (slot != split),
-                              other=float("-inf"), cache_modifier=".cg")
-                m = tl.maximum(m, m_s)
+            m, l_sum = _merged_max_sum(pm_ptr, pl_ptr, first, B * NH, row, m_i, l_i, split, active, r_ok)
             m_safe = tl.where(m == float("-inf"), 0.0, m)
-            l_sum = tl.zeros((BLOCK_R,), tl.float32)
-            for slot in range(0, active):
-                other = slot != split
-                at = first + slot * B * NH
-                l_s = tl.load(pl_ptr + at + row, mask=r_ok & other, other=0.0, cache_modifier=".cg")
-                l_sum += tl.where(other, l_s, l_i) * _slot_weight(pm_ptr + at, row, other, r_ok, m_i, m_safe)
             inv_l = 1.0 / tl.where(l_sum > 0, l_sum, 1.0)
             out_lo = _merged_half(po_ptr, pm_ptr, first, B * NH, 2 * HALF, row, dh, acc_lo, m_i, m_safe, split,
                                   active, r_ok, qmask)
@@ -617,26 +632,48 @@ def _attn_split_kernel(
 
 
 @triton.jit
-def _slot_weight(pm_ptr, rows, other, r_ok, m_i, m_safe):
-    """exp2(m_s - m_safe) of one split slot's rows: its maxima read from ``pm_ptr`` (.cg: written by another
-    SM, read from L2) when ``other``, else the caller's own running max ``m_i``."""
-    m_s = tl.load(pm_ptr + rows, mask=r_ok & other, other=0.0, cache_modifier=".cg")
-    return tl.exp2(tl.where(other, m_s, m_i) - m_safe)
+def _merged_max_sum(pm_ptr, pl_ptr, first, slot_rows, rows, m_i, l_i, split, active, r_ok):
+    """(max over the active slots of m_s, sum of l_s * exp2(m_s - that max)) per row: the other slots' from
+    memory, _MERGE_TILE slots to a load, slot ``split``'s from ``m_i``/``l_i``; groups folded in slot order
+    (online rescaling), so the result does not depend on which split merges. A row no slot saw: (-inf, 0)."""
+    m = tl.full(m_i.shape, float("-inf"), tl.float32)
+    l_sum = tl.zeros(m_i.shape, tl.float32)
+    for s0 in range(0, active, _MERGE_TILE):
+        slots = s0 + tl.arange(0, _MERGE_TILE)
+        own = (slots == split)[:, None]
+        at = (first + slots * slot_rows)[:, None] + rows[None, :]
+        theirs = ((slots < active) & (slots != split))[:, None] & r_ok[None, :]
+        m_g = tl.where(own, m_i[None, :], tl.load(pm_ptr + at, mask=theirs, other=float("-inf"), cache_modifier=".cg"))
+        l_g = tl.where(own, l_i[None, :], tl.load(pl_ptr + at, mask=theirs, other=0.0, cache_modifier=".cg"))
+        m_new = tl.maximum(m, tl.max(m_g, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # slots past A weigh exp2(-inf) = 0
+        l_sum = l_sum * tl.exp2(m - m_safe) + tl.sum(l_g * tl.exp2(m_g - m_safe[None, :]), axis=0)
+        m = m_new
+    return m, l_sum
 
 
 @triton.jit
 def _merged_half(po_ptr, pm_ptr, first, slot_rows, row_len, rows, cols, own_acc, m_i, m_safe, split, active, r_ok,
                  qmask):
     """Sum over the active split slots 0..A-1, in slot order, of acc_s[rows, cols] * exp2(m_s - m_safe): the
-    other slots' partials from memory (slot s of request n starts at row ``first + s * slot_rows``), slot
-    ``split`` from ``own_acc``."""
+    other slots' partials from memory (slot s of request n starts at row ``first + s * slot_rows``; .cg: written
+    by other SMs, read from L2), slot ``split`` from ``own_acc``. _MERGE_UNROLL slots a step, their loads
+    independent; the slots past A add exact zeros."""
     total = tl.zeros(own_acc.shape, tl.float32)
-    for slot in range(0, active):
-        other = slot != split
-        at = first + slot * slot_rows
-        o_s = tl.load(po_ptr + at * row_len + (rows[:, None] * row_len + cols[None, :]), mask=qmask & other, other=0.0,
-                      cache_modifier=".cg")
-        total += tl.where(other, o_s, own_acc) * _slot_weight(pm_ptr + at, rows, other, r_ok, m_i, m_safe)[:, None]
+    # Tiles wider than Qwen3-8B's 64 x 64 (trees of 32 nodes: 128 rows) take one slot a step: no room for two
+    # (``merge_round_trips`` counts the steps).
+    UNROLL: tl.constexpr = _MERGE_UNROLL if own_acc.shape[0] * own_acc.shape[1] <= 4096 else 1
+    for s0 in range(0, active, UNROLL):
+        for u in tl.static_range(UNROLL):
+            slot = s0 + u
+            other = (slot < active) & (slot != split)
+            at = first + slot * slot_rows
+            o_s = tl.load(po_ptr + at * row_len + (rows[:, None] * row_len + cols[None, :]), mask=qmask & other,
+                          other=0.0, cache_modifier=".cg")
+            m_s = tl.load(pm_ptr + at + rows, mask=r_ok & other, other=float("-inf"), cache_modifier=".cg")
+            w = tl.exp2(tl.where(slot == split, m_i, m_s) - m_safe)
+            total += tl.where(slot == split, own_acc, o_s) * w[:, None]
     return total
 
 
@@ -645,10 +682,15 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _tile_dims(rows: int, d: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_HALF) of the split kernel for ``rows`` = B*G query rows per KV head and head dim D."""
+    return max(16, next_pow2(rows)), max(16, next_pow2(d // 2))
+
+
 def _split_tile(b: int, g: int, d: int, lowp_dot: bool) -> tuple[dict, dict]:
     """The split kernel's tile constexprs and launch options (num_warps, maxnreg) on a GPU for B block rows,
     G = nH/kvH, head dim D, 16-bit dot operands or not."""
-    block_r, block_half = max(16, next_pow2(b * g)), max(16, next_pow2(d // 2))
+    block_r, block_half = _tile_dims(b * g, d)
     wide = block_r * block_half >= 4096
     # The wide tiles (Qwen3-8B: 64 rows x D 128) take 8 warps; 32 context rows per step keep the score tile and
     # the K/V staging within 128 registers, 2 CTAs/SM (README resource table). At 64 x 64 with 16-bit operands
@@ -670,23 +712,12 @@ def _partials(n: int, splits: int, b: int, nh: int, d: int, device: torch.device
     return po, pm, torch.empty_like(pm)
 
 
-# Per device: int32 [N * kvH, 2] counters of the split kernel's merge (arrival tickets, partials written), zero
-# between launches (the merging program resets its pair), shared by the launches on that device (which must
-# therefore not run concurrently on different streams). Made outside a CUDA graph capture (by the capture's
-# warm-up run) and grown when a launch needs more; a smaller one is kept, never freed: a captured graph may
-# still point at it.
-_counters: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _split_counters(pairs: int, device: torch.device) -> torch.Tensor:
-    made = _counters.setdefault(device, [])
-    if made and made[-1].shape[0] >= pairs:
-        return made[-1]
-    fresh = torch.zeros((pairs, 2), dtype=torch.int32, device=device)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return fresh  # a capture without a warm-up: the graph zeroes its own counters on every replay
-    made.append(fresh)
-    return fresh
+def _merge_counters(pairs: int, device: torch.device) -> torch.Tensor:
+    """int32 [pairs, 2] merge counters of one launch with a grid of more than one split (arrival tickets,
+    partials written), zeroed by a memset on the launch's stream (a node of its own in a captured graph): no
+    two launches share counters, whatever stream or graph runs them, and a launch cut short leaves nothing
+    behind for the next."""
+    return torch.zeros((pairs, 2), dtype=torch.int32, device=device)
 
 
 def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, attention_scaling,
@@ -704,10 +735,10 @@ def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_no
     bound = capacity if max_context_len is None else min(capacity, max(1, int(max_context_len)))
     half = d // 2
     if num_splits is None:
-        # The interpreter pretends to have 2*N*kvH SMs: up to 4 splits, so the tests reach the split logic.
-        sms = 2 * n * kvh if interpreting() else _sm_count(q.device.index if q.device.index is not None
-                                                           else torch.cuda.current_device())
-        num_splits = pick_max_splits(n, kvh, bound, sms)
+        # The interpreter plans for an H200 (pick_max_splits' default): the tests see the GPU's split counts.
+        num_splits = pick_max_splits(n, kvh, bound) if interpreting() else pick_max_splits(
+            n, kvh, bound, _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()))
+    num_splits = min(num_splits, MAX_SPLITS)
     po, pm, pl = _partials(n, num_splits, b, nh, d, q.device)
     dot_prec = "ieee" if q.dtype == torch.float32 or k_cache.dtype == torch.float32 else "tf32"
     # The interpreter keeps fp32 operands (it hands 16-bit values around as raw integers).
@@ -724,7 +755,7 @@ def _attention_triton(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_no
         table_ptr=table if table is not None else cache_lens,
         qw_ptr=q_norm_weight if has_norm else inv_freq, kw_ptr=k_norm_weight if has_norm else inv_freq,
         inv_freq_ptr=inv_freq.to(torch.float32), po_ptr=po, pm_ptr=pm, pl_ptr=pl,
-        sem_ptr=_split_counters(n * kvh, q.device), out_ptr=out,
+        sem_ptr=_merge_counters(n * kvh, q.device) if num_splits > 1 else cache_lens, out_ptr=out,
         depth_ptr=tree_depths if tree else cache_lens, tmask_ptr=tree_mask if tree else cache_lens,
         B=b, G=g, NH=nh, HALF=half, page_size=page_size, CAP=capacity, window=sliding_window or 0,
         attention_scaling=float(attention_scaling), eps=float(eps),
@@ -757,8 +788,8 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
     Fuses the per-head ``q_norm``/``k_norm`` RMSNorm and NeoX RoPE of the block rows (at positions
     ``cache_lens[n] + i``), GQA packing (B x nH/kvH rows per KV head), split-KV over the context merged by
-    the last split to finish, fp32 softmax statistics, scale D**-0.5. One launch, no host sync. Calls on
-    one device share the merge counters: do not run them concurrently on different streams. The block's K/V are
+    the last split to finish, fp32 softmax statistics, scale D**-0.5. One launch (after a memset of its own
+    merge counters when the grid has splits), no host sync: calls may run concurrently on different streams. The block's K/V are
     only used in-register: nothing is written to the cache.
 
     Args:
@@ -791,8 +822,8 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             shortened tail block ``[anchor, MASK x (v-1)]`` with static shapes. The index values
             (``cache_lens``, ``cache_batch_idx``, ``block_table``, ``block_lens``) are checked on CPU tensors
             (ValueError); on a GPU only the kernels read them (no host sync).
-        num_splits: the maximum context splits per (request, KV head) (the grid); default
-            ``pick_max_splits`` from the SM count and the capacity. Each request uses
+        num_splits: the maximum context splits per (request, KV head) (the grid, at most ``MAX_SPLITS``: a larger
+            value is lowered to it); default ``pick_max_splits`` from the SM count and the capacity. Each request uses
             ``active_splits(live rows, num_splits)`` of them, computed in-kernel.
         max_context_len: optional host-side upper bound of ``cache_lens`` to size the grid (no sync).
         backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"``: CPU tensors, the reference's formula with

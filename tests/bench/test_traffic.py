@@ -186,3 +186,40 @@ def test_tree_budget_verify_step_on_tiny():
     assert verify["floor_bytes"] > chain["floor_bytes"] and verify["bytes"] >= verify["floor_bytes"]
     with pytest.raises(SystemExit, match="--tree-budget"):
         traffic.main(["--model", "tiny", "--tree-budget", "65"])
+
+
+def test_verify_rows_carry_the_merge_latency():
+    """Tiny model (kvH 2, B*G 32, D 16) at 2000 context rows, capacity 2048 (graph bound 2048 + 16): a grid of
+    cdiv(2064, 256) = 9 splits, 8 active: every attention launch is 2 (the counters' memset, the kernel) and its
+    merge tail 1 + cdiv(8, 8) + 2 * cdiv(8, 2) = 10 dependent round trips of 0.3 us, in the prediction."""
+    from dflash_kernels.draft_attention import active_splits, merge_round_trips, pick_max_splits
+
+    grid = pick_max_splits(1, 2, 2048 + 16)
+    assert grid == 9 and active_splits(2000, grid) == 8 and merge_round_trips(8, 16 * 2, 16) == 10
+    [draft, verify] = traffic.measure("tiny", batch=1, context=2000, capacity=2048, block=16)
+    assert verify["merge_ms_h200"] == pytest.approx(4 * 10 * traffic.L2_ROUND_TRIP_US / 1e3)  # 4 target layers
+    assert draft["merge_ms_h200"] == pytest.approx(2 * 10 * traffic.L2_ROUND_TRIP_US / 1e3)   # 2 draft layers
+    for s in (draft, verify):
+        assert s["predicted_ms_h200"] == pytest.approx(s["roofline_ms_h200"] + s["launch_ms_h200"]
+                                                       + s["merge_ms_h200"])
+    assert verify["ops"]["dflash.verify_attention"]["launches"] == 2 * 4
+    short = traffic.measure("tiny", batch=1, context=200, capacity=2048, block=16)[1]  # one active split
+    assert short["merge_ms_h200"] == 0
+
+
+def test_eager_rows_take_the_host_time_measured_here():
+    """Eager: the host's time is the step's wall time on the meta engine (measured) + the assumed launcher and
+    driver call per launch; the step takes the longer of the host's and the device's. Graph rows: device time +
+    1.5 us a replayed launch."""
+    graph = traffic.measure("tiny", batch=1, context=32, capacity=128, block=16)
+    eager = traffic.measure("tiny", batch=1, context=32, capacity=128, block=16, graphs=False)
+    for g, e in zip(graph, eager):
+        device = g["roofline_ms_h200"] + g["merge_ms_h200"]
+        assert g["predicted_ms_h200"] == pytest.approx(device + g["launches"] * traffic.LAUNCH_US["graph"] / 1e3)
+        assert e["launch_ms_h200"] > e["launches"] * traffic.CUDA_LAUNCH_API_US / 1e3  # + the measured host time
+        assert e["launch_us"] == pytest.approx(e["launch_ms_h200"] * 1e3 / e["launches"])
+        assert e["predicted_ms_h200"] == pytest.approx(max(e["roofline_ms_h200"] + e["merge_ms_h200"],
+                                                           e["launch_ms_h200"]))
+    engine = traffic.build_engine("tiny", 1, 128, 16, graphs=False)
+    engine.set_context(32)
+    assert 0 < traffic.host_step_ms(engine, "draft", reps=3) < 1e3

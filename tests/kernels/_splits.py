@@ -40,3 +40,18 @@ def assert_slots(partials, live: list[int], max_splits: int, kv_heads: int) -> N
             written = ~nan.any(-1)
             assert (written | nan.all(-1)).all(), (r, rows, "a slot partly written")
             assert (written[:a].sum(0) == a - 1).all() and not written[a:].any(), (r, rows, a, written.tolist())
+
+
+def run_splits_in_order(monkeypatch, order) -> None:
+    """Make the interpreter run the split programs of each (request, KV head) in ``order(S)`` (a permutation
+    of the grid's S split indices): the program at position z runs as split ``order(S)[z]``."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    set_idx = type(builder).set_grid_idx.__get__(builder)  # the class's: an earlier call's patch is replaced
+    monkeypatch.setattr(builder, "set_grid_idx", lambda x, y, z: set_idx(x, y, order(builder.grid_dim[2])[z]))
+
+
+def merger(order: list[int], active: int) -> int:
+    """The split that merges when the splits run in ``order``: the last active one to run."""
+    return [s for s in order if s < active][-1]

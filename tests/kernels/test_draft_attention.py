@@ -156,8 +156,7 @@ def test_one_active_split_stores_the_output(monkeypatch, dtype, paged, window, b
 def test_merge_does_not_depend_on_which_split_finishes_last(monkeypatch, dtype):
     """MIN_CHUNK lowered to 64 rows, a grid of 4 splits, 1 to 4 active: the interpreter runs a request's splits
     in order (split A-1 finishes last and merges) or, patched, in reverse (split 0 merges, its own slot from
-    registers amid the others'). Bit-identical outputs, the merging split's slot never written, and the
-    merge counters back at zero after each call."""
+    registers amid the others'). Bit-identical outputs, and the merging split's slot never written."""
     from triton.runtime import interpreter
 
     monkeypatch.setattr(da, "MIN_CHUNK", 64)
@@ -178,7 +177,6 @@ def test_merge_does_not_depend_on_which_split_finishes_last(monkeypatch, dtype):
         for r, a in enumerate(active):
             if a > 1:
                 assert torch.isnan(partials[1][r, merger(a)]).all(), (r, a)
-    assert not da._counters[in_order.device][-1].any()
     ref, lowp = _refs(args, **rope)
     assert_within_rule(in_order, ref, lowp, "draft_attention merge")
 
@@ -475,3 +473,83 @@ def test_cpu_backend_propagates_nan_as_the_reference(where):
     assert ref[0].isnan().any() == (where != "v past block_lens")
     assert torch.equal(out.isnan(), ref.isnan())
     assert torch.equal(out[1].view(torch.int32), clean[1].view(torch.int32))
+
+
+ORDERS = {  # the order the interpreter runs a request's split programs in
+    "in-order": lambda s: list(range(s)),
+    "reversed": lambda s: list(range(s))[::-1],
+    "interleaved": lambda s: list(range(1, s, 2)) + list(range(0, s, 2)),
+}
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="reorders the interpreter's programs")
+@pytest.mark.parametrize("window", [None, 1500])
+def test_merge_is_independent_of_the_split_order_at_the_real_chunk_sizes(monkeypatch, window):
+    """The default plan (MIN_CHUNK 256, an H200's SMs): 11, 3, 1, 2 and 1 active splits, more than one tile of
+    maxima and sums and several unrolled steps in the merge. In order, reversed and interleaved, the outputs are
+    bit-identical, each request writes exactly its active slots but the merging one's (NaN-filled partials: a
+    slot read unwritten poisons the output), and the result is within the rule."""
+    from _splits import merger, run_splits_in_order
+
+    lens = [2600, 700, 256, 257, 0]
+    live = [c if window is None else min(c, window - 1) for c in lens]
+    args = _case(len(lens), 3, 2, 1, 16, lens, torch.bfloat16)
+    rope = dict(inv_freq=_inv_freq(16), attention_scaling=1.1, sliding_window=window)
+    grid = da.pick_max_splits(len(lens), 1, args[3].shape[1])
+    active = [da.active_splits(x, grid) for x in live]
+    assert grid == 11 and active == ([11, 3, 1, 2, 1] if window is None else [6, 3, 1, 2, 1]), (grid, active)
+    seen = nan_partials(monkeypatch)
+    outs = {}
+    for name, order in ORDERS.items():
+        run_splits_in_order(monkeypatch, order)
+        outs[name] = draft_attention(*args, backend="triton", **rope)
+    for name, partials in zip(ORDERS, seen):
+        assert torch.equal(outs[name], outs["in-order"]), name
+        assert_slots(partials, live, grid, kv_heads=1)
+        for r, a in enumerate(active):
+            if a > 1:
+                assert torch.isnan(partials[1][r, merger(ORDERS[name](grid), a)]).all(), (name, r, a)
+    ref, lowp = _refs(args, **rope)
+    assert_within_rule(outs["in-order"], ref, lowp, "draft_attention merge, real chunk sizes")
+
+
+def test_split_plan_follows_the_sm_count_with_a_256_row_floor():
+    """Qwen3-8B (kvH 8) at batch 1 and 2k context: 8 splits a KV head on an H200 (64 programs on 132 SMs), 2 on
+    16 SMs, 2 at batch 8 (128 programs); a split takes at least 256 rows; grids stop at MAX_SPLITS."""
+    assert da.MIN_CHUNK == 256 and da.pick_max_splits(1, 8, 2048) == 8 and da.active_splits(2048, 8) == 8
+    assert da.pick_max_splits(1, 8, 2048, num_sms=16) == 2 and da.pick_max_splits(8, 8, 2048) == 2
+    assert [da.active_splits(x, 64) for x in (255, 256, 257, 1000)] == [1, 1, 2, 4]
+    assert da.pick_max_splits(1, 1, 1 << 20) == da.MAX_SPLITS == 64
+
+
+def test_a_grid_beyond_max_splits_is_lowered_to_it(monkeypatch):
+    args = _case(2, 3, 4, 2, 16, [300, 17], torch.float32)
+    rope = dict(inv_freq=_inv_freq(16))
+    seen = nan_partials(monkeypatch)
+    out = draft_attention(*args, num_splits=100, backend="triton", **rope)
+    assert seen[0][0].shape[1] == da.MAX_SPLITS
+    assert_slots(seen[0], [300, 17], da.MAX_SPLITS, kv_heads=2)
+    ref, lowp = _refs(args, **rope)
+    assert_within_rule(out, ref, lowp, "num_splits above MAX_SPLITS")
+
+
+def test_launches_never_share_merge_counters(monkeypatch):
+    """Each launch gets its own merge counters, zeroed for it: two launches (two streams, two graphs) never
+    meet on one (request, head) pair's counters, and a launch cut short leaves nothing for the next."""
+    made = []
+    alloc = da._merge_counters
+
+    def recording(*a):
+        counters = alloc(*a)
+        made.append((counters, counters.clone()))
+        return counters
+
+    monkeypatch.setattr(da, "_merge_counters", recording)
+    args = _case(2, 3, 4, 2, 16, [600, 300], torch.float32)
+    rope = dict(inv_freq=_inv_freq(16))
+    first = draft_attention(*args, backend="triton", **rope)
+    second = draft_attention(*args, backend="triton", **rope)
+    assert torch.equal(first, second) and len(made) == 2
+    (a, a_at_launch), (b, b_at_launch) = made
+    assert a.data_ptr() != b.data_ptr() and not a_at_launch.any() and not b_at_launch.any()
+    assert a.any(), "the launch used its counters (3 and 2 active splits per KV head)"

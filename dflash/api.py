@@ -102,6 +102,9 @@ def check_tree_budget(tree_budget, block_size: int, draft: DraftModel, target: T
     can fill from its B-1 block positions."""
     if tree_budget is None:
         return
+    if draft.config.dflash2 is not None:
+        raise ValueError("tree_budget needs a DFlash draft: a DFlash2 draft proposes one path through its candidate "
+                         "selector, not a tree; pass tree_budget=None")
     if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or not 1 <= tree_budget <= MAX_TREE_BUDGET:
         raise ValueError(f"tree_budget must be None (chain DFlash) or an integer in [1, {MAX_TREE_BUDGET}] "
                          f"(tree nodes besides the root), got {tree_budget!r}")

@@ -558,4 +558,6 @@ def unsupported_reason(target, draft: DraftModel) -> str | None:
         return str(exc)
     if draft.config.attention_bias:
         return "draft uses attention_bias"
+    if draft.config.dflash2 is not None:
+        return "the fast engine does not run DFlash2 drafts yet (backend='auto' runs them on the reference)"
     return None

@@ -16,7 +16,7 @@ from dflash.draft import DraftKVCache, DraftModel
 from dflash.sampling import sample
 from dflash.target import extract_context_feature
 
-__all__ = ["DFlashDraftModel", "DraftKVCache", "build_target_layer_ids", "extract_context_feature", "sample"]
+__all__ = ["DFlash2DraftModel", "DFlashDraftModel", "DraftKVCache", "build_target_layer_ids", "extract_context_feature", "sample"]
 
 
 class DFlashDraftModel(DraftModel):
@@ -43,3 +43,12 @@ class DFlashDraftModel(DraftModel):
             target, self, input_ids, max_new_tokens, stop_token_ids=stop_token_ids,
             temperature=temperature, top_p=top_p, top_k=top_k,
         ).sequences
+
+
+def __getattr__(name: str):
+    """``DFlash2DraftModel`` lives in :mod:`dflash.dflash2` (it builds on this module); z-lab exports it here."""
+    if name == "DFlash2DraftModel":
+        from dflash.dflash2 import DFlash2DraftModel
+
+        return DFlash2DraftModel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from dflash.draft import DraftKVCache, DraftModel
 from dflash.results import GenerateResult, device_clock
-from dflash.sampling import SamplingParams, sample
+from dflash.sampling import SamplingParams, rejection_sample_candidates, sample
 from dflash.target import TargetAdapter
 from dflash_kernels import (
     build_tree, commit_round, distinct_prefixes, first_token_done, tree_accept_greedy, tree_accept_sample,
@@ -125,7 +125,11 @@ def reference_generate(target: TargetAdapter, draft: DraftModel, input_ids: torc
                 past_key_values=draft_cache,
             )
             draft_cache.crop(start)
-            if tree_budget is None:
+            if draft.config.dflash2 is not None:  # proposals walked by the candidate selector
+                block[:, 1:], candidates, draft_q = draft.select_block(hidden, target.lm_head, anchor,
+                                                                       0.0 if sampling.greedy else sampling.temperature,
+                                                                       generator)
+            elif tree_budget is None:
                 block[:, 1:] = draft.propose(hidden, target.lm_head)
             else:
                 draft_logits = finite_tree_logits_(draft.block_logits(hidden, target.lm_head))
@@ -138,6 +142,9 @@ def reference_generate(target: TargetAdapter, draft: DraftModel, input_ids: torc
             proposals = block[:, 1:]
             if sampling.greedy:
                 accepted, bonus = verify_greedy(verify.logits, proposals, backend="torch")
+            elif draft.config.dflash2 is not None and verify_len > 1:
+                accepted, bonus = rejection_sample_candidates(verify.logits, proposals, candidates, draft_q,
+                                                              sampling, generator)
             else:
                 accepted, bonus = verify_sample(verify.logits, proposals, temperature=sampling.temperature,
                                                 top_k=sampling.top_k, top_p=sampling.top_p, seed=seed,

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.config import DFLASH2_ARCHITECTURE, DFlashConfig
+from dflash.config import DFlashConfig
 from dflash.draft import DFlashDecoderLayer
 from dflash.model import DFlashDraftModel
 
@@ -148,11 +148,9 @@ class DFlash2DraftModel(DFlashDraftModel):
     :meth:`select_block` turns a draft pass into the block's proposals."""
 
     layer_class = DFlash2DecoderLayer
+    runs_dflash2 = True
 
     def __init__(self, config: DFlashConfig):
-        if config.dflash2 is None:
-            raise ValueError(f"config describes a DFlash draft (architectures lacks {DFLASH2_ARCHITECTURE!r} and "
-                             "the DFlash2 keys); build it with dflash.DFlashDraftModel")
         super().__init__(config)
         self.candidate_selector = CandidateSelector(config)
         self.reset_parameters()

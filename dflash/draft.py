@@ -234,8 +234,14 @@ class DraftModel(nn.Module):
     """
 
     layer_class = DFlashDecoderLayer  # the decoder layer of this kind of draft
+    runs_dflash2 = False  # whether this class runs DFlash2 configs (config.dflash2) rather than DFlash ones
 
     def __init__(self, config: DFlashConfig):
+        if (config.dflash2 is not None) != self.runs_dflash2:
+            kind, fix = (("a DFlash2", "dflash.DFlash2DraftModel") if config.dflash2 is not None
+                         else ("a DFlash", "dflash.DFlashDraftModel"))
+            raise ValueError(f"config describes {kind} draft, which {type(self).__name__} does not run; build it "
+                             f"with {fix}")
         super().__init__()
         self.config = config
         hidden = config.hidden_size
@@ -430,7 +436,7 @@ class DraftModel(nn.Module):
         """The class that runs a checkpoint of ``config`` when loaded through ``cls``: ``cls`` itself, or for a
         DFlash2 config ``dflash.DFlash2DraftModel`` when it is a kind of ``cls`` (so
         ``DFlashDraftModel.from_pretrained`` returns a DFlash2 draft); a DFlash config loaded through the
-        DFlash2 class fails in its constructor."""
+        DFlash2 class fails in the constructor."""
         if config.dflash2 is None:
             return cls
         from dflash.dflash2 import DFlash2DraftModel

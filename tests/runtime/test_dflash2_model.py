@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from dflash import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, generate
 from dflash.config import DFlash2Settings
-from dflash.dflash2 import grouped_dynamic_convolve
+from dflash.dflash2 import GroupedDynamicCausalConv, grouped_dynamic_convolve
+from dflash.draft import RMSNorm
 
 from test_speculators import write_speculators
 from tiny_models import VOCAB, make_draft, make_target
@@ -31,11 +32,11 @@ def make_dflash2(target, *, block_size: int = 8, settings: DFlash2Settings = D2,
     draft = DFlash2DraftModel(config)
     draft.reset_parameters(std=0.2)
     with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if name.endswith("base_kernel"):
-                p.normal_(0, 0.5)
-            elif name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
+        for module in draft.modules():
+            if isinstance(module, GroupedDynamicCausalConv):
+                module.base_kernel.normal_(0, 0.5)
+            if isinstance(module, RMSNorm):
+                module.weight.uniform_(0.5, 1.5)
     return draft.eval()
 
 

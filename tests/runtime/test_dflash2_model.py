@@ -20,13 +20,14 @@ from tiny_models import VOCAB, make_draft, make_target
 D2 = DFlash2Settings(conv_kernel_size=3, conv_group_size=8, selector_rank=12, selector_top_k=6)
 
 
-def make_dflash2(target, *, block_size: int = 8, settings: DFlash2Settings = D2, seed: int = 0) -> DFlash2DraftModel:
+def make_dflash2(target, *, block_size: int = 8, settings: DFlash2Settings = D2, layers: int = 2,
+                 mask_token_id: int = 5, seed: int = 0) -> DFlash2DraftModel:
     """A random DFlash2 draft for ``target``: random base kernels and norms, so every tensor matters."""
     tcfg = target.config
     config = DFlashConfig(
-        hidden_size=tcfg.hidden_size, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        hidden_size=tcfg.hidden_size, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         head_dim=tcfg.hidden_size // 4, intermediate_size=48, num_target_layers=tcfg.num_hidden_layers,
-        block_size=block_size, mask_token_id=5, vocab_size=tcfg.vocab_size, dflash2=settings,
+        block_size=block_size, mask_token_id=mask_token_id, vocab_size=tcfg.vocab_size, dflash2=settings,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     torch.manual_seed(seed)
     draft = DFlash2DraftModel(config)

@@ -9,10 +9,10 @@ import torch
 
 import dflash.reference as reference_module
 from dflash.config import DFlash2Settings
-from dflash.sampling import rejection_sample_candidates, sampling_probs
+from dflash.sampling import SamplingParams, rejection_sample_candidates, sampling_probs
 
 from test_dflash2_model import make_dflash2
-from test_sampling import MODEL_SEED, chi2_rejects, exact_target_distribution, sample_continuations
+from test_sampling import MODEL_SEED, continuation_chi2
 from tiny_models import make_target
 
 
@@ -39,27 +39,20 @@ def wrong_rejection_sample(logits, proposals, candidates, draft_q, sampling, gen
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.8, 0.9, 3)])
 def test_dflash2_sampling_is_lossless(dflash2_pair, temperature, top_p, top_k):
     target, draft, ids = dflash2_pair
-    steps, n = 3, 1000  # the second and third tokens come from one verified block
-    expected = exact_target_distribution(target, ids, steps, temperature, top_p, top_k)
-    counts = sample_continuations(target, draft, ids, steps, n, temperature, top_p, top_k)
-    rejects, stat, crit = chi2_rejects(counts, expected, n)
+    # 3 tokens: the second and third come from one verified block
+    rejects, stat, crit = continuation_chi2(target, draft, ids, 3, 1000, temperature, top_p, top_k)
     assert not rejects, (stat, crit)
 
 
 def test_dflash2_wrong_rule_fails(dflash2_pair, monkeypatch):
     target, draft, ids = dflash2_pair
-    steps, n = 3, 1000
-    expected = exact_target_distribution(target, ids, steps, 1.0, 1.0, 0)
     monkeypatch.setattr(reference_module, "rejection_sample_candidates", wrong_rejection_sample)
-    counts = sample_continuations(target, draft, ids, steps, n, 1.0, 1.0, 0)
-    rejects, stat, crit = chi2_rejects(counts, expected, n)
+    rejects, stat, crit = continuation_chi2(target, draft, ids, 3, 1000, 1.0)
     assert rejects, f"a wrong acceptance rule passed the losslessness test ({stat} <= {crit})"
 
 
 def test_rejection_over_candidates_exact_cases():
     """Accept when q(d) <= p(d); on rejection the residual max(p - q, 0) excludes what q over-proposed."""
-    from dflash.sampling import SamplingParams
-
     logits = torch.log(torch.tensor([[[0.5, 0.3, 0.2, 1e-9], [0.1, 0.6, 0.3, 1e-9], [0.25, 0.25, 0.25, 0.25]]]))
     candidates = torch.tensor([[[0, 1], [1, 2]]])
     sampling = SamplingParams(temperature=1.0)

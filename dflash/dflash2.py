@@ -102,6 +102,10 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         self.mlp_conv = GroupedDynamicCausalConv(config.hidden_size, d2.conv_kernel_size, d2.conv_group_size)
 
     def forward(self, hidden, context, cos, sin, past_key_values=None, attention_mask=None, attention_fn=None):
+        if attention_mask is not None or attention_fn is not None:
+            raise ValueError("a DFlash2 draft convolves over the rows of one block: packed blocks (attention_mask "
+                             "or attention_fn, as dflash train passes) would mix neighbouring blocks; run one "
+                             "block per call (training DFlash2 drafts is not supported yet)")
         attn_in, kernel = self.attention_conv.prepare(self.input_layernorm(hidden))
         attn_out = self.self_attn(attn_in, context, cos, sin, past_key_values, attention_mask, attention_fn)
         hidden = hidden + self.attention_conv.finish(attn_out, kernel)

@@ -191,3 +191,15 @@ def test_runtimes_choose_and_refuse_clearly():
         generate(target, draft, prompt, 12, backend="reference", tree_budget=4)
     with pytest.raises(TypeError, match="select_block"):
         draft.propose(torch.zeros(1, 8, 32), target.lm_head)
+
+
+def test_packed_blocks_are_refused():
+    target = make_target("qwen3")
+    draft = make_dflash2(target)
+    args = dict(position_ids=torch.arange(3 + 8)[None], noise_embedding=torch.zeros(1, 8, 32),
+                target_hidden=torch.zeros(1, 3, 32 * draft.config.num_taps))
+    with pytest.raises(ValueError, match="convolves over the rows of one block"):
+        draft(**args, attention_mask=torch.ones(1, 1, 8, 11, dtype=torch.bool))
+    with pytest.raises(ValueError, match="convolves over the rows of one block"):
+        draft(**args, attention_fn=lambda q, k, v: q)
+    assert draft(**args).shape == (1, 8, 32)

@@ -180,8 +180,9 @@ class DFlash2DraftModel(DFlashDraftModel):
                         "select_block(hidden, output_head, anchor, temperature)")
 
     def select_block(self, hidden: torch.Tensor, output_head, anchor: torch.Tensor, temperature: float = 0.0,
-                     generator: torch.Generator | None = None):
+                     generator: torch.Generator | None = None, linear=F.linear):
         """The proposals of one draft pass: ``hidden`` [b, q, H] (all block rows, as returned by ``forward``),
-        ``anchor`` [b] the verified token of row 0 -> :meth:`CandidateSelector.select` over rows 1..q-1."""
-        logits = self.block_logits(hidden, output_head)
+        ``anchor`` [b] the verified token of row 0 -> :meth:`CandidateSelector.select` over rows 1..q-1.
+        ``linear``: the LM head's GEMM (as in :meth:`compute_logits`)."""
+        logits = self.block_logits(hidden, output_head, linear)
         return self.candidate_selector.select(hidden[:, 1:], logits, anchor, temperature, generator)

@@ -1,6 +1,6 @@
 """DFlash2 drafts: config keys and their errors, checkpoint layouts (z-lab published, transformers-saved,
 speculators ``dflash2``), the convolution and selector against direct definitions, and the runtimes' choices
-(reference runs it, the fast engine and trees refuse it with a clear error)."""
+(both runtimes run it greedily, sampling runs on the reference, trees refuse it with a clear error)."""
 from __future__ import annotations
 
 import json
@@ -185,8 +185,13 @@ def test_runtimes_choose_and_refuse_clearly():
     auto = generate(target, draft, prompt, 12)
     assert torch.equal(ref.sequences, expected) and torch.equal(auto.sequences, expected)
     assert ref.acceptance_lengths == auto.acceptance_lengths
-    with pytest.raises(ValueError, match="fast engine does not run DFlash2 drafts yet"):
-        generate(target, draft, prompt, 12, backend="fast")
+    fast = generate(target, draft, prompt, 12, backend="fast", kernel_backend="cpu")
+    assert torch.equal(fast.sequences, expected) and fast.acceptance_lengths == ref.acceptance_lengths
+    sampled = generate(target, draft, prompt, 12, temperature=0.7, seed=3)  # auto: the reference
+    assert torch.equal(sampled.sequences, generate(target, draft, prompt, 12, temperature=0.7, seed=3,
+                                                   backend="reference").sequences)
+    with pytest.raises(ValueError, match="runs DFlash2 drafts greedily only"):
+        generate(target, draft, prompt, 12, temperature=0.7, backend="fast")
     with pytest.raises(ValueError, match="tree_budget needs a DFlash draft"):
         generate(target, draft, prompt, 12, backend="reference", tree_budget=4)
     with pytest.raises(TypeError, match="select_block"):

@@ -1,9 +1,11 @@
 """DFlash2 drafts against the official package: the fixtures of tests/fixtures/dflash2 (tiny DFlash2 drafts and
-targets built, and run greedily, with ``dflash==0.1.0``; see make_fixtures.py there) load, and the reference
-runtime reproduces the official output ids, acceptance lengths and per-round proposals exactly."""
+targets built, and run greedily, with ``dflash==0.1.0``; see make_fixtures.py there) load; the reference runtime
+reproduces the official output ids, acceptance lengths and per-round proposals exactly, and the fast engine the
+ids and acceptance lengths, with ragged batches and emulated captured steps."""
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,9 @@ from dflash import DFlash2DraftModel, DFlashDraftModel, generate
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "dflash2"
 CASES = json.loads((FIXTURES / "expected.json").read_text())["cases"]
+BATCHES = defaultdict(list)  # cases that one fast-engine call can run together: same pair, same block size
+for _case in CASES:
+    BATCHES[(_case["draft"], _case["target"], _case["block_size"])].append(_case)
 
 
 def load_target(arch: str):
@@ -68,3 +73,15 @@ def test_reference_equals_official_greedy(case):
     assert result.sequences[0].tolist() == case["output_ids"]
     assert result.acceptance_lengths == case["acceptance_lengths"]
     assert paths == case["proposals"]
+
+
+@pytest.mark.parametrize("key", sorted(BATCHES), ids=lambda k: f"{k[0]}-{k[1]}-B{k[2]}")
+def test_fast_engine_equals_official_greedy(key):
+    """All cases of a pair and block size in one ragged batch (their own prompts, limits and stop tokens)."""
+    cases = BATCHES[key]
+    target, draft = load_target(key[1]), load_draft(key[0])
+    result = generate(target, draft, [torch.tensor(c["prompt"]) for c in cases], [c["max_new_tokens"] for c in cases],
+                      stop_token_ids=[c["stop_token_ids"] or [] for c in cases], block_size=key[2], backend="fast",
+                      kernel_backend="cpu", use_cuda_graphs="emulate")
+    assert [s.tolist() for s in result.sequences] == [c["output_ids"] for c in cases]
+    assert result.acceptance_lengths == [c["acceptance_lengths"] for c in cases]

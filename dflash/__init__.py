@@ -2,8 +2,7 @@
 from dflash.api import generate
 from dflash.config import DFlashConfig, build_target_layer_ids
 from dflash.draft import DraftKVCache
-from dflash.model import DFlashDraftModel
-from dflash.dflash2 import DFlash2DraftModel
+from dflash.model import DFlash2DraftModel, DFlashDraftModel
 from dflash.results import BatchResult, GenerateResult
 from dflash.sampling import sample
 from dflash.target import TargetAdapter, extract_context_feature

@@ -1,5 +1,6 @@
-"""DFlash2 drafts (z-lab ``DFlash2DraftModel``, the ``dflash`` 0.1.0 wheel): the DFlash network plus a grouped
-dynamic causal convolution around every sublayer and a candidate selector that picks the proposals.
+"""The DFlash2 parts of a draft (z-lab ``DFlash2DraftModel`` of the ``dflash`` 0.1.0 wheel; the class itself is
+:class:`dflash.model.DFlash2DraftModel`): a grouped dynamic causal convolution around every sublayer and a
+candidate selector that picks the proposals.
 
 Differences from DFlash, all over the block rows of one draft call (the context rows are unchanged):
 
@@ -43,7 +44,6 @@ from torch import nn
 
 from dflash.config import DFlashConfig
 from dflash.draft import DFlashDecoderLayer
-from dflash.model import DFlashDraftModel
 
 CODEBOOKS = ("predecessor_codebook", "successor_codebook")
 
@@ -145,44 +145,3 @@ class CandidateSelector(nn.Module):
             prev = candidates[:, i].gather(-1, index[:, None])[:, 0]
             path.append(prev)
         return torch.stack(path, dim=1), candidates, torch.stack(q_rows, dim=1) if q_rows else None
-
-
-class DFlash2DraftModel(DFlashDraftModel):
-    """DFlash2 draft (z-lab ``DFlash2DraftModel``): load official checkpoints with :meth:`from_pretrained`;
-    :meth:`select_block` turns a draft pass into the block's proposals."""
-
-    layer_class = DFlash2DecoderLayer
-    runs_dflash2 = True
-
-    def __init__(self, config: DFlashConfig):
-        super().__init__(config)
-        self.candidate_selector = CandidateSelector(config)
-        self.reset_parameters()
-
-    def reset_parameters(self, std: float = 0.02) -> None:
-        """Linear weights N(0, std) as DFlash; identity base kernels; codebooks N(0, std)."""
-        super().reset_parameters(std)
-        for module in self.modules():
-            if isinstance(module, GroupedDynamicCausalConv):
-                module.reset_base_kernel()
-        if hasattr(self, "candidate_selector"):
-            for name in CODEBOOKS:
-                nn.init.normal_(getattr(self.candidate_selector, name), std=std)
-
-    @classmethod
-    def checkpoint_state(cls, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Codebooks saved as ``nn.Embedding`` weights (``...codebook.weight``) under their published names."""
-        renamed = {f"candidate_selector.{name}.weight": f"candidate_selector.{name}" for name in CODEBOOKS}
-        return {renamed.get(key, key): value for key, value in state.items()}
-
-    def propose(self, hidden, output_head, out=None, linear=F.linear):
-        raise TypeError("DFlash2 proposals depend on the anchor token and the temperature: call "
-                        "select_block(hidden, output_head, anchor, temperature)")
-
-    def select_block(self, hidden: torch.Tensor, output_head, anchor: torch.Tensor, temperature: float = 0.0,
-                     generator: torch.Generator | None = None, linear=F.linear):
-        """The proposals of one draft pass: ``hidden`` [b, q, H] (all block rows, as returned by ``forward``),
-        ``anchor`` [b] the verified token of row 0 -> :meth:`CandidateSelector.select` over rows 1..q-1.
-        ``linear``: the LM head's GEMM (as in :meth:`compute_logits`)."""
-        logits = self.block_logits(hidden, output_head, linear)
-        return self.candidate_selector.select(hidden[:, 1:], logits, anchor, temperature, generator)

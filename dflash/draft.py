@@ -433,18 +433,13 @@ class DraftModel(nn.Module):
 
     @classmethod
     def class_for(cls, config: DFlashConfig, *, source: str) -> type["DraftModel"]:
-        """The class that runs a checkpoint of ``config`` when loaded through ``cls``: ``cls`` itself, or for a
-        DFlash2 config ``dflash.DFlash2DraftModel`` when it is a kind of ``cls`` (so
-        ``DFlashDraftModel.from_pretrained`` returns a DFlash2 draft); a DFlash config loaded through the
-        DFlash2 class fails in the constructor."""
-        if config.dflash2 is None:
-            return cls
-        from dflash.dflash2 import DFlash2DraftModel
-
-        if issubclass(DFlash2DraftModel, cls):
-            return DFlash2DraftModel
-        raise ValueError(f"{source}: a DFlash2 checkpoint cannot load into {cls.__name__}; load it with "
-                         "dflash.DFlash2DraftModel.from_pretrained")
+        """The class that runs a checkpoint of ``config`` when loaded through ``cls`` (``DFlashDraftModel``
+        picks ``DFlash2DraftModel`` for a DFlash2 config); a DFlash config loaded through a DFlash2 class fails in
+        the constructor."""
+        if config.dflash2 is not None and not cls.runs_dflash2:
+            raise ValueError(f"{source}: a DFlash2 checkpoint cannot load into {cls.__name__}; load it with "
+                             "dflash.DFlash2DraftModel.from_pretrained")
+        return cls
 
     @classmethod
     def checkpoint_state(cls, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -99,9 +99,7 @@ def zlab_config(raw: dict[str, Any], *, source: str) -> dict[str, Any]:
         out["is_causal"] = False  # full-attention layers are non-causal either way
     out.update(architectures=["DFlashDraftModel"], model_type="qwen3", dflash_config=dflash_config)
     if kind == "dflash2":
-        from dflash.config import DFLASH2_ARCHITECTURE
-
-        out["architectures"] = [DFLASH2_ARCHITECTURE]
+        out["architectures"] = ["DFlash2DraftModel"]
         dflash_config.update({key: raw.get(key, default) for key, default in DFLASH2_DEFAULTS.items()})
     return out
 

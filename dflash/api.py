@@ -65,6 +65,11 @@ def check_prompt(target: TargetAdapter, draft: DraftModel, input_ids, max_new_to
         )
     if draft.config.draft_vocab_size is not None:
         draft.head_rows(target.lm_head)  # checks the subset against the target vocabulary; gathered before any step
+    head_rows = target.lm_head.weight.shape[0]
+    if draft.config.dflash2 is not None and draft.config.vocab_size != head_rows:
+        raise ValueError(f"DFlash2 draft vocab_size {draft.config.vocab_size} != the target LM head's {head_rows} "
+                         "tokens: its selector codebooks have one row per target token; pass the target it was "
+                         "trained for")
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids must be a torch.LongTensor, got {type(input_ids).__name__}")
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:

@@ -208,3 +208,11 @@ def test_packed_blocks_are_refused():
     with pytest.raises(ValueError, match="convolves over the rows of one block"):
         draft(**args, attention_fn=lambda q, k, v: q)
     assert draft(**args).shape == (1, 8, 32)
+
+
+@pytest.mark.parametrize("backend", ["reference", "fast"])
+def test_target_vocabulary_must_match_the_codebooks(backend):
+    draft = make_dflash2(make_target("qwen3"))
+    wider = make_target("qwen3", vocab=VOCAB + 16)  # candidates past the codebooks' rows
+    with pytest.raises(ValueError, match=f"DFlash2 draft vocab_size {VOCAB} != the target LM head's {VOCAB + 16}"):
+        generate(wider, draft, torch.tensor([[1, 2, 3]]), 8, backend=backend)

@@ -16,7 +16,8 @@ Differences from DFlash, all over the block rows of one draft call (the context 
   ``selector_rank`` codebooks over the full target vocabulary); temperature 0 takes the best score (the first
   candidate on ties), T > 0 samples from ``softmax(score / T)``; ``prev`` becomes the chosen token.
 * **Sampled verification**: the draft distribution of position i is sparse, q_i over its k candidates, so the
-  rejection test uses ``q_i(d_i)`` and the residual ``max(p - q_i, 0)`` (:func:`rejection_sample_candidates`).
+  rejection test uses ``q_i(d_i)`` and the residual ``max(p - q_i, 0)``
+  (:func:`dflash.sampling.rejection_sample_candidates`).
 
 Checkpoint format (z-lab layout; H hidden, K taps, G group, V vocabulary, r rank), beside DFlash's tensors::
 
@@ -28,6 +29,7 @@ Checkpoint format (z-lab layout; H hidden, K taps, G group, V vocabulary, r rank
     candidate_selector.successor_codebook               [V, r]   (a ".weight" suffix is accepted on load)
     candidate_selector.hidden_projection.weight         [r, H]
 
+``kernel_projection`` rows are ordered [side, tap, group] (row ``(side * K + tap) * H/G + group``).
 ``config.json``: ``architectures: ["DFlash2DraftModel"]`` and, in ``dflash_config`` (or the top level),
 ``conv_kernel_size``, ``conv_group_size``, ``selector_rank``, ``selector_top_k`` (all required).
 

@@ -3,13 +3,14 @@ speculators ``dflash2``), the convolution and selector against direct definition
 (both runtimes run it greedily, sampling runs on the reference, trees refuse it with a clear error)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, generate
+from dflash import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, cli, generate, smollm2, zlab_cli
 from dflash.config import DFlash2Settings
 from dflash.dflash2 import GroupedDynamicCausalConv, grouped_dynamic_convolve
 from dflash.draft import RMSNorm
@@ -216,3 +217,25 @@ def test_target_vocabulary_must_match_the_codebooks(backend):
     wider = make_target("qwen3", vocab=VOCAB + 16)  # candidates past the codebooks' rows
     with pytest.raises(ValueError, match=f"DFlash2 draft vocab_size {VOCAB} != the target LM head's {VOCAB + 16}"):
         generate(wider, draft, torch.tensor([[1, 2, 3]]), 8, backend=backend)
+
+
+@pytest.mark.skipif(not smollm2.is_available(), reason=smollm2.unavailable_reason() or "")
+@pytest.mark.parametrize("runtime", ["fast", "reference"])
+def test_cli_generate_runs_a_dflash2_draft(tmp_path, capsys, runtime):
+    """``dflash generate transformers --model smollm2 --draft D`` with a DFlash2 draft D for SmolLM2 prints the
+    target's greedy continuation (what any lossless draft gives)."""
+    base = DFlashConfig.from_json_file(zlab_cli.EMBEDDED_DRAFT)
+    config = dataclasses.replace(base, draft_vocab_size=None, dflash2=DFlash2Settings(2, 16, 8, 8))
+    torch.manual_seed(0)
+    DFlash2DraftModel(config).save_pretrained(tmp_path)
+    prompt = "What is 2 + 3?"
+    code = cli.main(["generate", "transformers", "--model", "smollm2", "--draft", str(tmp_path), "--max-new-tokens",
+                     "10", "--backend", runtime, prompt])
+    out, _ = capsys.readouterr()
+    target, tok, draft, _ = zlab_cli._load(zlab_cli.EMBEDDED, str(tmp_path), "cpu", system=None)
+    assert type(draft) is DFlash2DraftModel
+    ids = zlab_cli._encode(tok, [{"role": "user", "content": prompt}], torch.device("cpu"))
+    greedy = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                             eos_token_id=zlab_cli._stop_ids(target, tok))
+    text = tok.decode(greedy[0, ids.shape[1]:], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert code == 0 and out == text + "\n"

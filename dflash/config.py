@@ -268,8 +268,13 @@ class DFlashConfig:
             if unexpected:
                 parts.append(f"unexpected tensors {unexpected[:8]}"
                              + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))
-            raise ValueError(f"{source}: {'; '.join(parts)}: config.json describes num_hidden_layers="
-                             f"{self.num_hidden_layers}, attention_bias={str(self.attention_bias).lower()}; {fix}")
+            kind = "DFlash2" if self.dflash2 is not None else "DFlash"
+            if self.dflash2 is None and any(n.startswith("candidate_selector.") for n in unexpected):
+                fix = (f"these are DFlash2 tensors: set architectures to [\"{DFLASH2_ARCHITECTURE}\"] and the "
+                       f"dflash_config keys {list(DFLASH2_KEYS)}")
+            raise ValueError(f"{source}: {'; '.join(parts)}: config.json describes a {kind} draft with "
+                             f"num_hidden_layers={self.num_hidden_layers}, "
+                             f"attention_bias={str(self.attention_bias).lower()}; {fix}")
         wrong = [f"{n}: checkpoint {list(shapes[n])}, config implies {list(shape)} ({why})"
                  for n, (shape, why) in expected.items() if tuple(shapes[n]) != shape]
         if wrong:

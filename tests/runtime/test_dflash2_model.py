@@ -118,6 +118,17 @@ def test_checkpoint_shape_errors_name_the_tensor(tmp_path):
         DFlash2DraftModel.from_pretrained(tmp_path)
 
 
+def test_dflash2_weights_under_a_dflash_config_say_so(tmp_path):
+    draft = make_dflash2(make_target("qwen3"))
+    draft.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["architectures"] = ["DFlashDraftModel"]  # e.g. a config written by hand
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r'describes a DFlash draft.*these are DFlash2 tensors: set architectures to '
+                                         r'\["DFlash2DraftModel"\]'):
+        DFlashDraftModel.from_pretrained(tmp_path)
+
+
 def test_speculators_dflash2_checkpoint_runs_like_zlab(tmp_path):
     target = make_target("qwen3")
     draft = make_dflash2(target)

@@ -85,3 +85,12 @@ def test_fast_engine_equals_official_greedy(key):
                       kernel_backend="cpu", use_cuda_graphs="emulate")
     assert [s.tolist() for s in result.sequences] == [c["output_ids"] for c in cases]
     assert result.acceptance_lengths == [c["acceptance_lengths"] for c in cases]
+
+
+def test_spec_generate_is_the_official_call():
+    """z-lab's ``draft.spec_generate(target, input_ids, max_new_tokens, stop_token_ids)`` on a DFlash2 draft."""
+    case = next(c for c in CASES if c["draft"] == "draft-walk" and c["target"] == "llama" and c["block_size"] == 16
+                and c["stop_token_ids"])
+    target, draft = load_target(case["target"]), load_draft(case["draft"])
+    out = draft.spec_generate(target, torch.tensor([case["prompt"]]), case["max_new_tokens"], case["stop_token_ids"])
+    assert out[0].tolist() == case["output_ids"]

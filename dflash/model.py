@@ -55,6 +55,8 @@ class DFlashDraftModel(DraftModel):
         if config.dflash2 is not None and issubclass(DFlash2DraftModel, cls):
             return DFlash2DraftModel
         return super().class_for(config, source=source)
+
+
 class DFlash2DraftModel(DFlashDraftModel):
     """DFlash2 draft (z-lab ``DFlash2DraftModel``; the network and checkpoint format are described in
     :mod:`dflash.dflash2`): load official checkpoints with :meth:`from_pretrained`; :meth:`select_block` turns a
@@ -74,7 +76,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         for module in self.modules():
             if isinstance(module, GroupedDynamicCausalConv):
                 module.reset_base_kernel()
-        if hasattr(self, "candidate_selector"):
+        if hasattr(self, "candidate_selector"):  # absent while DraftModel.__init__ calls this
             for name in CODEBOOKS:
                 nn.init.normal_(getattr(self.candidate_selector, name), std=std)
 

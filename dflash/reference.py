@@ -14,6 +14,11 @@ loop. Per round (block size B, ``start`` = position of the anchor, the last comm
 4. the target cache is cropped to the committed tokens, the draft cache holds context rows only,
    and the features of the committed rows become the next round's new context.
 
+DFlash2 drafts change step 1 and, when sampling, step 3: the proposals are the candidate selector's walk from
+the anchor (``draft.select_block``: argmax, or a sample from softmax(score / T) over each position's top-k
+candidates), and sampled verification is rejection sampling over that sparse draft distribution
+(``rejection_sample_candidates``).
+
 Tree rounds (``tree_budget=N``, DDTree) change steps 1-4 only where the block becomes a tree:
 
 1. the draft pass is the same; ``draft.block_logits`` (all v-1 rows, not their argmax) and the anchor

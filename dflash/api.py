@@ -65,6 +65,11 @@ def check_prompt(target: TargetAdapter, draft: DraftModel, input_ids, max_new_to
         )
     if draft.config.draft_vocab_size is not None:
         draft.head_rows(target.lm_head)  # checks the subset against the target vocabulary; gathered before any step
+    head_rows = target.lm_head.weight.shape[0]
+    if draft.config.dflash2 is not None and draft.config.vocab_size != head_rows:
+        raise ValueError(f"DFlash2 draft vocab_size {draft.config.vocab_size} != the target LM head's {head_rows} "
+                         "tokens: its selector codebooks have one row per target token; pass the target it was "
+                         "trained for")
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids must be a torch.LongTensor, got {type(input_ids).__name__}")
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
@@ -102,6 +107,9 @@ def check_tree_budget(tree_budget, block_size: int, draft: DraftModel, target: T
     can fill from its B-1 block positions."""
     if tree_budget is None:
         return
+    if draft.config.dflash2 is not None:
+        raise ValueError("tree_budget needs a DFlash draft: a DFlash2 draft proposes one path through its candidate "
+                         "selector, not a tree; pass tree_budget=None")
     if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or not 1 <= tree_budget <= MAX_TREE_BUDGET:
         raise ValueError(f"tree_budget must be None (chain DFlash) or an integer in [1, {MAX_TREE_BUDGET}] "
                          f"(tree nodes besides the root), got {tree_budget!r}")
@@ -227,7 +235,7 @@ def generate(
     target = as_target(target, draft)
     if seed is None:  # unseeded calls still differ from each other, following torch's global RNG
         seed = int(torch.randint(2**62, ()))
-    reason = unsupported_reason(target, draft)  # why the engine cannot run this pair, or None
+    reason = unsupported_reason(target, draft, sampling)  # why the engine cannot run this call, or None
     if backend == "auto":
         backend = "reference" if reason else "fast"
     if backend == "reference":

@@ -54,6 +54,20 @@ _DFLASH_DEFAULTS: dict[str, Any] = {
     # proposals come from rows 0..B-2 instead of z-lab's rows 1..B-1 (row i predicts position start+i).
     "sample_from_anchor": False,
 }
+# DFlash2 (``architectures: ["DFlash2DraftModel"]``): required dflash_config keys, no defaults (as the official code).
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlash2Settings:
+    """The DFlash2 part of a draft config: the grouped dynamic causal convolution around each sublayer
+    (``conv_kernel_size`` taps, one dynamic kernel per ``conv_group_size`` channels) and the candidate
+    selector (codebooks of rank ``selector_rank``, reranking the ``selector_top_k`` best draft logits)."""
+
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -95,6 +109,7 @@ class DFlashConfig:
     final_logit_softcapping: float | None = None
     draft_vocab_size: int | None = None
     sample_from_anchor: bool = False
+    dflash2: DFlash2Settings | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -145,6 +160,25 @@ class DFlashConfig:
             fail(f"sample_from_anchor must be true or false, got {self.sample_from_anchor!r}")
         if self.hidden_act != "silu":
             fail(f"hidden_act={self.hidden_act!r} is not supported (DFlash drafts use 'silu')")
+        if self.dflash2 is not None:
+            self._validate_dflash2(fail)
+
+    def _validate_dflash2(self, fail) -> None:
+        d2 = self.dflash2
+        for name in DFLASH2_KEYS:
+            value = getattr(d2, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                fail(f"dflash_config.{name} must be a positive integer, got {value!r}")
+        if self.hidden_size % d2.conv_group_size:
+            fail(f"dflash_config.conv_group_size={d2.conv_group_size} must divide hidden_size={self.hidden_size}")
+        if self.vocab_size is None:
+            fail("a DFlash2 draft needs vocab_size (its selector codebooks have one row per target token)")
+        if d2.selector_top_k > self.vocab_size:
+            fail(f"dflash_config.selector_top_k={d2.selector_top_k} exceeds vocab_size={self.vocab_size}")
+        if self.draft_vocab_size is not None:
+            fail("a DFlash2 draft scores the full target vocabulary; set draft_vocab_size to null")
+        if self.sample_from_anchor:
+            fail("a DFlash2 draft proposes from block rows 1..B-1; set sample_from_anchor to false")
 
     @property
     def num_taps(self) -> int:
@@ -196,8 +230,28 @@ class DFlashConfig:
                     "self_attn.o_proj.bias": ((H,), f"{hid}, attention_bias=true"),
                 })
             shapes.update({p + name: v for name, v in layer.items()})
+        if self.dflash2 is not None:
+            shapes.update(self._dflash2_weight_shapes())
         if self.draft_vocab_size is not None:
             shapes[DRAFT_TOKEN_IDS] = ((self.draft_vocab_size,), f"draft_vocab_size={self.draft_vocab_size}")
+        return shapes
+
+    def _dflash2_weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        H, V, d2 = self.hidden_size, self.vocab_size, self.dflash2
+        K, r = d2.conv_kernel_size, d2.selector_rank
+        groups = H // d2.conv_group_size
+        taps = f"conv_kernel_size={K}, hidden_size={H}"
+        proj = f"2 × conv_kernel_size={K} × hidden_size={H} / conv_group_size={d2.conv_group_size}, hidden_size={H}"
+        codebook = ((V, r), f"vocab_size={V}, selector_rank={r}")
+        shapes = {
+            "candidate_selector.predecessor_codebook": codebook,
+            "candidate_selector.successor_codebook": codebook,
+            "candidate_selector.hidden_projection.weight": ((r, H), f"selector_rank={r}, hidden_size={H}"),
+        }
+        for i in range(self.num_hidden_layers):
+            for conv in ("attention_conv", "mlp_conv"):
+                shapes[f"layers.{i}.{conv}.base_kernel"] = ((2, K, H), taps)
+                shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = ((2 * K * groups, H), proj)
         return shapes
 
     def check_weight_shapes(self, shapes: dict[str, Sequence[int]], *, source: str = "checkpoint") -> None:
@@ -214,8 +268,13 @@ class DFlashConfig:
             if unexpected:
                 parts.append(f"unexpected tensors {unexpected[:8]}"
                              + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))
-            raise ValueError(f"{source}: {'; '.join(parts)}: config.json describes num_hidden_layers="
-                             f"{self.num_hidden_layers}, attention_bias={str(self.attention_bias).lower()}; {fix}")
+            kind = "DFlash2" if self.dflash2 is not None else "DFlash"
+            if self.dflash2 is None and any(n.startswith("candidate_selector.") for n in unexpected):
+                fix = (f"these are DFlash2 tensors: set architectures to [\"{DFLASH2_ARCHITECTURE}\"] and the "
+                       f"dflash_config keys {list(DFLASH2_KEYS)}")
+            raise ValueError(f"{source}: {'; '.join(parts)}: config.json describes a {kind} draft with "
+                             f"num_hidden_layers={self.num_hidden_layers}, "
+                             f"attention_bias={str(self.attention_bias).lower()}; {fix}")
         wrong = [f"{n}: checkpoint {list(shapes[n])}, config implies {list(shape)} ({why})"
                  for n, (shape, why) in expected.items() if tuple(shapes[n]) != shape]
         if wrong:
@@ -230,15 +289,11 @@ class DFlashConfig:
             raw = speculators.zlab_config(raw, source=source)
         raw = dict(raw)
         architectures = raw.get("architectures") or []
-        if DFLASH2_ARCHITECTURE in architectures:
-            raise ValueError(
-                f"{source}: this is a DFlash 2 checkpoint ({DFLASH2_ARCHITECTURE}); dflash-kernels "
-                "implements DFlash (v1) drafts only — use a DFlashDraftModel checkpoint"
-            )
         missing = [k for k in _REQUIRED if raw.get(k) is None]
         if missing:
             raise ValueError(f"{source}: missing required key(s) {missing}")
         dflash_cfg = dict(raw.pop("dflash_config", None) or {})
+        dflash2 = _pop_dflash2(raw, dflash_cfg, source) if DFLASH2_ARCHITECTURE in architectures else None
         values: dict[str, Any] = {}
         for key, default in _TOP_LEVEL_DEFAULTS.items():
             values[key] = raw.pop(key, default)
@@ -249,6 +304,7 @@ class DFlashConfig:
             # Qwen3Config drops the window when use_sliding_window is false; keep it only if a layer uses it.
             if "sliding_attention" not in (values["layer_types"] or []):
                 values["sliding_window"] = None
+        values["dflash2"] = dflash2
         values["rope_parameters"] = _resolve_rope(raw)
         values["extra"] = {"dflash_config": dflash_cfg, **raw} if dflash_cfg else raw
         try:
@@ -281,6 +337,9 @@ class DFlashConfig:
             **dflash_extra,
             **{key: getattr(self, key) for key in _DFLASH_DEFAULTS},
         }
+        if self.dflash2 is not None:
+            out["architectures"] = [DFLASH2_ARCHITECTURE]
+            out["dflash_config"].update(dataclasses.asdict(self.dflash2))
         return out
 
     def to_json_file(self, path: str | os.PathLike) -> None:
@@ -301,6 +360,21 @@ def read_config_json(path: str | os.PathLike) -> tuple[str, dict[str, Any]]:
             return path, json.load(f)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def _pop_dflash2(raw: dict[str, Any], dflash_cfg: dict[str, Any], source: str) -> DFlash2Settings:
+    """The four DFlash2 keys, from ``dflash_config`` or else the top level (as the official ``_draft_value``),
+    removed from both."""
+    values = {key: dflash_cfg.pop(key, None) for key in DFLASH2_KEYS}
+    for key in DFLASH2_KEYS:
+        top = raw.pop(key, None)
+        if values[key] is None:
+            values[key] = top
+    absent = [key for key, value in values.items() if value is None]
+    if absent:
+        raise ValueError(f"{source}: a {DFLASH2_ARCHITECTURE} config needs dflash_config keys {list(DFLASH2_KEYS)}; "
+                         f"missing {absent}")
+    return DFlash2Settings(**values)
 
 
 def _resolve_rope(raw: dict[str, Any]) -> dict[str, Any]:

@@ -245,13 +245,21 @@ class DraftModel(nn.Module):
     (:meth:`compute_logits`).
     """
 
+    layer_class = DFlashDecoderLayer  # the decoder layer of this kind of draft
+    runs_dflash2 = False  # whether this class runs DFlash2 configs (config.dflash2) rather than DFlash ones
+
     def __init__(self, config: DFlashConfig):
+        if (config.dflash2 is not None) != self.runs_dflash2:
+            kind, fix = (("a DFlash2", "dflash.DFlash2DraftModel") if config.dflash2 is not None
+                         else ("a DFlash", "dflash.DFlashDraftModel"))
+            raise ValueError(f"config describes {kind} draft, which {type(self).__name__} does not run; build it "
+                             f"with {fix}")
         super().__init__()
         self.config = config
         hidden = config.hidden_size
         self.fc = nn.Linear(config.num_taps * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         if config.draft_vocab_size is not None:
@@ -436,6 +444,21 @@ class DraftModel(nn.Module):
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
     @classmethod
+    def class_for(cls, config: DFlashConfig, *, source: str) -> type["DraftModel"]:
+        """The class that runs a checkpoint of ``config`` when loaded through ``cls`` (``DFlashDraftModel``
+        picks ``DFlash2DraftModel`` for a DFlash2 config); a DFlash config loaded through a DFlash2 class fails in
+        the constructor."""
+        if config.dflash2 is not None and not cls.runs_dflash2:
+            raise ValueError(f"{source}: a DFlash2 checkpoint cannot load into {cls.__name__}; load it with "
+                             "dflash.DFlash2DraftModel.from_pretrained")
+        return cls
+
+    @classmethod
+    def checkpoint_state(cls, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checkpoint tensors under the names of this class's state dict (DFlash's are stored as they are)."""
+        return state
+
+    @classmethod
     def from_pretrained(
         cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
     ) -> "DraftModel":
@@ -470,11 +493,13 @@ class DraftModel(nn.Module):
             state, token_ids = speculators.zlab_state_dict(state, config, source=path)
             if token_ids is not None:
                 state[DRAFT_TOKEN_IDS] = token_ids
+        model_class = cls.class_for(config, source=path)
+        state = model_class.checkpoint_state(state)
         config.check_weight_shapes({name: tuple(t.shape) for name, t in state.items()}, source=path)
         if config.draft_vocab_size is not None:
             check_draft_vocab(state[DRAFT_TOKEN_IDS], config.draft_vocab_size, source=f"{path}: {DRAFT_TOKEN_IDS}")
         with torch.device("meta"):
-            model = cls(config)
+            model = model_class(config)
         model.load_state_dict(state, assign=True)
         model.rotary_emb = RotaryEmbedding(config)
         if dtype is None:

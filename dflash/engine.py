@@ -23,7 +23,10 @@ write):
                (LM head + argmax) -> proposals. The context rows ride in each layer's merged QKV GEMM,
                stacked under the block rows, so the K/V weights are read once per step; their K/V go to
                the layer's context cache (inject_context_kv: k_norm + RoPE + cache write) before its
-               attention: eight kernels per draft layer.
+               attention: eight kernels per draft layer. A DFlash2 draft also convolves each request's block
+               rows around attention and around the MLP (its layers' ``prepare`` / ``finish``) and proposes the
+               candidate selector's greedy walk from the anchor (``select_block``); sampling with one is left to
+               the reference.
   verify step  lean target forward over [anchor, proposals] at positions[r] (verify_attention writes
                the block's K/V into the target cache; taps into a buffer), verify_greedy /
                verify_sample, commit_round (tokens, lengths, positions, anchor, stop and length
@@ -278,10 +281,14 @@ class DFlashEngine:
             h = h * cfg.input_embedding_scale
         # The residual stream h is updated in place: each sub-block's add is fused into the next norm.
         delta = None
+        dflash2 = cfg.dflash2 is not None  # convolutions over each request's block around both sublayers
         for li, layer in enumerate(draft.layers):
             attn, norm = layer.self_attn, layer.input_layernorm
             add_rms_norm(h if delta is None else delta, norm.weight, norm.eps,
                          residual=None if delta is None else h, out=x_block, backend=self.backend)
+            if dflash2:
+                convolved, kernel = layer.attention_conv.prepare(x_block)
+                x_block.copy_(convolved)
             qkv = self.linear(self.layer_in, self.qkv[li])  # block rows, then context rows
             q_cols, kv_cols = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
             # All B rows of every request are written; only num_new of them become valid context
@@ -295,12 +302,20 @@ class DFlashEngine:
                                 eps=cfg.rms_norm_eps, sliding_window=attn.window, causal=attn.causal,
                                 max_context_len=self.kv_bound, block_lens=self.block_lens, backend=self.backend)
             delta = self.linear(o.reshape(n, B, -1), attn.o_proj.weight)
+            if dflash2:
+                delta = layer.attention_conv.finish(delta, kernel)
             norm = layer.post_attention_layernorm
             x = add_rms_norm(delta, norm.weight, norm.eps, residual=h, backend=self.backend)
+            if dflash2:
+                x, kernel = layer.mlp_conv.prepare(x)
             act = gate_up_act(x, self.gate_up[li], None, backend=self.backend, linear=self.linear)
             delta = self.linear(act, layer.mlp.down_proj.weight)
+            if dflash2:
+                delta = layer.mlp_conv.finish(delta, kernel)
         x = add_rms_norm(delta, draft.norm.weight, draft.norm.eps, residual=h, backend=self.backend)
-        if self.tree_budget is None:
+        if dflash2:  # the selector's greedy walk from each request's anchor (rows past a tail block: unused)
+            self.proposals.copy_(draft.select_block(x, self.target_model.lm_head, self.anchor, linear=self.linear)[0])
+        elif self.tree_budget is None:
             draft.propose(x, self.target_model.lm_head, out=self.proposals, linear=self.linear)
         else:  # tree mode: the verify step builds the tree from all of the block's logits
             finite_tree_logits_(self.draft_logits.copy_(draft.block_logits(x, self.target_model.lm_head, self.linear)))
@@ -549,8 +564,8 @@ def cached_engine(target_model, draft: DraftModel, **options) -> DFlashEngine:
     return _ENGINE.lookup(target_model, draft, options)
 
 
-def unsupported_reason(target, draft: DraftModel) -> str | None:
-    """Why backend='fast' cannot run this pair, or None."""
+def unsupported_reason(target, draft: DraftModel, sampling: SamplingParams | None = None) -> str | None:
+    """Why backend='fast' cannot run this pair (with these sampling settings, when given), or None."""
     model = target.model if hasattr(target, "layer_ids") else target
     try:
         check_lean_target(model)
@@ -558,4 +573,7 @@ def unsupported_reason(target, draft: DraftModel) -> str | None:
         return str(exc)
     if draft.config.attention_bias:
         return "draft uses attention_bias"
+    if draft.config.dflash2 is not None and sampling is not None and not sampling.greedy:
+        return ("the fast engine runs DFlash2 drafts greedily only (temperature 0); sampling with them runs on "
+                "backend='reference', which backend='auto' picks")
     return None

@@ -14,6 +14,11 @@ loop. Per round (block size B, ``start`` = position of the anchor, the last comm
 4. the target cache is cropped to the committed tokens, the draft cache holds context rows only,
    and the features of the committed rows become the next round's new context.
 
+DFlash2 drafts change step 1 and, when sampling, step 3: the proposals are the candidate selector's walk from
+the anchor (``draft.select_block``: argmax, or a sample from softmax(score / T) over each position's top-k
+candidates), and sampled verification is rejection sampling over that sparse draft distribution
+(``rejection_sample_candidates``).
+
 Tree rounds (``tree_budget=N``, DDTree) change steps 1-4 only where the block becomes a tree:
 
 1. the draft pass is the same; ``draft.block_logits`` (all v-1 rows, not their argmax) and the anchor
@@ -33,7 +38,7 @@ import torch.nn.functional as F
 
 from dflash.draft import DraftKVCache, DraftModel
 from dflash.results import GenerateResult, device_clock
-from dflash.sampling import SamplingParams, sample
+from dflash.sampling import SamplingParams, rejection_sample_candidates, sample
 from dflash.target import TargetAdapter
 from dflash_kernels import (
     build_tree, commit_round, distinct_prefixes, first_token_done, tree_accept_greedy, tree_accept_sample,
@@ -125,7 +130,11 @@ def reference_generate(target: TargetAdapter, draft: DraftModel, input_ids: torc
                 past_key_values=draft_cache,
             )
             draft_cache.crop(start)
-            if tree_budget is None:
+            if draft.config.dflash2 is not None:  # proposals walked by the candidate selector
+                block[:, 1:], candidates, draft_q = draft.select_block(hidden, target.lm_head, anchor,
+                                                                       0.0 if sampling.greedy else sampling.temperature,
+                                                                       generator)
+            elif tree_budget is None:
                 block[:, 1:] = draft.propose(hidden, target.lm_head)
             else:
                 draft_logits = finite_tree_logits_(draft.block_logits(hidden, target.lm_head))
@@ -138,6 +147,9 @@ def reference_generate(target: TargetAdapter, draft: DraftModel, input_ids: torc
             proposals = block[:, 1:]
             if sampling.greedy:
                 accepted, bonus = verify_greedy(verify.logits, proposals, backend="torch")
+            elif draft.config.dflash2 is not None and verify_len > 1:
+                accepted, bonus = rejection_sample_candidates(verify.logits, proposals, candidates, draft_q,
+                                                              sampling, generator)
             else:
                 accepted, bonus = verify_sample(verify.logits, proposals, temperature=sampling.temperature,
                                                 top_k=sampling.top_k, top_p=sampling.top_p, seed=seed,

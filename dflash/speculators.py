@@ -21,6 +21,12 @@ Schema read from vllm-project/speculators ``src/speculators/models/dflash/{confi
 Weights: the draft body has z-lab's names (``fc``, ``hidden_norm``, ``norm``, ``layers.*``);
 ``embed_tokens``, ``lm_head`` (the verifier's head rows ``t2d`` selects), ``verifier_lm_head`` and
 ``verifier_norm`` are frozen copies of the target's own tensors, so the target's are used instead.
+
+DFlash2 (``speculators_model_type: "dflash2"``, ``src/speculators/models/dflash2/``): the same schema plus
+``conv_kernel_size``, ``conv_group_size``, ``selector_rank``, ``selector_top_k`` at the top level (defaults 2,
+16, 256, 16), mapped to ``architectures: ["DFlash2DraftModel"]`` and the z-lab ``dflash_config`` keys; its
+convolution and selector tensors already have the z-lab names (see :mod:`dflash.dflash2`). It needs the full
+target vocabulary and ``sample_from_anchor`` false, as speculators itself requires.
 """
 from __future__ import annotations
 
@@ -29,6 +35,8 @@ from typing import Any
 import torch
 
 MODEL_TYPE_KEY = "speculators_model_type"
+# DFlash2SpeculatorConfig's fields (flat at the top level) and their defaults.
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 # Frozen copies of target tensors that speculators saves beside the draft body.
 _TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight")
 _DRAFT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -58,9 +66,10 @@ def _layer_config(layer_cfg: dict[str, Any], source: str) -> dict[str, Any]:
 def zlab_config(raw: dict[str, Any], *, source: str) -> dict[str, Any]:
     """A speculators DFlash ``config.json`` -> the equivalent z-lab ``config.json`` dict."""
     kind = raw.get(MODEL_TYPE_KEY)
-    if kind != "dflash":
+    if kind not in ("dflash", "dflash2"):
         raise ValueError(f"{source}: speculators checkpoint of type {kind!r}; dflash-kernels loads speculators "
-                         "'dflash' drafts only (EAGLE-3, DSpark, MTP and other speculators models are other methods)")
+                         "'dflash' and 'dflash2' drafts only (EAGLE-3, DSpark, MTP and other speculators models are "
+                         "other methods)")
     layer_cfg = raw.get("transformer_layer_config")
     if not isinstance(layer_cfg, dict):
         raise ValueError(f"{source}: speculators config has no transformer_layer_config object")
@@ -89,6 +98,9 @@ def zlab_config(raw: dict[str, Any], *, source: str) -> dict[str, Any]:
     if raw.get("sliding_window_non_causal"):
         out["is_causal"] = False  # full-attention layers are non-causal either way
     out.update(architectures=["DFlashDraftModel"], model_type="qwen3", dflash_config=dflash_config)
+    if kind == "dflash2":
+        out["architectures"] = ["DFlash2DraftModel"]
+        dflash_config.update({key: raw.get(key, default) for key, default in DFLASH2_DEFAULTS.items()})
     return out
 
 

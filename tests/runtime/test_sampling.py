@@ -94,6 +94,14 @@ def sample_continuations(target, draft, ids, steps, n, temperature, top_p, top_k
     return counts
 
 
+def continuation_chi2(target, draft, ids, steps, n, temperature, top_p=1.0, top_k=0, backend="reference"):
+    """Samples ``n`` continuations of ``steps`` tokens and tests them against the exact target marginals:
+    returns (rejects, statistic, critical value)."""
+    expected = exact_target_distribution(target, ids, steps, temperature, top_p, top_k)
+    counts = sample_continuations(target, draft, ids, steps, n, temperature, top_p, top_k, backend)
+    return chi2_rejects(counts, expected, n)
+
+
 @pytest.fixture
 def sampling_pair():
     torch.manual_seed(MODEL_SEED)  # the same models on every run: the chi-square statistics are reproducible
@@ -110,19 +118,14 @@ def sampling_pair():
 def test_speculative_sampling_is_lossless(sampling_pair, backend, temperature, top_p, top_k):
     target, draft, ids = sampling_pair
     steps, n = 3, 1000  # the second and third tokens come from one verified block
-    expected = exact_target_distribution(target, ids, steps, temperature, top_p, top_k)
-    counts = sample_continuations(target, draft, ids, steps, n, temperature, top_p, top_k, backend)
-    rejects, stat, crit = chi2_rejects(counts, expected, n)
+    rejects, stat, crit = continuation_chi2(target, draft, ids, steps, n, temperature, top_p, top_k, backend)
     assert not rejects, (stat, crit)
 
 
 def test_wrong_rule_fails_end_to_end(sampling_pair, monkeypatch):
     target, draft, ids = sampling_pair
-    steps, n = 3, 500
-    expected = exact_target_distribution(target, ids, steps, 1.0, 1.0, 0)
     monkeypatch.setattr(reference_module, "verify_sample", wrong_verify_sample)
-    counts = sample_continuations(target, draft, ids, steps, n, 1.0, 1.0, 0)
-    rejects, stat, crit = chi2_rejects(counts, expected, n)
+    rejects, stat, crit = continuation_chi2(target, draft, ids, 3, 500, 1.0)
     assert rejects, f"a wrong residual rule passed the losslessness test ({stat} <= {crit})"
 
 

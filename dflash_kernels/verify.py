@@ -835,7 +835,8 @@ def verify_sample(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperatu
     _validate(op, logits, draft_tokens)  # before sampling_op_args reads logits
     args = sampling_op_args(op, logits, temperature, top_k, top_p, seed, offset)
     chosen = resolve_backend(op, backend, logits.device, available=_SAMPLE_BACKENDS)
-    return call_op(_verify_sample_op, logits, draft_tokens, *args, chosen, device=logits.device)
+    return call_op(_verify_sample_op, logits, draft_tokens, *args, chosen, device=logits.device,
+                   checked=True)  # validated above (sampling_op_args packs only what it validated)
 
 
 def _check_sample(logits, draft_tokens, temperature, top_k, top_p, seed, offset, use_top_k, use_top_p, backend):

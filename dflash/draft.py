@@ -464,6 +464,7 @@ class DraftModel(nn.Module):
     ) -> "DraftModel":
         """Load a draft folder (``config.json`` + ``model.safetensors`` or a sharded index): z-lab's layout
         (either config schema) or a speculators DFlash checkpoint (:mod:`dflash.speculators`)."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         config_path, raw = read_config_json(path)
@@ -488,7 +489,11 @@ class DraftModel(nn.Module):
         for file in files:
             if not os.path.isfile(file):
                 raise FileNotFoundError(f"weight shard listed in the index is missing: {file}")
-            state.update(load_file(file))
+            try:
+                state.update(load_file(file))
+            except SafetensorError as exc:
+                raise ValueError(f"{file}: not a readable safetensors file ({exc}); the download is likely "
+                                 f"truncated or corrupt: fetch this file again") from exc
         if speculators.is_speculators_config(raw):
             state, token_ids = speculators.zlab_state_dict(state, config, source=path)
             if token_ids is not None:

@@ -109,6 +109,12 @@ class _CaptureRules(TorchDispatchMode):
         _refuse_uncapturable(func, args, kwargs)
         if self.torch_op_bodies and func.namespace == "dflash" and args and args[-1] == _DEVICE_TORCH_BACKEND:
             body = _maybe_get_opdef(func)._init_fn  # the op's Python function, as custom_op registered it
+            # Its checked_by check reads index values on the host only for CPU tensors (none on a device, so
+            # nothing a capture would see): it runs outside the rules, the body under them.
+            check = getattr(body, "check", None)
+            if check is not None:
+                check(*args, **kwargs)
+                body = body.unchecked
             with _HostCopyRefusal(), _CaptureRules(torch_op_bodies=True):
                 return body(*args, **kwargs)
         return func(*args, **kwargs)

@@ -149,13 +149,16 @@ def checked_by(check):
     the Triton interpreter index with), never for device tensors (no host sync, so graph capture is unaffected).
 
     The body without the check stays reachable through one path only: :func:`call_op` with ``checked=True``,
-    for a caller that already validated the same arguments (the public functions' ``validate=False``)."""
+    for a caller that already validated the same arguments (the public functions' ``validate=False``). The
+    wrapper carries ``check`` and ``unchecked`` (the body) for the graph emulator, which runs the check outside
+    its capture rules (it reads on the host only for CPU tensors) and the body under them."""
     def wrap(body):
         @functools.wraps(body)
         def op_body(*args, **kwargs):
             check(*args, **kwargs)
             return body(*args, **kwargs)
         op_body.unchecked = body
+        op_body.check = check
         # custom_op reads the schema from the signature: the body's, its annotations evaluated where it is defined.
         op_body.__signature__ = inspect.signature(body, eval_str=True)
         return op_body

@@ -215,7 +215,7 @@ def commit_round(draft_tokens: torch.Tensor, accepted: torch.Tensor, bonus: torc
         _check_values(draft_tokens, accepted, lengths, done, max_lengths, out_tokens.shape[1])
     chosen = resolve_backend(_OP, backend, dev, available=_BACKENDS)
     return call_op(_commit_round_op, draft_tokens, accepted, bonus, out_tokens, lengths, positions, anchor,
-                   done, max_lengths, stop_tokens, chosen, device=dev)
+                   done, max_lengths, stop_tokens, chosen, device=dev, checked=True)  # validated above
 
 
 def _check_commit(draft_tokens, accepted, bonus, out_tokens, lengths, positions, anchor, done, max_lengths,

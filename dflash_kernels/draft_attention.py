@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from dflash_kernels import cpu_native
-from dflash_kernels._dispatch import call_op, checked_by, lean_version_bump, resolve_backend
+from dflash_kernels._dispatch import call_op, checked_by, lean_version_bump, resolve_backend, unobserved_eager
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_cache_index_values, check_cache_pair, check_index_values, check_last_dim_contiguous,
     check_tensor, interpreting, next_pow2, norm_rope_halves,
@@ -150,11 +150,35 @@ def _validate(op, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_w
 
 
 def _cache_index(cache: torch.Tensor, n: int, t: torch.Tensor, block_table, cache_batch_idx):
-    """Index of request ``n``'s logical rows ``t`` in a contiguous or paged cache (host indexing)."""
+    """Index of request ``n``'s logical rows ``t`` in a contiguous or paged cache."""
     if block_table is None:
-        return int(cache_batch_idx[n]) if cache_batch_idx is not None else n, t
+        return cache_batch_idx[n] if cache_batch_idx is not None else n, t
     page_size = cache.shape[1]
     return block_table[n].to(torch.int64)[t // page_size], t % page_size
+
+
+def write_cache_rows_reference(k_cache, v_cache, req, t, keep, k_rows, v_rows, block_table, cache_batch_idx) -> None:
+    """Write ``k_rows[i]`` / ``v_rows[i]`` (``[R, kvH, D]``) to request ``req[i]``'s logical cache row ``t[i]``
+    (int64 ``[R]`` each) where ``keep[i]``, in static shapes and without a host read (a CUDA graph can hold it).
+
+    Every row is written somewhere: a row not kept takes the destination and the values of the first kept row
+    (the same bits to the same place, so the write order does not matter), or, when no row is kept, writes back
+    what its destination already holds. ``t`` of a kept row is below the capacity; any other is clamped into it,
+    so every address is valid."""
+    page_size = k_cache.shape[1]
+    capacity = page_size * (block_table.shape[1] if block_table is not None else 1)
+    if req.numel() == 0 or capacity == 0:
+        return
+    t = t.clamp(0, capacity - 1)
+    if block_table is not None:
+        pages, slots = block_table.to(torch.int64)[req, t // page_size], t % page_size
+    else:
+        pages, slots = (cache_batch_idx.to(torch.int64)[req] if cache_batch_idx is not None else req), t
+    src = torch.where(keep, torch.arange(keep.numel(), device=keep.device), keep.to(torch.int8).argmax())
+    pages, slots = pages[src], slots[src]
+    any_kept = keep.any()
+    for cache, rows in ((k_cache, k_rows), (v_cache, v_rows)):
+        cache.index_put_((pages, slots), torch.where(any_kept, rows[src].to(cache.dtype), cache[pages, slots]))
 
 
 def _norm_rope_reference(x, weight, cos, sin, eps):
@@ -164,12 +188,43 @@ def _norm_rope_reference(x, weight, cos, sin, eps):
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
 
+def _lengths_on_host(cache_lens: torch.Tensor) -> bool:
+    """Whether the attention references read the lengths on the host: eagerly on CPU tensors (free there), so that
+    the attention runs over exactly each request's keys, the definition's bits. Anywhere else (a device; a
+    capture, its emulation, a trace) they attend over the whole cache capacity with the keys past a length
+    masked out: static shapes and no host read, so a CUDA graph can hold them; the same result but for the
+    rounding of the longer softmax and sums (SDPA over more keys, the extra ones at -inf)."""
+    return cache_lens.device.type == "cpu" and unobserved_eager()
+
+
+def _request_keys(k_cache, r: int, c, nb, b: int, causal: bool, sliding_window, block_table, cache_batch_idx):
+    """Request ``r``'s attention layout for block rows at positions ``c + 0..b-1`` with ``nb`` valid block keys:
+    (those positions [b], the cache index of its context keys, the slice of block keys it takes, the [b, keys]
+    visibility of context keys then block keys). ``c``/``nb`` are host ints (exactly the C context keys and
+    ``nb`` block keys) or 0-dim device tensors (all capacity rows and all b block keys, the extra ones hidden)."""
+    device = k_cache.device
+    if isinstance(c, int):
+        ctx = _cache_index(k_cache, r, torch.arange(c, device=device), block_table, cache_batch_idx)
+        return torch.arange(c, c + b, device=device), ctx, slice(0, nb), _block_mask(c, b, c + nb, causal,
+                                                                                      sliding_window, device)
+    capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    t = torch.arange(capacity, device=device)
+    pos = c + torch.arange(b, device=device)
+    valid = torch.cat([t < c, torch.arange(b, device=device) < nb])
+    mask = _visible(pos[:, None], torch.cat([t, pos])[None, :], causal, sliding_window) & valid[None, :]
+    return pos, _cache_index(k_cache, r, t, block_table, cache_batch_idx), slice(None), mask
+
+
 def _block_mask(c: int, b: int, keys: int, causal: bool, sliding_window, device) -> torch.Tensor:
-    """[b, keys] bool: which keys (positions 0..keys-1) the block rows at positions c..c+b-1 see (the
+    """[b, keys] bool: which keys (positions 0..keys-1) the block rows at positions c..c+b-1 see."""
+    return _visible(c + torch.arange(b, device=device)[:, None], torch.arange(keys, device=device)[None, :], causal,
+                    sliding_window)
+
+
+def _visible(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, sliding_window) -> torch.Tensor:
+    """[b, keys] bool: which keys at positions ``kpos`` [1, keys] the queries at positions ``qpos`` [b, 1] see (the
     definition's causal and sliding-window rule; every key without either)."""
-    qpos = c + torch.arange(b, device=device)[:, None]
-    kpos = torch.arange(keys, device=device)[None, :]
-    mask = torch.ones(b, keys, dtype=torch.bool, device=device)
+    mask = torch.ones(qpos.shape[0], kpos.shape[1], dtype=torch.bool, device=qpos.device)
     if causal:
         mask &= kpos <= qpos
     if sliding_window is not None:
@@ -181,7 +236,8 @@ def draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weig
                               attention_scaling: float = 1.0, eps: float = 1e-6, sliding_window: Optional[int] = None,
                               causal: Optional[bool] = None, block_table=None, cache_batch_idx=None,
                               block_lens=None, scale: Optional[float] = None) -> torch.Tensor:
-    """Definition (HF Qwen3 numerics in q's dtype, SDPA; reads cache_lens and block_lens on the host).
+    """Definition (HF Qwen3 numerics in q's dtype, SDPA; cache_lens and block_lens read as
+    :func:`_lengths_on_host` says).
 
     Per request n with C = cache_lens[n] and v = block_lens[n] (B when None): block row i sits at position
     C + i. q/k get per-head RMSNorm (when the weights are given) then RoPE; scores over
@@ -195,18 +251,20 @@ def draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weig
     n, b, nh, d = q.shape
     kvh = k.shape[2]
     out = torch.empty_like(q)
-    lens = cache_lens.tolist()
-    valid = block_lens.tolist() if block_lens is not None else [b] * n
+    if _lengths_on_host(cache_lens):
+        lens = cache_lens.tolist()
+        valid = block_lens.tolist() if block_lens is not None else [b] * n
+    else:
+        lens = cache_lens.to(torch.int64)
+        valid = block_lens.to(torch.int64) if block_lens is not None else torch.full_like(lens, b)
     for r in range(n):
-        c, nb = int(lens[r]), int(valid[r])
-        pos = torch.arange(c, c + b, device=q.device)
+        pos, ctx, block, mask = _request_keys(k_cache, r, lens[r], valid[r], b, causal, sliding_window, block_table,
+                                              cache_batch_idx)
         cos, sin = rope_cos_sin_reference(pos, inv_freq, attention_scaling, q.dtype)
         qn = _norm_rope_reference(q[r], q_norm_weight, cos, sin, eps)
         kn = _norm_rope_reference(k[r], k_norm_weight, cos, sin, eps)
-        ctx = _cache_index(k_cache, r, torch.arange(c, device=q.device), block_table, cache_batch_idx)
-        keys = torch.cat([k_cache[ctx].to(q.dtype), kn[:nb]], 0)
-        vals = torch.cat([v_cache[ctx].to(q.dtype), v[r, :nb]], 0)
-        mask = _block_mask(c, b, c + nb, causal, sliding_window, q.device)
+        keys = torch.cat([k_cache[ctx].to(q.dtype), kn[block]], 0)
+        vals = torch.cat([v_cache[ctx].to(q.dtype), v[r, block]], 0)
         # 4-D [1, heads, rows, D] like HF's attention modules: CPU SDPA rounds 3-D inputs differently.
         o = F.scaled_dot_product_attention(qn.transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                            vals.transpose(0, 1)[None], attn_mask=mask[None, None],
@@ -220,7 +278,7 @@ def verify_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_wei
                                inv_freq, attention_scaling: float = 1.0, eps: float = 1e-6,
                                scale: Optional[float] = None, block_table=None, cache_batch_idx=None,
                                tree_depths=None, tree_mask=None) -> torch.Tensor:
-    """Definition (host indexing): write request n's block K rows (normed + rotated, as the attention uses
+    """Definition (static-shape writes): write request n's block K rows (normed + rotated, as the attention uses
     them) and raw V rows to cache rows ``cache_lens[n] + i`` (those below the capacity), then
     ``draft_attention_reference`` with ``causal=True`` (the context [0, cache_lens[n]) plus block keys j <= i).
 
@@ -228,15 +286,16 @@ def verify_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_wei
     at position ``cache_lens[n] + tree_depths[n, i]`` (q and k rotated there) but still written at cache row
     ``cache_lens[n] + i``; query i sees the context and the block keys j whose bit ``j % 64`` of word
     ``j // 64`` of ``tree_mask[n, i]`` is set (its ancestors and itself: ``tree_ancestor_mask``)."""
-    b = q.shape[1]
+    n, b, kvh, d = k.shape
     capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-    for r, c in enumerate(cache_lens.tolist()):
-        t = torch.arange(c, min(c + b, capacity), device=q.device)
-        pos = t if tree_depths is None else c + tree_depths[r, :len(t)]
-        cos, sin = rope_cos_sin_reference(pos, inv_freq, attention_scaling, q.dtype)
-        rows = _cache_index(k_cache, r, t, block_table, cache_batch_idx)
-        k_cache[rows] = _norm_rope_reference(k[r, :len(t)], k_norm_weight, cos, sin, eps).to(k_cache.dtype)
-        v_cache[rows] = v[r, :len(t)].to(v_cache.dtype)
+    c = cache_lens.to(torch.int64)[:, None]
+    t = (c + torch.arange(b, device=q.device)).view(-1)                      # [N*B] cache rows of the block
+    pos = t if tree_depths is None else (c + tree_depths).view(-1)
+    cos, sin = rope_cos_sin_reference(pos, inv_freq, attention_scaling, q.dtype)
+    kn = _norm_rope_reference(k.reshape(n * b, kvh, d), k_norm_weight, cos, sin, eps)
+    req = torch.arange(n, device=q.device)[:, None].expand(n, b).reshape(-1)
+    write_cache_rows_reference(k_cache, v_cache, req, t, t < capacity, kn, v.reshape(n * b, kvh, d), block_table,
+                               cache_batch_idx)
     if tree_depths is not None:
         return _tree_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
                                          inv_freq, attention_scaling, eps, scale, block_table, cache_batch_idx,
@@ -410,16 +469,20 @@ def _tree_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weig
     kvh = k.shape[2]
     out = torch.empty_like(q)
     bit = torch.arange(b, device=q.device)
-    for r, c in enumerate(cache_lens.tolist()):
+    lens = cache_lens.tolist() if _lengths_on_host(cache_lens) else cache_lens.to(torch.int64)
+    for r in range(n):
+        c = lens[r]
         cos, sin = rope_cos_sin_reference(c + tree_depths[r], inv_freq, attention_scaling, q.dtype)
         qn = _norm_rope_reference(q[r], q_norm_weight, cos, sin, eps)
         kn = _norm_rope_reference(k[r], k_norm_weight, cos, sin, eps)
-        ctx = _cache_index(k_cache, r, torch.arange(c, device=q.device), block_table, cache_batch_idx)
+        # The context: its first c rows (host c), or every row of the capacity with those past c hidden.
+        _, ctx, _, visible = _request_keys(k_cache, r, c, 0, 1, False, None, block_table, cache_batch_idx)
+        context = visible[:, :ctx[1].shape[0]]
         keys = torch.cat([k_cache[ctx].to(q.dtype), kn], 0)
         vals = torch.cat([v_cache[ctx].to(q.dtype), v[r]], 0)
         words = tree_mask[r][:, bit // 64]                                       # [B, B]: word of key j, row i
         block = ((words >> (bit % 64)[None, :]) & 1).bool()
-        mask = torch.cat([torch.ones(b, c, dtype=torch.bool, device=q.device), block], 1)
+        mask = torch.cat([context.expand(b, -1), block], 1)
         o = F.scaled_dot_product_attention(qn.transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                            vals.transpose(0, 1)[None], attn_mask=mask[None, None],
                                            scale=d ** -0.5 if scale is None else scale, enable_gqa=kvh != nh)[0]

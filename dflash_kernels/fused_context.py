@@ -274,7 +274,8 @@ def fused_context(taps: Taps, fc_weight: torch.Tensor, norm_weight: torch.Tensor
     chosen = resolve_backend(OP, backend, taps_list[0].device, available=_BACKENDS)
     if out is None:
         out = taps_list[0].new_empty((taps_list[0].shape[0], fc_weight.shape[0]))
-    call_op(_fused_context_op, taps_list, fc_weight, norm_weight, float(eps), out, chosen, device=taps_list[0].device)
+    call_op(_fused_context_op, taps_list, fc_weight, norm_weight, float(eps), out, chosen, device=taps_list[0].device,
+            checked=True)  # validated above
     return out
 
 

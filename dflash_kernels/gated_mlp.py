@@ -179,7 +179,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, *, out: Optional[torch.T
     chosen = resolve_backend(OP, backend, x.device, available=_BACKENDS)
     if out is None:
         out = x.new_empty(shape)
-    call_op(_gate_up_silu_op, x, weight, out, chosen, device=x.device)
+    call_op(_gate_up_silu_op, x, weight, out, chosen, device=x.device, checked=True)  # validated above
     return out
 
 

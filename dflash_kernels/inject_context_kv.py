@@ -13,7 +13,7 @@ from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_cache_index_values, check_cache_pair, check_last_dim_contiguous, check_tensor, next_pow2,
     norm_rope_halves, page_table, rms_norm_reference, rope_cos_sin, rope_cos_sin_reference, rotate_half,
 )
-from dflash_kernels.draft_attention import rope_tables_cpu
+from dflash_kernels.draft_attention import rope_tables_cpu, write_cache_rows_reference
 
 OP = "inject_context_kv"
 _BACKENDS = ("triton", "cpu", "torch")
@@ -58,30 +58,25 @@ def _validate(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, in
 def inject_context_kv_reference(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, *, inv_freq,
                                 attention_scaling: float = 1.0, eps: float = 1e-6, block_table=None,
                                 cache_batch_idx=None) -> None:
-    """Definition (HF Qwen3 numerics in k's dtype; host-side indexing).
+    """Definition (HF Qwen3 numerics in k's dtype; static shapes, no host read).
 
     Request n's rows cu[n]..cu[n+1]-1 sit at positions t = cache_lens[n] + (0, 1, ...): the cache gets
-    K = RoPE(k_norm(k_row), t) and V = v_row at row t (rows at or past the capacity are dropped).
-    """
-    cu = cu_ctx_lens.tolist()
-    lens = cache_lens.tolist()
-    paged = block_table is not None
+    K = RoPE(k_norm(k_row), t) and V = v_row at row t (rows at or past the capacity are dropped, and so
+    are rows at or past cu[N])."""
+    m, n_req = k.shape[0], cache_lens.shape[0]
+    if m == 0 or n_req == 0:
+        return
     page_size = k_cache.shape[1]
-    capacity = block_table.shape[1] * page_size if paged else page_size
-    for n in range(len(lens)):
-        t = torch.arange(lens[n], lens[n] + cu[n + 1] - cu[n], device=k.device)
-        keep = t < capacity
-        rows = torch.arange(cu[n], cu[n + 1], device=k.device)[keep]
-        t = t[keep]
-        cos, sin = rope_cos_sin_reference(t, inv_freq, attention_scaling, k.dtype)
-        kk = rms_norm_reference(k[rows], k_norm_weight, eps)
-        kk = kk * cos[:, None, :] + rotate_half(kk) * sin[:, None, :]
-        if paged:
-            pages, slots = block_table[n].to(torch.int64)[t // page_size], t % page_size
-        else:
-            pages, slots = int(cache_batch_idx[n]) if cache_batch_idx is not None else n, t
-        k_cache[pages, slots] = kk.to(k_cache.dtype)
-        v_cache[pages, slots] = v[rows].to(v_cache.dtype)
+    capacity = block_table.shape[1] * page_size if block_table is not None else page_size
+    cu, lens = cu_ctx_lens.to(torch.int64), cache_lens.to(torch.int64)
+    rows = torch.arange(m, device=k.device)
+    req = torch.searchsorted(cu[1:], rows, right=True).clamp_max(n_req - 1)  # request owning each row
+    t = lens[req] + (rows - cu[req])
+    cos, sin = rope_cos_sin_reference(t, inv_freq, attention_scaling, k.dtype)
+    kk = rms_norm_reference(k.contiguous(), k_norm_weight, eps)
+    kk = kk * cos[:, None, :] + rotate_half(kk) * sin[:, None, :]
+    write_cache_rows_reference(k_cache, v_cache, req, t, (rows < cu[-1]) & (t < capacity), kk, v, block_table,
+                               cache_batch_idx)
 
 
 def _inject_cpu(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq, attention_scaling, eps,

@@ -825,7 +825,8 @@ def verify_sample(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperatu
         seed, offset: int or 1-element int32/int64 tensor on the logits' device (tensors keep CUDA-graph
             replay reproducible: bump ``offset`` in place between rounds).
         backend: ``"auto" | "triton" | "torch"`` (the torch reference uses torch.Generator, a different
-            random stream, and reads seed/offset/parameters on the host).
+            random stream, and reads seed/offset/parameters on the host; under a CUDA graph capture "torch"
+            runs the Triton kernels, which read them on the device).
 
     Returns:
         ``(accepted, next_token)``, int64 ``[N]`` each.
@@ -834,12 +835,18 @@ def verify_sample(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperatu
     _validate(op, logits, draft_tokens)  # before sampling_op_args reads logits
     args = sampling_op_args(op, logits, temperature, top_k, top_p, seed, offset)
     chosen = resolve_backend(op, backend, logits.device, available=_SAMPLE_BACKENDS)
-    return call_op(_verify_sample_op, logits, draft_tokens, *args, chosen, device=logits.device)
+    return call_op(_verify_sample_op, logits, draft_tokens, *args, chosen, device=logits.device,
+                   checked=True)  # validated above (sampling_op_args packs only what it validated)
 
 
 def _check_sample(logits, draft_tokens, temperature, top_k, top_p, seed, offset, use_top_k, use_top_p, backend):
     _validate("verify_sample", logits, draft_tokens)
     check_packed_sampling("verify_sample", logits.shape[0], temperature, top_k, top_p, seed, offset, logits.device)
+
+
+def cuda_capturing(device: torch.device) -> bool:
+    """Whether work on ``device`` is being recorded into a CUDA graph now."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @torch.library.custom_op("dflash::verify_sample", mutates_args=())
@@ -852,9 +859,13 @@ def _verify_sample_op(logits: torch.Tensor, draft_tokens: torch.Tensor, temperat
     temperature / top_k / top_p: ``[1]`` (whole batch) or ``[N]`` (per request), any float / int dtype;
     seed / offset: 1-element int tensors. All are read on the device at run time. ``use_top_k`` /
     ``use_top_p`` switch the filter launches on (the reference filters from the values themselves).
+
+    Under a CUDA graph capture the "torch" backend runs the Triton kernels: the reference's random stream is a
+    ``torch.Generator`` seeded from host ints (seed, offset; and one-value parameters become host scalars), a
+    host read a capture cannot hold, while the kernels read all of them on the device (Philox counters).
     """
     chosen = resolve_backend("verify_sample", backend, logits.device, available=_SAMPLE_BACKENDS)
-    if chosen == "torch":
+    if chosen == "torch" and not cuda_capturing(logits.device):
         if temperature.numel() == 1:
             temperature, top_k, top_p = temperature.item(), int(top_k.item()), top_p.item()
         return verify_sample_reference(logits, draft_tokens, temperature=temperature, top_k=top_k, top_p=top_p,

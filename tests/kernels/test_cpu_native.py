@@ -236,7 +236,8 @@ def test_inject_context_kv_native(calls, kvh, d, new_rows, cached, rows, cap):
 def test_inject_context_kv_native_not_taken(calls):
     """Where the kernel does not apply (bf16 rows, a paged cache, offsets that are not a partition), the reference
     runs, so the same contract holds. Offsets past k's rows are the op's ValueError; on the unchecked body the
-    kernel is skipped and the reference raises its IndexError."""
+    kernel is skipped and the reference reads only k's rows: it writes those (as offsets ending at M would)
+    and nothing past them."""
     from dflash_kernels import inject_context_kv
     from dflash_kernels._dispatch import call_op
     from dflash_kernels.inject_context_kv import _inject_context_kv_op
@@ -252,9 +253,10 @@ def test_inject_context_kv_native_not_taken(calls):
             "cpu")
     with pytest.raises(ValueError, match="cu_ctx_lens must start at 0, never decrease and end at most at M=4"):
         inject_context_kv(*args[:7], inv_freq=_inv_freq(d), backend="cpu")
-    with pytest.raises(IndexError):
-        call_op(_inject_context_kv_op, *args, device=k.device, checked=True)
-    assert calls["inject"] == 0 and not kc.any()
+    call_op(_inject_context_kv_op, *args, device=k.device, checked=True)
+    want_k, want_v = torch.zeros(1, 8, 1, d), torch.zeros(1, 8, 1, d)
+    inject_context_kv(*args[:3], torch.tensor([0, 4]), args[4], want_k, want_v, inv_freq=_inv_freq(d), backend="torch")
+    assert calls["inject"] == 0 and torch.equal(kc, want_k) and torch.equal(vc, want_v) and not kc[0, 4:].any()
 
 
 def _race(monkeypatch, kernel_name, lens, new_lens, rows, new_rows):

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from _tol import chi2
+from dflash_kernels import verify
 from dflash_kernels.verify import filter_logits_reference, verify_sample
 
 BACKENDS = ["torch", "triton"]
@@ -321,3 +322,24 @@ def test_threshold_launch_count(monkeypatch):
         # Every histogram launch reads the logits (top-p's first one twice); bins and state come on top.
         assert vf.threshold_bytes(16, 151936, 2, use_top_k, use_top_p) > (len(grids) - 1 + use_top_p) * 16 * 151936 * 2
     assert vf.threshold_launches(False, False) == vf.threshold_bytes(16, 151936, 2, False, False) == 0
+
+
+@pytest.mark.parametrize("per_request", [False, True])
+def test_torch_backend_under_cuda_capture_runs_the_kernels(monkeypatch, per_request):
+    """The reference seeds a torch.Generator from host ints, which a CUDA graph cannot hold: under a capture the
+    torch backend gives the Triton kernels' tokens (here a capture is simulated: no GPU needed)."""
+    torch.manual_seed(7)
+    logits, drafts = torch.randn(3, 4, 37), torch.randint(0, 37, (3, 3))
+    params = dict(temperature=torch.tensor([0.7, 1.0, 1.3]), top_k=torch.tensor([0, 5, 9]),
+                  top_p=torch.tensor([1.0, 0.9, 0.5])) if per_request else dict(temperature=0.8, top_k=6, top_p=0.9)
+    seed, offset = torch.tensor([11]), torch.tensor([3])
+    kernels = verify_sample(logits, drafts, **params, seed=seed, offset=offset, backend="triton")
+    monkeypatch.setattr(verify, "cuda_capturing", lambda device: True)
+    captured = verify_sample(logits, drafts, **params, seed=seed, offset=offset, backend="torch")
+    assert all(torch.equal(a, b) for a, b in zip(captured, kernels))
+    monkeypatch.undo()
+    eager = [verify_sample(logits, drafts, **params, seed=torch.tensor([s]), offset=offset, backend="torch")
+             for s in range(8)]
+    kernel_runs = [verify_sample(logits, drafts, **params, seed=torch.tensor([s]), offset=offset, backend="triton")
+                   for s in range(8)]
+    assert any(not torch.equal(a[1], b[1]) for a, b in zip(eager, kernel_runs)), "eagerly the reference's stream"

@@ -169,3 +169,12 @@ def test_index_links_inside_the_folder_and_hf_snapshots_load(sharded, tmp_path):
         (snap / f.name).symlink_to(f"../../blobs/blob{i}")
     got = DFlashDraftModel.from_pretrained(snap).state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_corrupt_weights_file_is_a_value_error_naming_file_and_fix(checkpoint, damage):
+    weights = checkpoint / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x07" * 64)
+    with pytest.raises(ValueError, match=re.escape(str(weights)) + r".*fetch this file again"):
+        DFlashDraftModel.from_pretrained(checkpoint)

@@ -97,8 +97,6 @@ def main(argv=None) -> int:
     from dflash import generate
     from dflash.model import DFlashDraftModel
 
-    from safetensors import SafetensorError
-
     if args.threads:
         torch.set_num_threads(args.threads)
     if not os.path.isfile(os.path.join(args.draft, "config.json")):
@@ -108,8 +106,8 @@ def main(argv=None) -> int:
     _progress(f"loading draft {args.draft} ...")
     try:
         draft = DFlashDraftModel.from_pretrained(args.draft, dtype=torch.float32)
-    except SafetensorError as exc:
-        print(f"dflash demo: --draft {args.draft!r}: cannot read its weights ({exc})", file=sys.stderr)
+    except ValueError as exc:  # from_pretrained's errors name the file and the fix
+        print(f"dflash demo: --draft {args.draft!r}: {exc}", file=sys.stderr)
         return 2
     _progress("loading SmolLM2-135M-Instruct (first run converts the GGUF once, ~1 min) ...")
     try:

@@ -15,5 +15,6 @@ def test_demo_refuses_a_missing_or_corrupt_draft(capsys, tmp_path):
     assert cli.main(["demo", "--draft", str(tmp_path)]) == 2
     out, err = capsys.readouterr()
     assert out == "" and "Traceback" not in err and "SmolLM2" not in err
-    assert err.endswith(f"dflash demo: --draft {str(tmp_path)!r}: cannot read its weights (Error while "
-                        "deserializing header: header too large)\n")
+    assert err.endswith(f"dflash demo: --draft {str(tmp_path)!r}: {tmp_path / 'model.safetensors'}: not a readable "
+                        "safetensors file (Error while deserializing header: header too large); the download is "
+                        "likely truncated or corrupt: fetch this file again\n")

@@ -95,6 +95,7 @@ def main(argv=None) -> int:
 
     from dflash import smollm2
     from dflash import generate
+    from dflash.draft import UnreadableWeightsError
     from dflash.model import DFlashDraftModel
 
     if args.threads:
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
     _progress(f"loading draft {args.draft} ...")
     try:
         draft = DFlashDraftModel.from_pretrained(args.draft, dtype=torch.float32)
-    except ValueError as exc:  # from_pretrained's errors name the file and the fix
+    except UnreadableWeightsError as exc:
         print(f"dflash demo: --draft {args.draft!r}: {exc}", file=sys.stderr)
         return 2
     _progress("loading SmolLM2-135M-Instruct (first run converts the GGUF once, ~1 min) ...")

@@ -24,6 +24,12 @@ WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 
 
+class UnreadableWeightsError(ValueError):
+    """A weights file of a checkpoint that is not a readable safetensors file (truncated or corrupt): the
+    message names the file and the fix. A ValueError, told apart so that a CLI can report it as a bad path
+    argument."""
+
+
 class RMSNorm(nn.Module):
     """Qwen3/LLaMA RMSNorm: fp32 statistics, cast back, then scale by the weight."""
 
@@ -492,7 +498,7 @@ class DraftModel(nn.Module):
             try:
                 state.update(load_file(file))
             except SafetensorError as exc:
-                raise ValueError(f"{file}: not a readable safetensors file ({exc}); the download is likely "
+                raise UnreadableWeightsError(f"{file}: not a readable safetensors file ({exc}); the download is likely "
                                  f"truncated or corrupt: fetch this file again") from exc
         if speculators.is_speculators_config(raw):
             state, token_ids = speculators.zlab_state_dict(state, config, source=path)

@@ -112,14 +112,15 @@ def _load(model: str, draft_path: str, device, *, system: str | None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash import smollm2
+    from dflash.draft import UnreadableWeightsError
     from dflash.model import DFlashDraftModel
 
     device = torch.device(device)
     dtype = torch.bfloat16 if device.type == "cuda" and model != EMBEDDED else torch.float32  # the target's
     try:
         draft = DFlashDraftModel.from_pretrained(draft_path, dtype=dtype, device=device)
-    except SafetensorError as exc:
-        raise UsageError(f"--draft {draft_path!r}: cannot read its weights ({exc})") from None
+    except UnreadableWeightsError as exc:
+        raise UsageError(f"--draft {draft_path!r}: {exc}") from None
     try:
         if model == EMBEDDED:
             target, tok = smollm2.load(dtype=dtype, verbose=False)

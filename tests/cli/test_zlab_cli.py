@@ -116,8 +116,9 @@ def test_corrupt_draft_weights(capsys, tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\xff" * 1000)  # a header length of 2**64 - 1 bytes
     code, out, err = run(["generate", "transformers", "--model", "smollm2", "--draft", str(tmp_path), "Hi"], capsys)
     assert code == 2 and out == ""
-    assert err == f"dflash generate: error: --draft {str(tmp_path)!r}: cannot read its weights " \
-                  "(Error while deserializing header: header too large)\n"
+    assert err == f"dflash generate: error: --draft {str(tmp_path)!r}: {tmp_path / 'model.safetensors'}: not a " \
+                  "readable safetensors file (Error while deserializing header: header too large); the download " \
+                  "is likely truncated or corrupt: fetch this file again\n"
 
 
 def test_empty_stdin(capsys, monkeypatch):

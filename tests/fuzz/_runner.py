@@ -84,17 +84,19 @@ class Worker:
         except BrokenPipeError:
             pass  # reported below, from its exit status
         deadline = time.monotonic() + CASE_TIMEOUT_S
-        line = ""
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.results, self.proc.stderr], [], [], deadline - time.monotonic())
+        watched = [self.results, self.proc.stderr]
+        while (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select(watched, [], [], left)
             if self.proc.stderr in ready:
                 self._drain_stderr()
+                if self.proc.poll() is not None:
+                    watched = [self.results]  # its stderr is at its end: stop polling it
             if self.results in ready:
                 line = self.results.readline()
-                break
-        if line:
-            return json.loads(line)
-        hung = self.proc.poll() is None
+                if line:
+                    return json.loads(line)
+                break  # the pipe closed: the worker ended
+        hung = time.monotonic() >= deadline
         self._stop()
         raise WorkerDied(self._death_message(hung))
 

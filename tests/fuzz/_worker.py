@@ -6,6 +6,7 @@ Python MemoryError / RuntimeError in the worker instead of the machine's OOM kil
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import resource
@@ -18,6 +19,7 @@ def main() -> None:
     results = os.fdopen(int(os.environ["DFLASH_FUZZ_RESULT_FD"]), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    faulthandler.enable()  # a fatal signal prints the Python stack to stderr, which the failure report shows
     limit = int(float(os.environ.get("DFLASH_FUZZ_MEMORY_GB", "6")) * 2**30)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     # Triton's interpreter must be chosen before dflash_kernels is imported (as tests/conftest.py does).

@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 import torch
 
 from dflash.draft import DraftModel
-from dflash.engine import cached_engine, graph_mode_for, unsupported_reason
+from dflash.engine import cached_engine, graph_mode_for, target_lock, unsupported_reason
 from dflash.reference import MAX_TREE_BUDGET, reference_generate
 from dflash.results import BatchResult, GenerateResult
 from dflash.sampling import SamplingParams
@@ -19,23 +19,37 @@ from dflash.target import TargetAdapter, check_target
 from dflash_kernels import distinct_prefixes
 
 BACKENDS = ("auto", "fast", "reference")
+# Largest block size B: the kernels' verify and attention paths hold up to 64 block rows (the engine's buffers
+# and the reference's position table grow with B); z-lab drafts use 16.
+MAX_BLOCK_SIZE = 64
 
 
 def as_target(target, draft: DraftModel) -> TargetAdapter:
-    """The target as a :class:`TargetAdapter` tapping the draft's ``target_layer_ids``."""
+    """The target as a :class:`TargetAdapter` tapping the draft's ``target_layer_ids``; a draft built for a
+    target of another depth (config ``num_target_layers``, or taps past the target's layers) is refused: it
+    would run on the wrong tapped layers."""
     if not isinstance(draft, DraftModel):
         raise TypeError(f"draft must be a dflash.DFlashDraftModel, got {type(draft).__name__}")
+    model = target.model if isinstance(target, TargetAdapter) else target
+    check_target(model)
+    depth, built_for = len(model.model.layers), draft.config.num_target_layers
+    if built_for is not None and built_for != depth:
+        raise ValueError(f"draft config num_target_layers={built_for}, but the target has {depth} decoder layers: "
+                         "this draft was built for another target (its target_layer_ids "
+                         f"{draft.config.target_layer_ids} would tap the wrong layers); pass the target it was "
+                         "trained for")
     if isinstance(target, TargetAdapter):
         if target.layer_ids != draft.config.target_layer_ids:
             return TargetAdapter(target.model, draft.config.target_layer_ids)
         return target
-    check_target(target)
     return TargetAdapter(target, draft.config.target_layer_ids)
 
 
 def check_prompt(target: TargetAdapter, draft: DraftModel, input_ids, max_new_tokens: int, block_size: int | None,
                  *, max_batch: int | None = 1) -> tuple[torch.Tensor, int]:
-    """Check the pair and one prompt; returns (input_ids [b, P] on the target's device, block size)."""
+    """Check the pair and one prompt, for both runtimes: token ids, lengths (prompt + ``max_new_tokens`` within
+    the target's ``max_position_embeddings``) and the block size (1..``MAX_BLOCK_SIZE``); returns (input_ids
+    [b, P] on the target's device, block size)."""
     tcfg = target.config
     if tcfg.hidden_size != draft.config.hidden_size:
         raise ValueError(
@@ -70,10 +84,16 @@ def check_prompt(target: TargetAdapter, draft: DraftModel, input_ids, max_new_to
         raise ValueError(f"input_ids holds token ids outside the target vocabulary [0, {vocab})")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    limit = getattr(tcfg, "max_position_embeddings", None)
+    if limit is not None and input_ids.shape[1] + max_new_tokens > limit:
+        raise ValueError(f"prompt + max_new_tokens = {input_ids.shape[1] + max_new_tokens} exceeds the target's "
+                         f"max_position_embeddings {limit}; pass a shorter prompt or fewer max_new_tokens")
+    what = "block_size"
     if block_size is None:
-        block_size = draft.config.block_size
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        block_size, what = draft.config.block_size, "block_size (the draft config's)"
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"{what} must be an integer in [1, {MAX_BLOCK_SIZE}], got {block_size!r}; "
+                         "pass block_size=16 or another value in range")
     return input_ids.to(target.device, torch.long), block_size
 
 
@@ -170,7 +190,8 @@ def generate(
             list per request.
         temperature: 0 = greedy (output equals the target's greedy output); > 0 samples, with
             ``top_p``/``top_k`` applied to the target distribution (output distributed as the target's).
-        block_size: B (default: the draft's); 1 = plain autoregressive decoding with the same machinery.
+        block_size: B, 1..``MAX_BLOCK_SIZE`` (64; default: the draft's); 1 = plain autoregressive decoding with
+            the same machinery.
         backend: "reference" (the pure-PyTorch loop of :mod:`dflash.reference`, one request), "fast"
             (:mod:`dflash.engine`: static state, kernels, captured steps, batches), or "auto": fast where
             it can run (LLaMA/Qwen3 targets, supported draft layers), else reference.
@@ -191,6 +212,12 @@ def generate(
     Returns:
         :class:`GenerateResult` with ``.sequences`` [1, P + n] and ``.acceptance_lengths``; for batched
         input, a :class:`BatchResult` whose fields are per-request lists.
+
+    Threads: safe to call from several threads. Calls that share a target model run one at a time (one lock
+    per target model, held for the whole call; both runtimes keep per-call state on the model: the engine's
+    buffers, the reference's feature hooks); calls on different target models run in parallel. Calling
+    ``generate`` on the same target from inside ``on_tokens`` raises RuntimeError. The cached engine lives
+    on its target model: dropping the target and draft frees both, engine included.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -210,7 +237,7 @@ def generate(
         input_ids, block = check_prompt(target, draft, input_ids, max_new_tokens, block_size)
         check_tree_budget(tree_budget, block, draft, target)
         stops = stop_list(stop_token_ids)
-        with torch.inference_mode():
+        with target_lock(target.model), torch.inference_mode():
             return reference_generate(target, draft, input_ids, max_new_tokens, stops, sampling, block, seed,
                                       on_tokens=on_tokens, tree_budget=tree_budget)
 
@@ -238,10 +265,8 @@ def generate(
     if needed > max_length:
         raise ValueError(f"max_length={max_length} is too small: the longest request (prompt + max_new_tokens) "
                          f"needs {needed}")
-    limit = getattr(target.config, "max_position_embeddings", None)
-    if limit is not None and needed > limit:
-        raise ValueError(f"prompt + max_new_tokens = {needed} exceeds the target's max_position_embeddings {limit}")
-    engine = cached_engine(target.model, draft, batch=n, capacity=max_length, block_size=block,
-                           kernel_backend=kernel_backend, use_cuda_graphs=use_cuda_graphs, tree_budget=tree_budget)
-    results: list[GenerateResult] = engine.generate(checked, limits, stops, sampling, seed, on_tokens=on_tokens)
+    with target_lock(target.model):
+        engine = cached_engine(target.model, draft, batch=n, capacity=max_length, block_size=block,
+                               kernel_backend=kernel_backend, use_cuda_graphs=use_cuda_graphs, tree_budget=tree_budget)
+        results: list[GenerateResult] = engine.generate(checked, limits, stops, sampling, seed, on_tokens=on_tokens)
     return BatchResult(results) if batched else results[0]

@@ -437,13 +437,16 @@ class DraftModel(nn.Module):
         single = os.path.join(path, WEIGHTS_NAME)
         index = os.path.join(path, WEIGHTS_INDEX_NAME)
         if os.path.isfile(single):
-            files = [single]
+            files = [weight_file(path, WEIGHTS_NAME, source=path)]
         elif os.path.isfile(index):
             with open(index, encoding="utf-8") as f:
                 weight_map = json.load(f).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise ValueError(f"{index}: missing key 'weight_map'")
-            files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+            names = set(weight_map.values())
+            if not all(isinstance(name, str) for name in names):
+                raise ValueError(f"{index}: weight_map values must be shard file names")
+            files = [weight_file(path, name, source=index) for name in sorted(names)]
         else:
             raise FileNotFoundError(f"no weights in {path}: expected {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME}")
         state: dict[str, torch.Tensor] = {}
@@ -465,6 +468,25 @@ class DraftModel(nn.Module):
         if dtype is None:
             dtype = state["fc.weight"].dtype
         return model.to(device=device, dtype=dtype).eval()
+
+
+def weight_file(folder: str, name: str, *, source: str) -> str:
+    """The weight file ``name`` of a draft folder (from its index, or ``model.safetensors``), refused unless it
+    lies inside the folder: no absolute names, no ``..``, no symlink out of it. A Hugging Face cache snapshot
+    (``<repo>/snapshots/<rev>/``) links its files into ``<repo>/blobs/``, which is allowed too."""
+    parts = name.replace("\\", "/").split("/")
+    if not name or os.path.isabs(name) or ".." in parts:
+        raise ValueError(f"{source}: weight file {name!r} is not a file name inside the draft folder "
+                         "(absolute or '..' names are refused)")
+    file = os.path.join(folder, name)
+    real, root = os.path.realpath(file), os.path.realpath(folder)
+    roots = [root]
+    if os.path.basename(os.path.dirname(root)) == "snapshots":
+        roots.append(os.path.join(os.path.dirname(os.path.dirname(root)), "blobs"))
+    if not any(os.path.commonpath([real, r]) == r for r in roots):
+        raise ValueError(f"{source}: weight file {name!r} resolves to {real}, outside the draft folder {root} "
+                         "(a symlink out of the folder is refused)")
+    return file
 
 
 def check_draft_vocab(token_ids: torch.Tensor, size: int | None, *, vocab: int | None = None,

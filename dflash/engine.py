@@ -40,7 +40,10 @@ on the host.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+import weakref
 from typing import Sequence
 
 import torch
@@ -50,6 +53,7 @@ from dflash.draft import DraftModel, rope_inv_freq
 from dflash.graphs import capture
 from dflash.lean_target import LeanTarget, check_lean_target, gate_up_act, linear_for
 from dflash.merged_linear import merged_weight
+from dflash.reference import finite_tree_logits_
 from dflash.results import GenerateResult, device_clock
 from dflash.sampling import GREEDY_EPS, SamplingParams, sample
 from dflash_kernels import (
@@ -299,7 +303,7 @@ class DFlashEngine:
         if self.tree_budget is None:
             draft.propose(x, self.target_model.lm_head, out=self.proposals, linear=self.linear)
         else:  # tree mode: the verify step builds the tree from all of the block's logits
-            self.draft_logits.copy_(draft.block_logits(x, self.target_model.lm_head, self.linear))
+            finite_tree_logits_(self.draft_logits.copy_(draft.block_logits(x, self.target_model.lm_head, self.linear)))
 
     def verify_step(self) -> None:
         """Target forward over [anchor, proposals] (or the draft tree), acceptance, commit."""
@@ -432,20 +436,111 @@ class DFlashEngine:
         ]
 
 
-_ENGINE: dict = {}
+class TargetSlot:
+    """What :func:`dflash.generate` keeps per target model, as an attribute of the model (so it lives exactly
+    as long as the model): the lock that serialises calls on the model, and the model's cached engine.
+
+    One lock per target model, not per engine: the reference runtime taps the target's features with forward
+    hooks on the model's own layers, so two calls on one target must not overlap in either runtime. A copy or
+    pickle of the model gets a fresh, empty slot (a lock can be neither copied nor pickled)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.holder: int | None = None  # the thread inside a call on this model, if any
+        self.engine: DFlashEngine | None = None
+        self.key: tuple | None = None
+
+    def __reduce__(self):
+        return TargetSlot, ()
+
+
+_SLOT_ATTR = "_dflash_slot"
+_SLOTS_LOCK = threading.Lock()  # guards creating slots and every read or write of a slot's engine and key
+
+
+def target_slot(target_model) -> TargetSlot:
+    """The model's :class:`TargetSlot`, created on first use."""
+    with _SLOTS_LOCK:
+        slot = target_model.__dict__.get(_SLOT_ATTR)
+        if slot is None:
+            slot = target_model.__dict__[_SLOT_ATTR] = TargetSlot()
+        return slot
+
+
+@contextlib.contextmanager
+def target_lock(target_model):
+    """Hold the target model's lock for one call: calls on one target model run one at a time, calls on
+    different target models in parallel. A call made from inside another on the same model and thread (from
+    ``on_tokens``) would wait for itself forever: it raises instead."""
+    slot = target_slot(target_model)
+    if slot.holder == threading.get_ident():
+        raise RuntimeError("dflash.generate was called on a target model from inside another call on the same "
+                           "model in the same thread (from on_tokens?); return from on_tokens first")
+    with slot.lock:
+        slot.holder = threading.get_ident()
+        try:
+            yield
+        finally:
+            slot.holder = None
+
+
+class EngineCache:
+    """The one cached engine (at most one at a time, so a new one never coexists with the old one's buffers).
+
+    The engine is stored in its target model's :class:`TargetSlot`; this cache holds only a weak reference to
+    that slot, so dropping the target and draft frees them with their engine. Read as a mapping with the one
+    key ``"engine"``; ``clear()`` drops the engine (the next call builds a fresh one)."""
+
+    def __init__(self) -> None:
+        self._slot = None  # weakref.ref to the TargetSlot holding the engine, or None
+
+    def _holding_slot(self) -> TargetSlot | None:
+        slot = self._slot() if self._slot is not None else None
+        return slot if slot is not None and slot.engine is not None else None
+
+    def lookup(self, target_model, draft: DraftModel, options: dict) -> DFlashEngine:
+        """The cached engine when it was built for these models and options, else a new one (cached)."""
+        key = (DFlashEngine, tuple(sorted(options.items())))
+        slot = target_slot(target_model)
+        with _SLOTS_LOCK:
+            if slot.engine is not None and slot.key == key and slot.engine.draft is draft:
+                return slot.engine
+            self._drop()  # drop the old engine's buffers before allocating the new ones
+            slot.engine = DFlashEngine(target_model, draft, **options)
+            slot.key = key
+            self._slot = weakref.ref(slot)
+            return slot.engine
+
+    def _drop(self) -> None:
+        slot = self._holding_slot()
+        if slot is not None:
+            slot.engine = slot.key = None
+        self._slot = None
+
+    def clear(self) -> None:
+        with _SLOTS_LOCK:
+            self._drop()
+
+    def __getitem__(self, name: str) -> DFlashEngine:
+        with _SLOTS_LOCK:
+            slot = self._holding_slot()
+            if name != "engine" or slot is None:
+                raise KeyError(name)
+            return slot.engine
+
+    def __contains__(self, name: str) -> bool:
+        with _SLOTS_LOCK:
+            return name == "engine" and self._holding_slot() is not None
+
+
+_ENGINE = EngineCache()
 
 
 def cached_engine(target_model, draft: DraftModel, **options) -> DFlashEngine:
-    """The engine of the previous call when the models and shapes are the same (its buffers and
-    captured steps are reused, so repeated calls neither reallocate nor recapture), else a new one."""
-    key = (id(target_model), id(draft), DFlashEngine, tuple(sorted(options.items())))
-    engine = _ENGINE.get("engine")
-    if engine is not None and _ENGINE.get("key") == key and engine.target_model is target_model and engine.draft is draft:
-        return engine
-    _ENGINE.clear()  # drop the old engine's buffers before allocating the new ones
-    engine = DFlashEngine(target_model, draft, **options)
-    _ENGINE.update(key=key, engine=engine)
-    return engine
+    """The engine of the previous call when the models and options are the same (its buffers and captured steps
+    are reused, so repeated calls neither reallocate nor recapture), else a new one. Call and use it inside
+    :func:`target_lock` of ``target_model``: the engine's state is one call's at a time."""
+    return _ENGINE.lookup(target_model, draft, options)
 
 
 def unsupported_reason(target, draft: DraftModel) -> str | None:

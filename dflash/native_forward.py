@@ -122,12 +122,14 @@ class NativeForward:
         if min(lens) < 0 or max(lens) + q > cap:
             return None  # left to the op path
         if rows is not None:
-            rows = rows.contiguous()
-            if rows.dtype != torch.int64 or rows.numel() != n or not all(0 <= r < lt.k_cache.shape[1]
-                                                                          for r in rows.tolist()):
+            rows = rows.tolist()
+            if len(rows) != n or not all(0 <= r < lt.k_cache.shape[1] for r in rows):
                 return None
         elif n > lt.k_cache.shape[1]:
             return None
+        # The kernels read private int64 copies of exactly the values checked above (another thread may write the
+        # caller's tensors meanwhile; int32 rows would otherwise be read as int64).
+        start_t, rows_t = (None if x is None else torch.tensor(x, dtype=torch.int64) for x in (lens, rows))
         plan = [tuple(self._kernel_args(b) for b in layer) for layer in self.projections]
         head = self._kernel_args(self.head)
         if head is None or any(t is None for layer in plan for t in layer):
@@ -140,7 +142,7 @@ class NativeForward:
                     or depths.shape != (n, q)):
                 return None
             words, mask_ptr = mask.shape[2], mask.data_ptr()
-        cos, sin = rope_tables_cpu(start, lens, q, lt.inv_freq, lt.attention_scaling, torch.float32, depths)
+        cos, sin = rope_tables_cpu(lens, q, lt.inv_freq, lt.attention_scaling, torch.float32, depths)
         cos, sin = cos.contiguous(), sin.contiguous()
         if cos.shape != (n * q, self.d) or sin.shape != cos.shape:  # the kernel reads a row per block row
             return None
@@ -162,7 +164,7 @@ class NativeForward:
             if linear3(x_ptr, ldx, rows_, k, *args, y_ptr, threads):
                 raise MemoryError(f"native_forward: no memory for the split input rows ({rows_} x {k})")
 
-        rows_ptr = None if rows is None else rows.data_ptr()
+        rows_ptr = None if rows_t is None else rows_t.data_ptr()
         k_stride = lt.k_cache.stride(0) * 4  # bytes between layers' caches
         kc0, vc0 = lt.k_cache.data_ptr(), lt.v_cache.data_ptr()
         for li, p in enumerate(lt.layers):
@@ -173,12 +175,13 @@ class NativeForward:
                 norm(delta, hid, h, p.input_norm.data_ptr(), x, m, hid, p.input_eps, threads)
             lt.copy_taps(features, lt.taps, li - 1, h_view)
             project(x, hid, m, hid, qkv_t, qkv)
-            attention(qkv, q * width, width, qkv + 4 * nh * d, q * width, width, qkv + 4 * (nh + kvh) * d,
-                      q * width, width, kc0 + li * k_stride, vc0 + li * k_stride, cap, start.data_ptr(), rows_ptr,
-                      None, None if p.q_norm is None else p.q_norm.data_ptr(),
-                      None if p.k_norm is None else p.k_norm.data_ptr(), p.qk_norm_eps, cos.data_ptr(),
-                      sin.data_ptr(), mask_ptr, words, 1, 1, attn, n, q, nh, kvh, d,
-                      d ** -0.5 if p.scale is None else p.scale, threads)
+            if attention(qkv, q * width, width, qkv + 4 * nh * d, q * width, width, qkv + 4 * (nh + kvh) * d,
+                         q * width, width, kc0 + li * k_stride, vc0 + li * k_stride, cap, start_t.data_ptr(), rows_ptr,
+                         None, None if p.q_norm is None else p.q_norm.data_ptr(),
+                         None if p.k_norm is None else p.k_norm.data_ptr(), p.qk_norm_eps, cos.data_ptr(),
+                         sin.data_ptr(), mask_ptr, words, 1, 1, attn, n, q, nh, kvh, d,
+                         d ** -0.5 if p.scale is None else p.scale, threads):
+                raise MemoryError(f"native_forward: no memory for the attention's scratch ({n} x {q} rows)")
             project(attn, nh * d, m, nh * d, o_t, delta)
             norm(delta, hid, h, p.post_norm.data_ptr(), x, m, hid, p.post_eps, threads)
             project(x, hid, m, hid, gu_t, gu)

@@ -41,6 +41,15 @@ from dflash_kernels import (
 )
 
 MAX_TREE_BUDGET = 64  # tree nodes besides the root: the verify kernels hold up to 65 block rows
+TREE_LOGIT_BOUND = 1e4  # what non-finite draft logits become before build_tree: -bound for NaN and -inf, +bound for +inf
+
+
+def finite_tree_logits_(draft_logits: torch.Tensor) -> torch.Tensor:
+    """Make the draft's block logits finite, in place, before ``build_tree`` (whose scores, log-softmax sums,
+    are undefined for NaN and infinite logits): NaN and -inf become -``TREE_LOGIT_BOUND``, +inf becomes
+    +``TREE_LOGIT_BOUND``. The draft only proposes tokens and the target decides, so any finite stand-in keeps
+    the output the target's; a NaN draft then proposes what the chain proposes from it, a valid token."""
+    return torch.nan_to_num_(draft_logits, nan=-TREE_LOGIT_BOUND, posinf=TREE_LOGIT_BOUND, neginf=-TREE_LOGIT_BOUND)
 
 
 def tree_attention_mask(parents: torch.Tensor, cached: int, dtype: torch.dtype) -> torch.Tensor:
@@ -119,7 +128,7 @@ def reference_generate(target: TargetAdapter, draft: DraftModel, input_ids: torc
             if tree_budget is None:
                 block[:, 1:] = draft.propose(hidden, target.lm_head)
             else:
-                draft_logits = draft.block_logits(hidden, target.lm_head)
+                draft_logits = finite_tree_logits_(draft.block_logits(hidden, target.lm_head))
             result.draft_time += device_clock(device) - ta
         tv = device_clock(device)
         offset = len(result.acceptance_lengths)

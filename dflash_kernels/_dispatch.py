@@ -11,6 +11,8 @@ its reference, which is already what runs on a CPU. It runs on CPU tensors only.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 
 import torch
@@ -139,7 +141,28 @@ def _tensor_args(args):
                 yield t
 
 
-def call_op(op, *args, device: torch.device):
+def checked_by(check):
+    """Decorator of a registered op's body (below ``@torch.library.custom_op``): the op runs ``check`` on its
+    arguments (schema order, the backend last) before the body, so ``torch.ops.dflash.<op>`` called directly
+    validates exactly as the public function does. ``check`` raises TypeError / ValueError before any work; it
+    reads index values on the host only for CPU tensors (free there, and what the C kernels, the references and
+    the Triton interpreter index with), never for device tensors (no host sync, so graph capture is unaffected).
+
+    The body without the check stays reachable through one path only: :func:`call_op` with ``checked=True``,
+    for a caller that already validated the same arguments (the public functions' ``validate=False``)."""
+    def wrap(body):
+        @functools.wraps(body)
+        def op_body(*args, **kwargs):
+            check(*args, **kwargs)
+            return body(*args, **kwargs)
+        op_body.unchecked = body
+        # custom_op reads the schema from the signature: the body's, its annotations evaluated where it is defined.
+        op_body.__signature__ = inspect.signature(body, eval_str=True)
+        return op_body
+    return wrap
+
+
+def call_op(op, *args, device: torch.device, checked: bool = False):
     """Run the registered custom op ``op`` (a ``torch.library.custom_op``, i.e. ``torch.ops.dflash.<name>``) on
     ``args`` (its arguments in schema order, the backend last; ``device``: where its tensors are).
 
@@ -147,7 +170,12 @@ def call_op(op, *args, device: torch.device):
     dispatcher's round trip (schema parsing, the ADInplaceOrView kernel of a mutating op, the Python kernel
     call) costs 20-70 us per call on the project's CPU, against 8-130 us of work for the ~120 op calls of a
     SmolLM2 decoding step. Everywhere else (GPU, capture, compile, fake tensors) the call goes through
-    ``torch.ops.dflash``, so those see one op as before."""
+    ``torch.ops.dflash``, so those see one op as before.
+
+    ``checked=True`` is the internal unchecked path: on that direct CPU call the body skips its
+    :func:`checked_by` check. Only for arguments already validated with the same shapes, dtypes, devices and
+    index values (a layer after the first of one forward); anywhere else the op checks as always."""
     if device.type == "cpu" and unobserved_eager(_tensor_args(args)):
-        return op._init_fn(*args)  # the function custom_op registered (torch/_library/custom_ops.py)
+        body = op._init_fn  # the function custom_op registered (torch/_library/custom_ops.py)
+        return (getattr(body, "unchecked", body) if checked else body)(*args)
     return op(*args)

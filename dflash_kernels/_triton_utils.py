@@ -53,6 +53,30 @@ def check_last_dim_contiguous(op: str, name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{op}: {name} must be contiguous in its last dim (stride 1); pass {name}.contiguous()")
 
 
+def check_index_values(op: str, name: str, t, low: int, high: int | None = None, what: str = "") -> None:
+    """Raise ValueError unless every value of the integer tensor ``t`` (None: nothing to check) lies in
+    ``[low, high)`` (``high`` None: no upper bound). Reads the values only when ``t`` is on the CPU, where that is
+    free and where the C kernels, the references (host indexing: a negative index would pick a row from the
+    end) and the Triton interpreter use them as addresses; on a GPU the kernels read them (no host sync)."""
+    if t is None or t.device.type != "cpu" or t.numel() == 0:
+        return
+    lo, hi = torch.aminmax(t)
+    lo, hi = int(lo), int(hi)
+    if lo < low or (high is not None and hi >= high):
+        bound = f"[{low}, {high})" if high is not None else f">= {low}"
+        hint = f" ({what})" if what else ""
+        raise ValueError(f"{op}: {name} values must be {bound}{hint}; got values from {lo} to {hi}")
+
+
+def check_cache_index_values(op: str, k_cache: torch.Tensor, cache_lens, block_table, cache_batch_idx) -> None:
+    """The index values of a cache's addressing (:func:`check_index_values`): lengths non-negative, batch rows and
+    pages inside the cache (``k_cache.shape[0]`` of them)."""
+    check_index_values(op, "cache_lens", cache_lens, 0, what="cached rows per request")
+    rows = k_cache.shape[0]
+    check_index_values(op, "cache_batch_idx", cache_batch_idx, 0, rows, f"batch rows of a cache of {rows}")
+    check_index_values(op, "block_table", block_table, 0, rows, f"page ids of a cache of {rows} pages")
+
+
 def as_index_tensor(op: str, name: str, value, device: torch.device) -> torch.Tensor:
     """An int -> a new ``[1]`` int64 tensor on ``device``; a 1-element int32/int64 tensor -> itself as ``[1]``
     (a view, never a copy, so that a CUDA-graph replay reads the value it holds then)."""

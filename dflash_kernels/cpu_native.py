@@ -106,8 +106,11 @@ _SOURCE = r"""
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <new>
 #include <queue>
 #include <vector>
+
+#include <omp.h>
 
 namespace {
 
@@ -347,8 +350,12 @@ extern "C" void dflash_cpu_inject_kv_f32(const float* k, long sk, const float* v
 // [N, B, words] ancestor bits; out [N, B, nH, D] contiguous. write_kv: the block's K/V rows go to cache rows
 // lens[n] + i (the verify step), else to a scratch copy (the draft step: its cache holds the context only).
 // Block key j of request n is seen by query row i iff j < block_lens[n] and (tree: bit j of row i's mask;
-// causal: j <= i; else always). The caller guarantees lens[n] (+ B with write_kv) <= cap, D <= 512, D % 16 == 0.
-extern "C" void dflash_cpu_block_attention_f32(
+// causal: j <= i; else always). The caller guarantees lens[n] (+ B with write_kv) <= cap, D <= 512, D % 16 == 0,
+// 0 <= block_lens[n] <= B. NaN follows the definition's SDPA: a NaN (or +inf) score of query row i against any
+// key j < lens[n] + block_lens[n], seen or masked, makes that row's output NaN; a NaN in a V row reaches every
+// output its zero or non-zero weight multiplies. Returns 0, or 1 (nothing computed) when its scratch memory cannot
+// be allocated.
+extern "C" int dflash_cpu_block_attention_f32(
     const float* q, long sq_n, long sq_b, const float* k, long sk_n, long sk_b, const float* v, long sv_n,
     long sv_b, float* kc, float* vc, long cap, const int64_t* lens, const int64_t* rows, const int64_t* block_lens,
     const float* qw, const float* kw, float eps, const float* cos_t, const float* sin_t, const int64_t* tree_mask,
@@ -356,7 +363,11 @@ extern "C" void dflash_cpu_block_attention_f32(
     int threads) {
   const long group = nH / kvH, row_stride = kvH * D;
   const long kmax = max_len(lens, N) + B, tiles = (kmax + L - 1) / L, kpad = tiles * L;
-  std::unique_ptr<float[]> scratch(new float[write_kv ? 1 : 2 * N * B * kvH * D]);
+  std::unique_ptr<float[]> scratch(new (std::nothrow) float[write_kv ? 1 : 2 * N * B * kvH * D]);
+  // Each thread's query rows after norm + RoPE (B x D) and score rows (B x kpad).
+  const long per_thread = B * D + B * kpad;
+  std::unique_ptr<float[]> work(new (std::nothrow) float[threads * per_thread]);
+  if (!scratch || !work) return 1;
   float* bk = scratch.get();
   float* bv = bk + N * B * kvH * D;
   auto cache_row = [&](long n) { return rows ? rows[n] : n; };  // request n's row of the caches
@@ -368,7 +379,8 @@ extern "C" void dflash_cpu_block_attention_f32(
   // Few query rows per KV head (a one-token step): a score is a dot product and a vector sum, cheaper than
   // transposing the keys, which pays for itself from about 8 rows per head (64 moves per key vs ~8 ops per sum).
   const bool transpose = B * group >= 8;
-  std::unique_ptr<v16[]> kt(new v16[transpose ? N * kvH * tiles * D : 1]);  // C++17: over-aligned, not zeroed
+  std::unique_ptr<v16[]> kt(new (std::nothrow) v16[transpose ? N * kvH * tiles * D : 1]);  // over-aligned
+  if (!kt) return 1;
 #pragma omp parallel num_threads(threads)
   {
     // Phase 1: the block's K (normed, rotated) and V rows into the cache (or the scratch copy).
@@ -403,7 +415,8 @@ extern "C" void dflash_cpu_block_attention_f32(
     // smaller units than a whole head balance the threads: 9 heads on 2 threads would idle one for a ninth of the
     // time; 8-row units were no faster here).
     constexpr long UR = 4;
-    std::vector<float> qr(B * D), s(B * kpad);
+    float* const qr = work.get() + omp_get_thread_num() * per_thread;
+    float* const s = qr + B * D;
     const long chunks = (B + UR - 1) / UR;
 #pragma omp for schedule(static)
     for (long u = 0; u < N * nH * chunks; ++u) {
@@ -441,10 +454,12 @@ extern "C" void dflash_cpu_block_attention_f32(
         }
       }
       float inv[UR];
+      const long nb = block_lens ? block_lens[n] : B;
       for (long i = ib; i < ie; ++i) {
         float* si = &s[i * kpad];
         const int64_t* bits = tree_mask ? tree_mask + (n * B + i) * words : 0;
-        long nb = block_lens ? block_lens[n] : B;
+        bool poisoned = false;  // a NaN / +inf score: the definition's softmax row is NaN
+        for (long j = 0; j < ctx + nb; ++j) poisoned |= !(si[j] < INFINITY);
         for (long bj = 0; bj < B; ++bj) {
           bool seen = bj < nb && (bits ? ((bits[bj >> 6] >> (bj & 63)) & 1) != 0 : !causal || bj <= i);
           if (!seen) si[ctx + bj] = -INFINITY;
@@ -463,7 +478,7 @@ extern "C" void dflash_cpu_block_attention_f32(
           sum += e;
         }
         float l = hsum(sum);
-        inv[i - ib] = l > 0.f ? 1.f / l : 0.f;
+        inv[i - ib] = poisoned ? NAN : l > 0.f ? 1.f / l : 0.f;
       }
       // The weighted sums of the V rows for the unit's query rows together (each V row loaded once for all of
       // them): the context rows in the cache, then the block's (in the cache after them, or aside), 64 output
@@ -476,7 +491,7 @@ extern "C" void dflash_cpu_block_attention_f32(
         const int nv = D - d0 >= 4 * L ? 4 : (int)((D - d0) / L);
         v16 acc[UR][4] = {};
         weighted_rows_any(ctx_v + d0, row_stride, &s[ib * kpad], kpad, ctx, nr, nv, acc);
-        weighted_rows_any(blk_v + d0, blk_stride, &s[ib * kpad + ctx], kpad, B, nr, nv, acc);
+        weighted_rows_any(blk_v + d0, blk_stride, &s[ib * kpad + ctx], kpad, nb, nr, nv, acc);
         for (int r = 0; r < nr; ++r) {
           float* o = out + ((n * B + ib + r) * nH + h) * D;
           for (int c = 0; c < nv; ++c)
@@ -485,6 +500,7 @@ extern "C" void dflash_cpu_block_attention_f32(
       }
     }
   }
+  return 0;
 }
 // ---- draft trees (dflash_kernels.tree's "cpu" bodies; definitions: build_tree_reference,
 // tree_ancestor_mask_reference, whose results these reproduce bit for bit).
@@ -650,7 +666,7 @@ def _load():
                 lib.dflash_cpu_add_rms_norm_f32.argtypes = [p, n, p, p, p, n, n, f, i]
                 lib.dflash_cpu_silu_mul_f32.restype = None
                 lib.dflash_cpu_silu_mul_f32.argtypes = [p, n, p, n, n, i]
-                lib.dflash_cpu_block_attention_f32.restype = None
+                lib.dflash_cpu_block_attention_f32.restype = i
                 lib.dflash_cpu_block_attention_f32.argtypes = [
                     p, n, n, p, n, n, p, n, n, p, p, n, p, p, p, p, p, f, p, p, p, n, i, i, p, n, n, n, n, n, f, i]
                 lib.dflash_cpu_inject_kv_f32.restype = None
@@ -693,6 +709,13 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
+def _raise_on_failure(status: int, kernel: str, size: str) -> None:
+    """A kernel's non-zero status (its scratch memory could not be allocated) as a MemoryError naming the size."""
+    if status:
+        raise MemoryError(f"cpu_native.{kernel}: not enough memory for the kernel's scratch ({size}); use fewer or "
+                          "shorter requests")
+
+
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
                  out: torch.Tensor) -> bool:
     """``add_rms_norm``'s "cpu" body for fp32 tensors (x rows viewable as ``[rows, H]`` with a row stride,
@@ -728,79 +751,87 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> bool:
     return True
 
 
-def block_attention(q, k, v, k_cache, v_cache, lens: list[int], cache_lens: torch.Tensor, rows, q_norm_weight,
-                    k_norm_weight, eps, scale, cos, sin_signed, *, causal: bool, write_kv: bool, block_lens=None,
-                    tree_mask=None, row_list=None) -> torch.Tensor | None:
+def _host_index_tensor(values) -> torch.Tensor | None:
+    """A new contiguous int64 tensor of host ``values`` (None: None): what a kernel reads, built from the very
+    values its caller checked, so no other thread's write to the caller's tensor between the check and the call
+    reaches the C code, and an int32 input is read at its values, not as half of an int64."""
+    return None if values is None else torch.tensor(values, dtype=torch.int64)
+
+
+def block_attention(q, k, v, k_cache, v_cache, lens: list[int], rows: list[int] | None, q_norm_weight,
+                    k_norm_weight, eps, scale, cos, sin_signed, *, causal: bool, write_kv: bool,
+                    block_lens: list[int] | None = None, tree_mask=None) -> torch.Tensor | None:
     """The "cpu" body of ``verify_attention`` (``write_kv``, causal or a tree) and ``draft_attention`` (no write,
-    ``block_lens``) for fp32 tensors on a contiguous cache (with room for the block where it is written; ``lens``:
-    ``cache_lens`` on the host, ``row_list``: ``rows`` on the host, None for 0..N-1); None (nothing done) where it
-    does not apply, including cache rows outside the cache (the torch formulas then raise the IndexError)."""
+    ``block_lens``) for fp32 tensors on a contiguous cache (with room for the block where it is written).
+    ``lens``, ``rows`` (None: 0..N-1) and ``block_lens`` (None: all B rows) are host values: the kernel reads
+    int64 copies of exactly these. None (nothing done) where it does not apply, including cache rows outside the
+    cache (the torch formulas then raise the IndexError). Raises MemoryError when the kernel's scratch cannot be
+    allocated."""
     f32 = torch.float32
     n, b, nh, d = q.shape
     kvh = k.shape[2]
     cap = k_cache.shape[1]
     norms = [t for t in (q_norm_weight, k_norm_weight) if t is not None]
-    # Every extent the kernel indexes with, checked here whatever the op validated: a mismatch falls back to the
-    # torch formula (which raises) instead of reaching memory past a buffer.
+    # Every extent and index the kernel uses, checked here whatever the op validated: a mismatch falls back to
+    # the torch formula (which raises) instead of reaching memory past a buffer.
     shapes_ok = (k.shape == v.shape == (n, b, kvh, d) and nh % kvh == 0 and k_cache.dim() == 4
                  and k_cache.shape[2:] == (kvh, d) and v_cache.shape == k_cache.shape
-                 and cache_lens.numel() == len(lens) == n and all(t.numel() == d for t in norms)
+                 and len(lens) == n and all(t.numel() == d for t in norms)
                  and cos.shape == sin_signed.shape == (n * b, d)
-                 and (rows is None or rows.numel() == n) and (block_lens is None or block_lens.numel() == n)
+                 and (rows is None or len(rows) == n) and (block_lens is None or len(block_lens) == n)
                  and (tree_mask is None or (tree_mask.shape[:2] == (n, b) and tree_mask.shape[2] * 64 >= b)))
     if not (shapes_ok and q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == f32 and d <= MAX_HEAD_DIM
             and all(t.dtype == f32 and t.is_contiguous() for t in norms) and k_cache.is_contiguous()
             and v_cache.is_contiguous() and all(t.stride(3) == 1 and t.stride(2) == d for t in (q, k, v))
             and d % 16 == 0 and n > 0 and max(lens) + (b if write_kv else 0) <= cap and min(lens) >= 0
-            and (row_list is None or all(0 <= r < k_cache.shape[0] for r in row_list))
-            and (rows is not None or n <= k_cache.shape[0]) and enabled()):
+            and (rows is None or all(0 <= r < k_cache.shape[0] for r in rows))
+            and (rows is not None or n <= k_cache.shape[0])
+            and (block_lens is None or all(0 <= x <= b for x in block_lens)) and enabled()):
         return None
     words = 0
     if tree_mask is not None:
         tree_mask = tree_mask.contiguous()
         words = tree_mask.shape[-1]
-    cache_lens, cos, sin_signed = cache_lens.contiguous(), cos.contiguous(), sin_signed.contiguous()
-    rows = None if rows is None else rows.contiguous()
-    block_lens = None if block_lens is None else block_lens.contiguous()
+    cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
+    lens_t, rows_t, block_lens_t = (_host_index_tensor(x) for x in (lens, rows, block_lens))
     out = q.new_empty((n, b, nh, d))
-    _lib.dflash_cpu_block_attention_f32(
+    status = _lib.dflash_cpu_block_attention_f32(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
-        v.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), cap, cache_lens.data_ptr(), _ptr(rows),
-        _ptr(block_lens), _ptr(q_norm_weight), _ptr(k_norm_weight), eps, cos.data_ptr(), sin_signed.data_ptr(),
+        v.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), cap, lens_t.data_ptr(), _ptr(rows_t),
+        _ptr(block_lens_t), _ptr(q_norm_weight), _ptr(k_norm_weight), eps, cos.data_ptr(), sin_signed.data_ptr(),
         _ptr(tree_mask), words, int(causal), int(write_kv), out.data_ptr(), n, b, nh, kvh, d, scale,
         torch.get_num_threads())
+    _raise_on_failure(status, "block_attention", f"{n} requests x {b} block rows over {max(lens)} context rows")
     return out
 
 
 def inject_context_kv(k: torch.Tensor, v: torch.Tensor, k_norm_weight: torch.Tensor, eps: float, cu: list[int],
-                      cache_lens: torch.Tensor, cache_rows: torch.Tensor | None, cos: torch.Tensor,
-                      sin_signed: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """``inject_context_kv``'s "cpu" body for fp32 tensors on a contiguous cache (``cu``: the row offsets on the
-    host; ``cache_rows``: ``cache_batch_idx`` or None; ``cos`` / ``sin_signed`` [cu[-1], D]: each row's tables);
-    False (nothing done) where it does not apply, including offsets that are not a partition of k's first rows and
-    cache rows outside the cache (the reference then decides)."""
+                      lens: list[int], rows: list[int] | None, cos: torch.Tensor, sin_signed: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """``inject_context_kv``'s "cpu" body for fp32 tensors on a contiguous cache (host values: ``cu`` the row
+    offsets, ``lens`` the cache lengths, ``rows`` ``cache_batch_idx`` or None; ``cos`` / ``sin_signed``
+    [cu[-1], D]: each row's tables); False (nothing done) where it does not apply, including offsets that are not
+    a partition of k's first rows and cache rows outside the cache (the reference then decides)."""
     f32 = torch.float32
     m, kvh, d = k.shape
     n = len(cu) - 1
-    rows = None if cache_rows is None else cache_rows.to(torch.int64).contiguous()
-    lens = cache_lens.to(torch.int64).contiguous()
-    # Every extent the kernel indexes with, checked here: a mismatch falls back to the reference.
+    # Every extent and index the kernel uses, checked here: a mismatch falls back to the reference.
     if not (enabled() and k.dtype == v.dtype == k_norm_weight.dtype == k_cache.dtype == v_cache.dtype == f32
             and v.shape == k.shape and k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == d
             and k_cache.dim() == 4 and k_cache.shape[2:] == (kvh, d) and v_cache.shape == k_cache.shape
             and k_cache.is_contiguous() and v_cache.is_contiguous() and k_norm_weight.is_contiguous()
             and k_norm_weight.numel() == d and 0 < d <= MAX_HEAD_DIM and n > 0 and cu[0] == 0 and cu[-1] <= m
-            and all(a <= b for a, b in zip(cu, cu[1:])) and lens.numel() == n and min(lens.tolist()) >= 0
+            and all(a <= b for a, b in zip(cu, cu[1:])) and len(lens) == n and min(lens) >= 0
             and cos.shape == sin_signed.shape == (cu[-1], d)
-            and (rows.numel() == n and all(0 <= r < k_cache.shape[0] for r in rows.tolist()) if rows is not None
+            and (len(rows) == n and all(0 <= r < k_cache.shape[0] for r in rows) if rows is not None
                  else n <= k_cache.shape[0])):
         return False
-    offsets = torch.tensor(cu, dtype=torch.int64)
+    offsets, lens_t, rows_t = (_host_index_tensor(x) for x in (cu, lens, rows))
     cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
     _lib.dflash_cpu_inject_kv_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_norm_weight.data_ptr(), eps,
-                                  offsets.data_ptr(), lens.data_ptr(), _ptr(rows), n, cos.data_ptr(), sin_signed.data_ptr(),
-                                  k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], kvh, d,
-                                  torch.get_num_threads())
+                                  offsets.data_ptr(), lens_t.data_ptr(), _ptr(rows_t), n, cos.data_ptr(),
+                                  sin_signed.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], kvh,
+                                  d, torch.get_num_threads())
     return True
 
 

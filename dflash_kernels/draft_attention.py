@@ -34,9 +34,10 @@ import triton
 import triton.language as tl
 
 from dflash_kernels import cpu_native
-from dflash_kernels._dispatch import call_op, lean_version_bump, resolve_backend
+from dflash_kernels._dispatch import call_op, checked_by, lean_version_bump, resolve_backend
 from dflash_kernels._triton_utils import (
-    FLOAT_DTYPES, check_cache_pair, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, norm_rope_halves,
+    FLOAT_DTYPES, check_cache_index_values, check_cache_pair, check_index_values, check_last_dim_contiguous,
+    check_tensor, interpreting, next_pow2, norm_rope_halves,
     page_table, rms_norm_reference, rope_cos_sin, rope_cos_sin_reference, rotate_half,
 )
 
@@ -119,6 +120,8 @@ def _validate(op, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_w
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"{op}: num_splits must be None or an int >= 1, got {num_splits!r}")
     page_table(op, n, block_table, cache_batch_idx, dev)
+    check_cache_index_values(op, k_cache, cache_lens, block_table, cache_batch_idx)
+    check_index_values(op, "block_lens", block_lens, 1, b + 1, f"valid block rows per request, of B={b}")
 
 
 def _cache_index(cache: torch.Tensor, n: int, t: torch.Tensor, block_table, cache_batch_idx):
@@ -224,14 +227,15 @@ ROPE_MEMO_SIZE = 4
 _rope_memo: list = [()]
 
 
-def rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, dtype, depths=None):
+def rope_tables_cpu(lens, b, inv_freq, attention_scaling, dtype, depths=None):
     """cos and ``sin_signed`` ([rows, D], the rows of every request in turn) of the rows' positions, with the
     first half of sin negated so that ``rotate_half(x) * sin == x.roll(D/2, -1) * sin_signed`` exactly (a sign
-    flip rounds nothing). Request n's rows sit at ``cache_lens[n] + 0, 1, ...``: ``b`` of them (an int), or
+    flip rounds nothing). Request n's rows sit at ``lens[n] + 0, 1, ...`` (host ints: the lengths the caller
+    checked): ``b`` of them (an int), or
     ``b[n]`` (a list: context rows, as ``inject_context_kv`` gets them). The layers of one forward share their
     positions: the last few tables are kept (the draft step alternates its context and block rows) and reused
     while the positions, inv_freq's values, the scaling and the dtype are the same. A tree (``depths`` [N, B])
-    puts block row i at ``cache_lens + depths[:, i]`` instead of ``cache_lens + i``."""
+    puts block row i at ``lens + depths[:, i]`` instead of ``lens + i``."""
     tree = None if depths is None else tuple(depths.reshape(-1).tolist())
     # inv_freq by identity (the memo holds the tensor, so its identity cannot pass to another) and its version
     # counter, which an in-place change bumps; an inference tensor has none: its values are compared instead.
@@ -242,12 +246,12 @@ def rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, dtype, dep
         if (entry[0] == key and entry[1] is inv_freq
                 and (version is not None or torch.equal(entry[2], inv_freq))):
             return entry[3], entry[4]
-    start = cache_lens.to(torch.int64)
+    start = torch.tensor(lens, dtype=torch.int64)  # the host values the caller checked and indexes with
     if isinstance(b, int):
-        rows = torch.arange(b, device=cache_lens.device) if depths is None else depths.to(torch.int64)
+        rows = torch.arange(b) if depths is None else depths.to(torch.int64)
         positions = (start[:, None] + rows).view(-1)
     else:
-        positions = torch.cat([torch.arange(c, device=cache_lens.device) + start[n] for n, c in enumerate(b)])
+        positions = torch.cat([torch.arange(c) + start[n] for n, c in enumerate(b)])
     cos, sin = rope_cos_sin_reference(positions, inv_freq, attention_scaling, dtype)
     half = sin.shape[-1] // 2
     sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)
@@ -325,17 +329,18 @@ def _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_
     if n == 0:
         return torch.empty((n, b, nh, d), dtype=q.dtype, device=q.device)
     lens = cache_lens.tolist()
-    cache_rows = cache_batch_idx.tolist() if cache_batch_idx is not None else range(n)
-    cos, sin_signed = rope_tables_cpu(cache_lens, lens, b, inv_freq, attention_scaling, q.dtype, tree_depths)
+    rows = cache_batch_idx.tolist() if cache_batch_idx is not None else None
+    block_rows = block_lens.tolist() if block_lens is not None else None
+    cos, sin_signed = rope_tables_cpu(lens, b, inv_freq, attention_scaling, q.dtype, tree_depths)
     if sliding_window is None:
-        native = cpu_native.block_attention(q, k, v, k_cache, v_cache, lens, cache_lens, cache_batch_idx, q_norm_weight,
-                                            k_norm_weight, eps, d ** -0.5 if scale is None else scale, cos, sin_signed,
-                                            causal=causal, write_kv=write_kv, block_lens=block_lens,
-                                            tree_mask=tree_mask, row_list=cache_rows)
+        native = cpu_native.block_attention(q, k, v, k_cache, v_cache, lens, rows, q_norm_weight, k_norm_weight, eps,
+                                            d ** -0.5 if scale is None else scale, cos, sin_signed, causal=causal,
+                                            write_kv=write_kv, block_lens=block_rows, tree_mask=tree_mask)
         if native is not None:
             return native
     out = torch.empty((n, b, nh, d), dtype=q.dtype, device=q.device)
-    valid = block_lens.tolist() if block_lens is not None else [b] * n
+    cache_rows = rows if rows is not None else range(n)
+    valid = block_rows if block_rows is not None else [b] * n
     qk = _norm_rope_qk_cpu(q.reshape(n * b, nh, d), k.reshape(n * b, kvh, d), q_norm_weight, k_norm_weight, cos,
                            sin_signed, eps).view(n, b, nh + kvh, d)
     qn, kn = qk[:, :, :nh], qk[:, :, nh:]
@@ -795,8 +800,6 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     Returns:
         A new ``[N, B, nH, D]`` tensor in q's dtype.
     """
-    _validate(OP, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, sliding_window,
-              block_table, cache_batch_idx, num_splits, causal, block_lens)
     chosen = resolve_backend(OP, backend, q.device, available=_BACKENDS)
     return call_op(_draft_attention_op, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
                    inv_freq, float(attention_scaling), float(eps), sliding_window, causal,
@@ -804,7 +807,15 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                    chosen, device=q.device)
 
 
+def _check_draft(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, attention_scaling,
+                 eps, sliding_window, causal, block_table, cache_batch_idx, block_lens, num_splits, max_context_len,
+                 backend):
+    _validate(OP, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, sliding_window,
+              block_table, cache_batch_idx, num_splits, causal, block_lens)
+
+
 @torch.library.custom_op("dflash::draft_attention", mutates_args=())
+@checked_by(_check_draft)
 def _draft_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, cache_lens: torch.Tensor, q_norm_weight: Optional[torch.Tensor],
                         k_norm_weight: Optional[torch.Tensor], inv_freq: torch.Tensor, attention_scaling: float,
@@ -874,27 +885,39 @@ def verify_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
             ``cache_lens[n] + i``) and sees the context plus the block rows of its ancestors and itself.
         backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"``: CPU tensors, the reference's formula with
             less per-call work; a paged cache or a tree runs the reference).
-        validate: check the arguments first (default). ``False`` is for a caller that already checked the
-            same shapes, dtypes and devices (the lean target: every layer after the first of a forward).
+        validate: check the arguments first (default; ``torch.ops.dflash.verify_attention`` always does).
+            ``False`` takes the internal unchecked path (``_dispatch.call_op(checked=True)``), for a caller that
+            already checked the same shapes, dtypes, devices and index values (the lean target: every layer after
+            the first of a forward).
 
     Returns:
         A new ``[N, B, nH, D]`` tensor in q's dtype.
     """
-    if validate:
-        _validate(VERIFY_OP, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, None,
-                  block_table, cache_batch_idx, num_splits, None, None)
-        if k_cache.dtype != q.dtype:
-            raise TypeError(f"{VERIFY_OP}: k_cache/v_cache dtype {k_cache.dtype} must equal q's dtype {q.dtype} "
-                            f"(the block's K/V rows are stored as computed)")
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
-            raise ValueError(f"{VERIFY_OP}: scale must be None (D**-0.5) or a float > 0 (e.g. attn.scaling), "
-                             f"got {scale!r}")
-        _validate_tree(q, tree_depths, tree_mask)
+    _check_scale(scale)  # before float(scale) turns True or "0.1" into a number
     chosen = resolve_backend(VERIFY_OP, backend, q.device, available=_BACKENDS)
     return call_op(_verify_attention_op, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight,
                    inv_freq, float(attention_scaling), float(eps),
                    None if scale is None else float(scale), block_table, cache_batch_idx,
-                   num_splits, max_context_len, tree_depths, tree_mask, chosen, device=q.device)
+                   num_splits, max_context_len, tree_depths, tree_mask, chosen, device=q.device,
+                   checked=not validate)
+
+
+def _check_verify(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, attention_scaling,
+                  eps, scale, block_table, cache_batch_idx, num_splits, max_context_len, tree_depths, tree_mask,
+                  backend):
+    _validate(VERIFY_OP, q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_weight, inv_freq, None,
+              block_table, cache_batch_idx, num_splits, None, None)
+    if k_cache.dtype != q.dtype:
+        raise TypeError(f"{VERIFY_OP}: k_cache/v_cache dtype {k_cache.dtype} must equal q's dtype {q.dtype} "
+                        f"(the block's K/V rows are stored as computed)")
+    _check_scale(scale)
+    _validate_tree(q, tree_depths, tree_mask)
+
+
+def _check_scale(scale):
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
+        raise ValueError(f"{VERIFY_OP}: scale must be None (D**-0.5) or a float > 0 (e.g. attn.scaling), "
+                         f"got {scale!r}")
 
 
 def _validate_tree(q, tree_depths, tree_mask):
@@ -914,6 +937,7 @@ def _validate_tree(q, tree_depths, tree_mask):
 
 
 @torch.library.custom_op("dflash::verify_attention", mutates_args=("k_cache", "v_cache"))
+@checked_by(_check_verify)
 def _verify_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, cache_lens: torch.Tensor, q_norm_weight: Optional[torch.Tensor],
                          k_norm_weight: Optional[torch.Tensor], inv_freq: torch.Tensor, attention_scaling: float,

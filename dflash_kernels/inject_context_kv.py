@@ -8,10 +8,10 @@ import triton
 import triton.language as tl
 
 from dflash_kernels import cpu_native
-from dflash_kernels._dispatch import call_op, resolve_backend
+from dflash_kernels._dispatch import call_op, checked_by, resolve_backend
 from dflash_kernels._triton_utils import (
-    FLOAT_DTYPES, check_cache_pair, check_last_dim_contiguous, check_tensor, next_pow2, norm_rope_halves, page_table,
-    rms_norm_reference, rope_cos_sin, rope_cos_sin_reference, rotate_half,
+    FLOAT_DTYPES, check_cache_index_values, check_cache_pair, check_last_dim_contiguous, check_tensor, next_pow2,
+    norm_rope_halves, page_table, rms_norm_reference, rope_cos_sin, rope_cos_sin_reference, rotate_half,
 )
 from dflash_kernels.draft_attention import rope_tables_cpu
 
@@ -47,6 +47,12 @@ def _validate(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, in
     if inv_freq.shape[0] != d // 2:
         raise ValueError(f"{OP}: inv_freq must be [D/2={d // 2}], got {tuple(inv_freq.shape)}")
     page_table(OP, n_req, block_table, cache_batch_idx, dev)
+    check_cache_index_values(OP, k_cache, cache_lens, block_table, cache_batch_idx)
+    if dev.type == "cpu":  # the offsets address k's and v's rows (see check_index_values)
+        cu = cu_ctx_lens.tolist()
+        if cu[0] != 0 or any(a > b for a, b in zip(cu, cu[1:])) or cu[-1] > m:
+            raise ValueError(f"{OP}: cu_ctx_lens must start at 0, never decrease and end at most at M={m} (k's rows), "
+                             f"got {cu}")
 
 
 def inject_context_kv_reference(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, *, inv_freq,
@@ -89,10 +95,10 @@ def _inject_cpu(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, 
     counts = [b - a for a, b in zip(cu, cu[1:])]
     if not counts or min(counts) < 0 or cu[0] != 0:
         return False
-    cos, sin_signed = rope_tables_cpu(cache_lens, cache_lens.tolist(), counts, inv_freq, attention_scaling,
-                                      torch.float32)
-    return cpu_native.inject_context_kv(k, v, k_norm_weight, eps, cu, cache_lens, cache_batch_idx, cos, sin_signed,
-                                        k_cache, v_cache)
+    lens = cache_lens.tolist()
+    rows = cache_batch_idx.tolist() if cache_batch_idx is not None else None
+    cos, sin_signed = rope_tables_cpu(lens, counts, inv_freq, attention_scaling, torch.float32)
+    return cpu_native.inject_context_kv(k, v, k_norm_weight, eps, cu, lens, rows, cos, sin_signed, k_cache, v_cache)
 
 
 @triton.jit
@@ -197,13 +203,18 @@ def inject_context_kv(k: torch.Tensor, v: torch.Tensor, k_norm_weight: torch.Ten
         backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"``: CPU tensors; fp32 into a contiguous
             cache in C, else the reference).
     """
-    _validate(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq, block_table, cache_batch_idx)
     chosen = resolve_backend(OP, backend, k.device, available=_BACKENDS)
     call_op(_inject_context_kv_op, k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq,
             float(attention_scaling), float(eps), block_table, cache_batch_idx, chosen, device=k.device)
 
 
+def _check(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq, attention_scaling, eps,
+           block_table, cache_batch_idx, backend):
+    _validate(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq, block_table, cache_batch_idx)
+
+
 @torch.library.custom_op("dflash::inject_context_kv", mutates_args=("k_cache", "v_cache"))
+@checked_by(_check)
 def _inject_context_kv_op(k: torch.Tensor, v: torch.Tensor, k_norm_weight: torch.Tensor, cu_ctx_lens: torch.Tensor,
                           cache_lens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           inv_freq: torch.Tensor, attention_scaling: float, eps: float,

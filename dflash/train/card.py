@@ -13,6 +13,7 @@ import torch
 
 from dflash.model import DFlashDraftModel
 from dflash.train.blocks import default_gamma
+from dflash.train.data import load_plain
 
 
 ATTENTION_PATHS = {"dense": "dense-mask SDPA", "flex": "FlexAttention"}
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
         cfg = json.load(f)
     dc = cfg["dflash_config"]
     # The run's own hyperparameters (saved with every checkpoint), so the card cannot drift from them.
-    run = torch.load(os.path.join(args.run, "last.pt"), map_location="cpu", weights_only=False)["args"]
+    run = load_plain(os.path.join(args.run, "last.pt"), map_location="cpu")["args"]
     gamma = run["gamma"] if run["gamma"] is not None else default_gamma(dc["block_size"])
     size = os.path.getsize(os.path.join(args.out, "model.safetensors"))
     params = sum(p.numel() for p in DFlashDraftModel.from_pretrained(args.out).parameters())

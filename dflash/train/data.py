@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import time
 from typing import Sequence
 
@@ -250,6 +251,16 @@ def generate_dataset(out_dir: str, prompts: Sequence[str], *, model, tokenizer, 
     return paths
 
 
+def load_plain(path: str, map_location=None):
+    """A ``.pt`` file this package wrote (data shards, training checkpoints): tensors and plain Python values,
+    loaded with ``weights_only=True``, so a crafted pickle cannot run code; anything else is refused."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ValueError(f"{path}: refused, it holds more than tensors and plain values (weights_only load: "
+                         f"{str(exc).splitlines()[0]}); only load .pt files written by dflash train") from None
+
+
 def load_dataset(out_dir: str, layer_ids: Sequence[int] | None = None, max_shards: int | None = None) -> list[dict]:
     """Load all complete shards; ``layer_ids`` selects (in order) which captured taps to keep."""
     import glob
@@ -259,7 +270,7 @@ def load_dataset(out_dir: str, layer_ids: Sequence[int] | None = None, max_shard
         files = files[:max_shards]
     out = []
     for path in files:
-        for r in torch.load(path, weights_only=False):
+        for r in load_plain(path):
             if layer_ids is not None and list(layer_ids) != r["layer_ids"]:
                 H = r["features"].shape[-1] // len(r["layer_ids"])
                 cols = []

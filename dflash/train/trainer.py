@@ -31,6 +31,7 @@ from dflash.train.blocks import (
     tree_acceptance_lengths,
     weighted_block_loss,
 )
+from dflash.train.data import load_plain
 
 SMOLLM2_MASK_TOKEN_ID = 16  # "<empty_output>": a special token that never occurs in normal text
 
@@ -356,7 +357,7 @@ def fit_main(args) -> int:
     # visits them in the same order as an uninterrupted one.
     order: list[int] = []
     if os.path.isfile(last):
-        state = torch.load(last, weights_only=False)
+        state = load_plain(last)
         trainer.load_state_dict(state)
         best_tau = state.get("best_tau", -1.0)
         order = list(state.get("epoch_order", []))
@@ -448,7 +449,7 @@ def export_main(args) -> int:
     elif os.path.isdir(best) and not args.use_last:
         draft = DFlashDraftModel.from_pretrained(best, dtype=torch.float32)
     elif os.path.isfile(last):
-        state = torch.load(last, weights_only=False)
+        state = load_plain(last)
         draft = DFlashDraftModel(DFlashConfig.from_dict(state["config"]))
         draft.load_state_dict(state["draft"])
     else:

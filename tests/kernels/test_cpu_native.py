@@ -172,14 +172,19 @@ def test_silu_mul_native(calls):
 
 
 def test_cache_rows_outside_the_cache_never_reach_the_kernel(calls):
-    """A cache row index past the cache (not value-checked by the op: that would read the device) must not become a
-    pointer past the buffer: the native kernel is skipped and the torch formula raises its IndexError."""
+    """A cache row index past the cache is a ValueError of the op before any work; on the unchecked path
+    (validate=False) it must still not become a pointer past the buffer: the native kernel is skipped and the
+    torch formula raises its IndexError."""
     d = 16
     q, k, v = (torch.randn(2, 3, h, d) for h in (2, 1, 1))
     kc, vc = torch.zeros(2, 8, 1, d), torch.zeros(2, 8, 1, d)
+    args = (q, k, v, kc, vc, torch.tensor([0, 1]))
+    kw = dict(cache_batch_idx=torch.tensor([0, 2]), inv_freq=_inv_freq(d), backend="cpu")
+    with pytest.raises(ValueError, match=r"cache_batch_idx values must be \[0, 2\)"):
+        verify_attention(*args, **kw)
+    assert not kc.any() and not vc.any()
     with pytest.raises(IndexError):
-        verify_attention(q, k, v, kc, vc, torch.tensor([0, 1]), cache_batch_idx=torch.tensor([0, 2]),
-                         inv_freq=_inv_freq(d), backend="cpu")
+        verify_attention(*args, **kw, validate=False)
     assert calls["attention"] == 0
 
 
@@ -190,6 +195,8 @@ def test_cache_rows_outside_the_cache_never_reach_the_kernel(calls):
 ])
 def test_inject_context_kv_native(calls, kvh, d, new_rows, cached, rows, cap):
     from dflash_kernels import inject_context_kv
+    from dflash_kernels._dispatch import call_op
+    from dflash_kernels.inject_context_kv import _inject_context_kv_op
     from dflash_kernels.inject_context_kv import inject_context_kv_reference
 
     m, q_cols = sum(new_rows), 7
@@ -226,8 +233,11 @@ def test_inject_context_kv_native(calls, kvh, d, new_rows, cached, rows, cap):
 
 def test_inject_context_kv_native_not_taken(calls):
     """Where the kernel does not apply (bf16 rows, a paged cache, offsets that are not a partition), the reference
-    runs, so the same contract holds (here: its own error for offsets past k's rows)."""
+    runs, so the same contract holds. Offsets past k's rows are the op's ValueError; on the unchecked body the
+    kernel is skipped and the reference raises its IndexError."""
     from dflash_kernels import inject_context_kv
+    from dflash_kernels._dispatch import call_op
+    from dflash_kernels.inject_context_kv import _inject_context_kv_op
 
     d = 16
     k, v = torch.randn(4, 1, d), torch.randn(4, 1, d)
@@ -236,7 +246,70 @@ def test_inject_context_kv_native_not_taken(calls):
                       torch.tensor([2]), kc, vc, inv_freq=_inv_freq(d), backend="cpu")
     assert kc[0, 2:6].abs().sum() > 0 and calls["inject"] == 0
     kc, vc = torch.zeros(1, 8, 1, d), torch.zeros(1, 8, 1, d)
+    args = (k, v, torch.ones(d), torch.tensor([0, 6]), torch.tensor([0]), kc, vc, _inv_freq(d), 1.0, 1e-6, None, None,
+            "cpu")
+    with pytest.raises(ValueError, match="cu_ctx_lens must start at 0, never decrease and end at most at M=4"):
+        inject_context_kv(*args[:7], inv_freq=_inv_freq(d), backend="cpu")
     with pytest.raises(IndexError):
-        inject_context_kv(k, v, torch.ones(d), torch.tensor([0, 6]), torch.tensor([0]), kc, vc, inv_freq=_inv_freq(d),
-                          backend="cpu")
-    assert calls["inject"] == 0
+        call_op(_inject_context_kv_op, *args, device=k.device, checked=True)
+    assert calls["inject"] == 0 and not kc.any()
+
+
+def _race(monkeypatch, kernel_name, lens, new_lens, rows, new_rows):
+    """Make the native kernel ``kernel_name`` overwrite ``lens`` and ``rows`` with the new values just before it
+    runs: another thread's write landing between the op's checks and the C code."""
+    kernel = getattr(cpu_native._lib, kernel_name)
+
+    def racing(*args):
+        lens.copy_(torch.tensor(new_lens))
+        rows.copy_(torch.tensor(new_rows))
+        return kernel(*args)
+    monkeypatch.setattr(cpu_native._lib, kernel_name, racing)
+
+
+def test_attention_kernel_reads_the_values_that_were_checked(monkeypatch, calls):
+    """Another thread writing cache_lens or cache_batch_idx between the op's checks and the kernel (simulated: the
+    kernel's wrapper overwrites them first) changes nothing: the kernel reads private copies of the checked values,
+    so the output and the caches are those of an undisturbed call."""
+    d = 16
+    q, k, v = (torch.randn(2, 4, h, d) for h in (2, 1, 1))
+    kc, vc = torch.randn(3, 16, 1, d), torch.randn(3, 16, 1, d)
+    args = dict(inv_freq=_inv_freq(d), backend="cpu")
+    undisturbed = [kc.clone(), vc.clone()]
+    expected = verify_attention(q, k, v, *undisturbed, torch.tensor([5, 9]), cache_batch_idx=torch.tensor([2, 0]),
+                                **args)
+    lens, rows = torch.tensor([5, 9], dtype=torch.int32), torch.tensor([2, 0])
+    _race(monkeypatch, "dflash_cpu_block_attention_f32", lens, [0, 1], rows, [1, 1])
+    kn, vn = kc.clone(), vc.clone()
+    out = verify_attention(q, k, v, kn, vn, lens, cache_batch_idx=rows, **args)
+    assert lens.tolist() == [0, 1], "the wrapper ran"
+    assert torch.equal(out, expected) and torch.equal(kn, undisturbed[0]) and torch.equal(vn, undisturbed[1])
+
+
+def test_inject_kernel_reads_the_values_that_were_checked(monkeypatch, calls):
+    """inject_context_kv's kernel likewise reads copies of the checked lengths and rows."""
+    from dflash_kernels import inject_context_kv
+
+    d = 16
+    k, v = torch.randn(6, 1, d), torch.randn(6, 1, d)
+    kc, vc = torch.zeros(3, 12, 1, d), torch.zeros(3, 12, 1, d)
+    args = (k, v, torch.ones(d), torch.tensor([0, 2, 6]))
+    expected = [kc.clone(), vc.clone()]
+    inject_context_kv(*args, torch.tensor([3, 1]), *expected, cache_batch_idx=torch.tensor([2, 0]),
+                      inv_freq=_inv_freq(d), backend="cpu")
+    lens, rows = torch.tensor([3, 1]), torch.tensor([2, 0], dtype=torch.int32)
+    _race(monkeypatch, "dflash_cpu_inject_kv_f32", lens, [11, 0], rows, [1, 1])
+    inject_context_kv(*args, lens, kc, vc, cache_batch_idx=rows, inv_freq=_inv_freq(d), backend="cpu")
+    assert lens.tolist() == [11, 0], "the wrapper ran"
+    assert torch.equal(kc, expected[0]) and torch.equal(vc, expected[1])
+
+
+def test_attention_scratch_too_large_is_a_memory_error(calls):
+    """A block whose scratch cannot be allocated (300,000 rows: B x keys scores per thread) is a MemoryError, not
+    an abort of the process from the C++ allocator."""
+    b, d = 300_000, 16
+    q, k, v = (torch.randn(1, b, 1, d) for _ in range(3))
+    kc, vc = torch.zeros(1, b, 1, d), torch.zeros(1, b, 1, d)
+    with pytest.raises(MemoryError, match="block_attention: not enough memory"):
+        verify_attention(q, k, v, kc, vc, torch.tensor([0]), inv_freq=_inv_freq(d), backend="cpu")
+    assert calls["attention"] == 1

@@ -426,3 +426,52 @@ def test_cpu_backend_torch_formulas_are_the_reference_bit_for_bit(monkeypatch, d
         want = draft_attention(q, k, v, kc, vc, cl, *norms, backend="torch", **kwargs)
         got = draft_attention(q, k, v, kc, vc, cl, *norms, backend="cpu", **kwargs)
         assert torch.equal(got[valid], want[valid]), (window, causal)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int32_index_tensors_give_the_int64_result(backend):
+    """int32 cache_lens and cache_batch_idx index exactly as int64 ones on every backend (same output bits)."""
+    q, k, v, kc, vc, cl, qw, kw = _case(3, 4, 4, 2, 16, [5, 0, 9], torch.float32)
+    rows = torch.tensor([2, 0, 1])
+    outs = [draft_attention(q, k, v, kc, vc, cl.to(dtype), qw, kw, inv_freq=_inv_freq(16),
+                            cache_batch_idx=rows.to(dtype), block_lens=torch.tensor([4, 2, 3]), backend=backend)
+            for dtype in (torch.int64, torch.int32)]
+    assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name, value", [("cache_lens", [3, -1]), ("cache_batch_idx", [-1, 0]),
+                                         ("cache_batch_idx", [0, 2]), ("block_lens", [0, 3]), ("block_lens", [4, 3])])
+def test_bad_index_values_raise(backend, name, value):
+    """Negative lengths or rows, rows past the cache and block_lens outside [1, B] are a ValueError naming the
+    argument, from the public function and from the registered op alike."""
+    q, k, v, kc, vc, cl, qw, kw = _case(2, 3, 4, 2, 8, [3, 4], torch.float32)
+    args = dict(cache_lens=cl, cache_batch_idx=None, block_lens=None)
+    args[name] = torch.tensor(value)
+    with pytest.raises(ValueError, match=f"draft_attention: {name} values must be"):
+        draft_attention(q, k, v, kc, vc, args["cache_lens"], qw, kw, inv_freq=_inv_freq(8),
+                        cache_batch_idx=args["cache_batch_idx"], block_lens=args["block_lens"], backend=backend)
+    with pytest.raises(ValueError, match=f"draft_attention: {name} values must be"):
+        torch.ops.dflash.draft_attention(q, k, v, kc, vc, args["cache_lens"], qw, kw, _inv_freq(8), 1.0, 1e-6, None,
+                                         None, None, args["cache_batch_idx"], args["block_lens"], None, None, backend)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only")
+@pytest.mark.parametrize("where", ["q", "k", "v", "k_cache", "v past block_lens"])
+def test_cpu_backend_propagates_nan_as_the_reference(where):
+    """A NaN in one request's q, k, v or cached K gives NaN exactly where the reference does, and a NaN in a block
+    row past block_lens (never read by the reference) none; the other request's output keeps its bits."""
+    q, k, v, kc, vc, cl, qw, kw = _case(2, 4, 4, 2, 16, [5, 7], torch.float32)
+    block_lens = torch.tensor([3, 4])
+    rope = dict(inv_freq=_inv_freq(16), block_lens=block_lens)
+    clean = draft_attention(q, k, v, kc, vc, cl, qw, kw, backend="cpu", **rope)
+    if where == "v past block_lens":
+        v[0, 3, 0, 1] = float("nan")
+    else:
+        t = {"q": q, "k": k, "v": v, "k_cache": kc}[where]
+        t[0, 3 if where == "k_cache" else 1, 0, 1] = float("nan")
+    ref = draft_attention_reference(q, k, v, kc, vc, cl, qw, kw, **rope)
+    out = draft_attention(q, k, v, kc, vc, cl, qw, kw, backend="cpu", **rope)
+    assert ref[0].isnan().any() == (where != "v past block_lens")
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert torch.equal(out[1].view(torch.int32), clean[1].view(torch.int32))

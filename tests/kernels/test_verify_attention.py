@@ -273,3 +273,62 @@ def test_cpu_backend_sees_inv_freq_changed_in_place(monkeypatch, native):
                 else:
                     assert_within_rule(got, ref, lowp, "cpu verify_attention after an in-place inv_freq change")
                 inv_freq.mul_(1.7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int32_index_tensors_give_the_int64_result(backend):
+    """int32 cache_lens and cache_batch_idx (vLLM's dtype) index exactly as int64 ones on every backend: same output
+    bits, same caches (the native kernel once read them as int64 and crashed)."""
+    q, k, v, kc, vc, cl, qw, kw = _case(3, 4, 4, 2, 16, [5, 0, 9], 16, torch.float32, True)
+    kc, vc = torch.cat([kc, kc[:1]]), torch.cat([vc, vc[:1]])  # 4 batch rows, requests on rows 3, 0, 2
+    rows = torch.tensor([3, 0, 2])
+    results = []
+    for dtype in (torch.int64, torch.int32):
+        kn, vn = kc.clone(), vc.clone()
+        out = verify_attention(q, k, v, kn, vn, cl.to(dtype), qw, kw, inv_freq=_inv_freq(16),
+                               cache_batch_idx=rows.to(dtype), backend=backend)
+        results.append((out, kn, vn))
+    for a, b in zip(*results):
+        assert torch.equal(_bits(a), _bits(b))
+    assert torch.equal(_bits(results[0][1][1]), _bits(kc[1]))  # batch row 1 belongs to no request
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", ["negative length", "negative row", "row past the cache"])
+def test_bad_index_values_raise_before_any_write(backend, bad):
+    """Negative cache_lens or cache_batch_idx (which host indexing would take from the end) and rows past the cache
+    are a ValueError naming the argument, from the public function and from the registered op alike, before any
+    cache row is written."""
+    q, k, v, kc, vc, cl, qw, kw = _case(2, 3, 4, 2, 8, [3, 4], 10, torch.float32, True)
+    rows = torch.tensor([0, 1])
+    name = "cache_lens"
+    if bad == "negative length":
+        cl = torch.tensor([3, -2], dtype=torch.int32)
+    else:
+        name = "cache_batch_idx"
+        rows = torch.tensor([0, -1] if bad == "negative row" else [0, 2])
+    kn, vn = kc.clone(), vc.clone()
+    with pytest.raises(ValueError, match=f"verify_attention: {name} values must be"):
+        verify_attention(q, k, v, kn, vn, cl, qw, kw, inv_freq=_inv_freq(8), cache_batch_idx=rows, backend=backend)
+    with pytest.raises(ValueError, match=f"verify_attention: {name} values must be"):
+        torch.ops.dflash.verify_attention(q, k, v, kn, vn, cl, qw, kw, _inv_freq(8), 1.0, 1e-6, None, None, rows, None,
+                                          None, None, None, backend)
+    assert torch.equal(_bits(kn), _bits(kc)) and torch.equal(_bits(vn), _bits(vc))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only")
+@pytest.mark.parametrize("where", ["q", "k", "v", "k_cache"])
+def test_cpu_backend_propagates_nan_as_the_reference(where):
+    """A NaN in one request's q, k, v or cached K gives NaN exactly where the reference's SDPA gives it (q: that
+    row and head; a key: every row of its KV head group, seen or masked; a V element: that column of the group);
+    the other request's output is bit for bit the one without the NaN (the native kernel once turned NaN scores
+    into zero weights and returned finite values)."""
+    q, k, v, kc, vc, cl, qw, kw = _case(2, 4, 4, 2, 16, [5, 7], 16, torch.float32, False)
+    clean = verify_attention(q, k, v, kc.clone(), vc.clone(), cl, inv_freq=_inv_freq(16), backend="cpu")
+    t = {"q": q, "k": k, "v": v, "k_cache": kc}[where]
+    t[0, 3 if where == "k_cache" else 2, 0, 1] = float("nan")
+    ref = da.verify_attention_reference(q, k, v, kc.clone(), vc.clone(), cl, inv_freq=_inv_freq(16))
+    out = verify_attention(q, k, v, kc.clone(), vc.clone(), cl, inv_freq=_inv_freq(16), backend="cpu")
+    assert ref[0].isnan().any()
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert torch.equal(_bits(out[1]), _bits(clean[1]))

@@ -27,13 +27,32 @@ def ids(n=5, vocab=48):
     ({"top_p": 1.5}, ValueError, "top_p"),
     ({"top_k": -2}, ValueError, "top_k"),
     ({"block_size": 0}, ValueError, "block_size"),
+    ({"block_size": 65}, ValueError, r"block_size must be an integer in \[1, 64\]"),
+    ({"block_size": 100000}, ValueError, r"block_size must be an integer in \[1, 64\]"),
+    ({"block_size": 10**9}, ValueError, r"block_size must be an integer in \[1, 64\]"),
+    ({"max_new_tokens": 508}, ValueError, "max_position_embeddings 512"),
     ({"backend": "cuda-magic"}, ValueError, "backend"),
 ])
-def test_bad_arguments(pair, kwargs, exc, match):
+@pytest.mark.parametrize("backend", ["fast", "reference"])
+def test_bad_arguments(pair, kwargs, exc, match, backend):
+    """Both runtimes make the same checks, before any work."""
     target, draft = pair
-    args = {"max_new_tokens": 4, **kwargs}
+    args = {"max_new_tokens": 4, "backend": backend, **kwargs}
     with pytest.raises(exc, match=match):
         generate(target, draft, ids(), **args)
+
+
+def test_block_size_limits(pair):
+    target, draft = pair
+    prompt = ids()
+    for backend in ("fast", "reference"):
+        # the largest block size and the longest request still run (max_position_embeddings 512)
+        assert generate(target, draft, prompt, 6, block_size=64, backend=backend).sequences.shape == (1, 11)
+        assert generate(target, draft, prompt, 507, backend=backend).sequences.shape == (1, 512)
+    too_big = make_draft(target, layers=1, block_size=65)
+    for backend in ("fast", "reference"):
+        with pytest.raises(ValueError, match=r"block_size \(the draft config's\) must be an integer in \[1, 64\]"):
+            generate(target, too_big, prompt, 4, backend=backend)
 
 
 @pytest.mark.parametrize("input_ids,exc,match", [
@@ -60,6 +79,13 @@ def test_mismatched_models():
         generate(target, make_draft(target, mask_token_id=48), ids(), 4)
     with pytest.raises(ValueError, match="target_layer_ids"):
         generate(target, make_draft(target, taps=[0, 4]), ids(), 4)
+    deeper = make_target("qwen3", layers=6)  # taps 1 and 2 exist in both: only the config tells them apart
+    for backend in ("fast", "reference"):
+        for model in (target, TargetAdapter(target, [1, 2])):
+            with pytest.raises(ValueError, match="num_target_layers=6, but the target has 4 decoder layers"):
+                generate(model, make_draft(deeper, taps=[1, 2]), ids(), 4, backend=backend)
+            with pytest.raises(ValueError, match="layer 4 is out of range for a target with 4 decoder layers"):
+                generate(model, make_draft(target, taps=[1, 4]), ids(), 4, backend=backend)
     with pytest.raises(TypeError, match="draft"):
         generate(target, torch.nn.Linear(2, 2), ids(), 4)
 

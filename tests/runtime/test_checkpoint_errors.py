@@ -118,3 +118,54 @@ def test_bias_in_config_not_in_checkpoint(checkpoint, no_copy):
 def test_matching_checkpoint_still_loads(checkpoint):
     draft = DFlashDraftModel.from_pretrained(checkpoint)
     assert draft.config.num_key_value_heads == 2
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    """A sharded draft in tmp_path/draft, and a valid copy of its first shard outside the folder."""
+    folder = tmp_path / "draft"
+    DFlashDraftModel(DFlashConfig(**BASE)).save_pretrained(folder, max_shard_size=20_000)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    (tmp_path / "outside.safetensors").write_bytes((folder / first).read_bytes())
+    return folder, index, first
+
+
+def point_index(folder, index, first, name):
+    weight_map = {k: (name if v == first else v) for k, v in index["weight_map"].items()}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink"])
+def test_index_may_not_point_outside_the_folder(sharded, how):
+    folder, index, first = sharded
+    outside = folder.parent / "outside.safetensors"
+    if how == "dotdot":
+        point_index(folder, index, first, "../outside.safetensors")
+    elif how == "absolute":
+        point_index(folder, index, first, str(outside))
+    else:
+        (folder / first).unlink()
+        (folder / first).symlink_to(outside)
+    with pytest.raises(ValueError, match="outside the draft folder|not a file name inside the draft folder"):
+        DFlashDraftModel.from_pretrained(folder)
+
+
+def test_index_links_inside_the_folder_and_hf_snapshots_load(sharded, tmp_path):
+    folder, index, first = sharded
+    want = DFlashDraftModel.from_pretrained(folder).state_dict()
+    (folder / "sub").mkdir()
+    (folder / first).rename(folder / "sub" / first)
+    (folder / first).symlink_to(folder / "sub" / first)  # a link inside the folder
+    got = DFlashDraftModel.from_pretrained(folder).state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    # a Hugging Face cache snapshot: snapshots/<rev>/<file> -> ../../blobs/<hash>
+    repo = tmp_path / "models--x--draft"
+    snap, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for i, f in enumerate(sorted(p for p in folder.iterdir() if p.is_file())):
+        (blobs / f"blob{i}").write_bytes(f.read_bytes())
+        (snap / f.name).symlink_to(f"../../blobs/blob{i}")
+    got = DFlashDraftModel.from_pretrained(snap).state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -20,7 +20,7 @@ import torch
 
 import dflash.engine as engine_module
 import dflash.reference as reference_module
-from dflash import generate
+from dflash import DFlashDraftModel, generate
 from dflash.engine import DFlashEngine
 from dflash.sampling import sampling_probs
 from test_draft_vocab import SEED, subset_draft
@@ -220,3 +220,40 @@ def test_bad_tree_budget(kwargs, match, backend):
     target, draft = make_pair(4, seed=0)
     with pytest.raises(ValueError, match=match):
         generate(target, draft, torch.tensor([1, 2, 3]), 4, backend=backend, **kwargs)
+
+
+class NonFiniteDraft(DFlashDraftModel):
+    """A real draft whose block logits hold NaN, +inf and -inf: everywhere (``everywhere``) or at random
+    entries of random rows, also whole rows of one kind."""
+
+    everywhere = False
+
+    def compute_logits(self, hidden, output_head, linear=torch.nn.functional.linear):
+        logits = super().compute_logits(hidden, output_head, linear)
+        if self.everywhere:
+            return torch.full_like(logits, float("nan"))
+        g = torch.Generator().manual_seed(int(hidden.float().sum().abs() * 1000) % 2**31)
+        bad = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=logits.dtype)
+        kind = torch.randint(0, 3, logits.shape, generator=g)
+        spots = torch.rand(logits.shape, generator=g) < 0.3
+        whole = torch.rand(logits.shape[:-1], generator=g) < 0.3  # whole rows of one non-finite value
+        spots |= whole[..., None]
+        kind = torch.where(whole[..., None], kind[..., :1], kind)
+        return torch.where(spots, bad[kind], logits)
+
+
+@pytest.mark.parametrize("everywhere", [True, False], ids=["all-nan", "mixed"])
+@pytest.mark.parametrize("options", [{"backend": "fast", "kernel_backend": "cpu"},
+                                     {"backend": "fast", "kernel_backend": "torch"}, {"backend": "reference"}],
+                         ids=["fast-cpu", "fast-torch", "reference"])
+def test_non_finite_draft_logits_give_the_chain_output(everywhere, options, monkeypatch):
+    """The draft only proposes: NaN / inf logits still give the target's greedy output, in trees as in the chain."""
+    target = make_target("qwen3")
+    draft = make_draft(target, layers=1, block_size=5)
+    draft.__class__ = NonFiniteDraft
+    monkeypatch.setattr(NonFiniteDraft, "everywhere", everywhere)
+    prompt = torch.randint(0, 48, (6,))
+    want = target_greedy(target, prompt, 12)
+    assert torch.equal(generate(target, draft, prompt, 12, **options).sequences[0], want)
+    for budget in (1, 7, 20):
+        assert torch.equal(generate(target, draft, prompt, 12, tree_budget=budget, **options).sequences[0], want)

@@ -1,11 +1,12 @@
 """Training data: batched greedy generation with captured features, and shard loading."""
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
-from dflash.train.data import compute_features, generate_batch, load_dataset
+from dflash.train.data import compute_features, generate_batch, load_dataset, load_plain
 
 from test_train_blocks import V, tiny_target
 
@@ -100,6 +101,35 @@ def test_load_dataset_selects_taps_and_limits_shards(tmp_path):
         assert torch.equal(got["features"], torch.cat([f[:, 8:12], f[:, 0:4]], dim=-1))
 
 
+class _Payload:
+    """Pickles as a call to ``Path(marker).touch()``: loading it with plain pickle creates the marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return Path.touch, (Path(self.marker),)
+
+
+def _crafted(path, marker, wrap=lambda payload: payload):
+    """Write a .pt file holding a payload; check that an unsafe load would run it (then remove its marker)."""
+    torch.save(wrap(_Payload(marker)), path)
+    torch.load(path, weights_only=False)
+    assert marker.exists()
+    marker.unlink()
+
+
+def test_crafted_shard_is_refused_without_running_its_payload(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    torch.save([_random_record(6, [1, 5], 4, g)], tmp_path / "shard_00000.pt")
+    marker = tmp_path / "payload_ran"
+    _crafted(tmp_path / "shard_00001.pt", marker, wrap=lambda payload: [_random_record(5, [1, 5], 4, g), payload])
+    with pytest.raises(ValueError, match="shard_00001.pt: refused"):
+        load_dataset(str(tmp_path))
+    assert not marker.exists()
+    assert len(load_dataset(str(tmp_path), max_shards=1)) == 1  # the project's own shards still load
+
+
 def _write_shard(folder, n_seqs, seed, taps=(1, 27), hidden=576):
     g = torch.Generator().manual_seed(seed)
     recs = [_random_record(int(torch.randint(14, 22, (1,), generator=g)), taps, hidden, g) for _ in range(n_seqs)]
@@ -125,11 +155,31 @@ def test_fit_resumed_one_step_at_a_time_equals_uninterrupted(tmp_path):
     assert main(common + ["--out", str(tmp_path / "whole")]) == 0
     for _ in range(5):
         assert main(common + ["--out", str(tmp_path / "pieces"), "--max-minutes", "0"]) == 0
-    whole = torch.load(tmp_path / "whole" / "last.pt", weights_only=False)
-    pieces = torch.load(tmp_path / "pieces" / "last.pt", weights_only=False)
+    whole = load_plain(tmp_path / "whole" / "last.pt")
+    pieces = load_plain(tmp_path / "pieces" / "last.pt")
     assert whole["step"] == pieces["step"] == 5
     for name, w in whole["draft"].items():
         assert torch.equal(w, pieces["draft"][name]), name
+
+
+def test_crafted_checkpoint_is_refused_on_resume_and_export(tmp_path):
+    """`fit` resuming from, and `export` reading, a last.pt with a payload refuse it; the payload never runs.
+    Needs SmolLM2 (fit loads it before resuming)."""
+    from dflash import smollm2
+    from dflash.train.cli import main
+
+    if smollm2.unavailable_reason():
+        pytest.skip(smollm2.unavailable_reason())
+    data, out, marker = tmp_path / "data", tmp_path / "run", tmp_path / "payload_ran"
+    _write_shard(str(data / "train"), 2, seed=1)
+    out.mkdir()
+    _crafted(out / "last.pt", marker, wrap=lambda payload: {"step": 1, "draft": payload})
+    with pytest.raises(ValueError, match="last.pt: refused"):
+        main(["fit", "--data", str(data), "--steps", "1", "--batch-seqs", "1", "--anchors", "2", "--eval-every",
+              "1000", "--threads", "1", "--out", str(out)])
+    with pytest.raises(ValueError, match="last.pt: refused"):
+        main(["export", str(out), str(tmp_path / "exported"), "--use-last"])
+    assert not marker.exists()
 
 
 def test_fit_logs_tree_estimates(tmp_path, capsys):
@@ -219,3 +269,38 @@ def test_responses_file_round_trip_and_reuse(tmp_path):
         assert torch.equal(r["ids"], want["ids"]) and r["finished"] == want["finished"]
         assert (r["features"].float() - want["features"].float()).abs().max() <= 2 ** -7 * want["features"].float().abs().max()
     assert load_responses(path)[key] == first[3]["ids"][first[3]["prompt_len"]:].tolist()
+
+
+def _raw_responses(path, head, body=b""):
+    import lzma
+
+    with lzma.open(path, "wb", preset=0) as f:
+        f.write(json.dumps(head).encode() + b"\n" + body)
+
+
+def test_responses_file_limits(tmp_path):
+    """Responses files past the loading limits, or not in the format, fail with a clear error before their
+    contents are read into memory; a file at the record-length limit still loads."""
+    import struct
+
+    from dflash.train.responses import FORMAT, MAX_BYTES, MAX_RESPONSE_TOKENS, MAX_RESPONSES, load_responses
+
+    path = str(tmp_path / "r.xz")
+    head = {"format": FORMAT, "count": 1, "tokens": MAX_RESPONSE_TOKENS + 1}
+    body = b"k" * 8 + struct.pack("<H", MAX_RESPONSE_TOKENS + 1) + b"\x07\x00" * (MAX_RESPONSE_TOKENS + 1)
+    _raw_responses(path, head, body)
+    with pytest.raises(ValueError, match=f"a response of {MAX_RESPONSE_TOKENS + 1} ids; the limit is"):
+        load_responses(path)
+    head["tokens"] = MAX_RESPONSE_TOKENS
+    _raw_responses(path, head, body[:10].replace(struct.pack("<H", MAX_RESPONSE_TOKENS + 1),
+                                                 struct.pack("<H", MAX_RESPONSE_TOKENS)) + body[12:])
+    assert load_responses(path) == {b"k" * 8: [7] * MAX_RESPONSE_TOKENS}
+    _raw_responses(path, {"format": FORMAT, "count": MAX_RESPONSES + 1, "tokens": 0})
+    with pytest.raises(ValueError, match=f"count at most {MAX_RESPONSES}"):
+        load_responses(path)
+    _raw_responses(path, {"format": FORMAT, "count": 0, "tokens": 0}, bytes(MAX_BYTES))  # a decompression bomb
+    with pytest.raises(ValueError, match=f"more than {MAX_BYTES} bytes decompressed"):
+        load_responses(path)
+    (tmp_path / "plain.xz").write_bytes(b"not lzma")
+    with pytest.raises(ValueError, match="not lzma-compressed"):
+        load_responses(str(tmp_path / "plain.xz"))

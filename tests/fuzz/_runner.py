@@ -33,7 +33,7 @@ class WorkerDied(AssertionError):
 class Worker:
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
-        self.stderr_tail: deque[str] = deque(maxlen=30)
+        self.stderr_tail: deque[str] = deque(maxlen=200)
         self.last_status = ""
 
     def _start(self) -> None:
@@ -101,7 +101,7 @@ class Worker:
         raise WorkerDied(self._death_message(hung))
 
     def _death_message(self, hung: bool) -> str:
-        tail = "\n".join(list(self.stderr_tail)[-15:])
+        tail = "\n".join(list(self.stderr_tail)[-60:])
         if hung:
             return f"worker hung for {CASE_TIMEOUT_S:.0f} s on this case (killed)\n--- worker stderr ---\n{tail}"
         return f"worker died: {self.last_status}\n--- worker stderr ---\n{tail}"

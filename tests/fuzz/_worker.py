@@ -1,8 +1,9 @@
 """The fuzz worker: reads one JSON case a line on stdin, runs it (``_cases.run_case``), writes one JSON verdict
 a line on the fd named by ``DFLASH_FUZZ_RESULT_FD``. Its own fd 1 goes to stderr (see ``_runner``).
 
-The address space is capped (``DFLASH_FUZZ_MEMORY_GB``, default 6) so that an unbounded allocation becomes a
-Python MemoryError / RuntimeError in the worker instead of the machine's OOM killer.
+The address space is capped (``DFLASH_FUZZ_MEMORY_GB``, default 6; 0 = no cap, for AddressSanitizer runs, which
+cap allocations with ASAN_OPTIONS instead) so that an unbounded allocation becomes a Python MemoryError /
+RuntimeError in the worker instead of the machine's OOM killer.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def main() -> None:
     sys.stdout = sys.stderr
     faulthandler.enable()  # a fatal signal prints the Python stack to stderr, which the failure report shows
     limit = int(float(os.environ.get("DFLASH_FUZZ_MEMORY_GB", "6")) * 2**30)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if limit:  # 0: no cap (AddressSanitizer reserves terabytes of address space for its shadow memory)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     # Triton's interpreter must be chosen before dflash_kernels is imported (as tests/conftest.py does).
     os.environ.setdefault("TRITON_INTERPRET", "1")
     sys.path[:0] = [HERE, os.path.join(HERE, "..", "kernels"), os.path.join(HERE, "..", "runtime")]

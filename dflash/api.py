@@ -215,7 +215,8 @@ def generate(
 
     Threads: safe to call from several threads. Calls that share a target model run one at a time (one lock
     per target model, held for the whole call; both runtimes keep per-call state on the model: the engine's
-    buffers, the reference's feature hooks); calls on different target models run in parallel. Calling
+    buffers, the reference's feature hooks); calls on different target models run in parallel, except on
+    CUDA, where all calls run one at a time (a step capture must not overlap other CUDA work). Calling
     ``generate`` on the same target from inside ``on_tokens`` raises RuntimeError. The cached engine lives
     on its target model: dropping the target and draft frees both, engine included.
     """

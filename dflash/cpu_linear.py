@@ -857,12 +857,17 @@ class RowBlocks:
     are, without the merged copy that would cost ~0.25 s of page faults and copying on SmolLM2's first call.
     Built once per layer: the blocks are checked and the kernel's arguments computed here, not per call. It holds
     the tensors (their memory stays valid): a block updated in place is seen, a parameter replaced by another
-    tensor is not (as with ``merged_weight``)."""
+    tensor is not (as with ``merged_weight``). Each call compares the given tensors' addresses, shapes and strides
+    with those recorded (about 1 us): a block whose storage moved (an in-place ``resize_`` that reallocated, then
+    back to its shape) gets its kernel arguments recomputed; a block resized to another shape or restrided raises
+    ValueError (the kernel would read freed or foreign memory)."""
 
-    __slots__ = ("sources", "weights", "biases", "in_features", "out_features", "fast", "args")
+    __slots__ = ("sources", "bias_sources", "layout", "weights", "biases", "in_features", "out_features", "fast",
+                 "args")
 
     def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] | None = None):
         self.sources = tuple(weights)  # the tensors as given (e.g. Parameters): the keys of their AMX tiles
+        self.bias_sources = () if biases is None else tuple(biases)
         weights = tuple(w.detach() for w in weights)
         if not 1 <= len(weights) <= 3:
             raise ValueError(f"cpu_linear.RowBlocks: weights must be 1 to 3 row blocks, got {len(weights)}")
@@ -882,6 +887,15 @@ class RowBlocks:
         self.in_features, self.out_features = first.shape[1], sum(w.shape[0] for w in weights)
         self.fast = first.is_cpu and first.dtype == torch.float32 and all(w.stride(1) == 1 for w in weights) and (
             biases is None or all(b.stride(0) == 1 for b in biases))
+        self._pack()
+
+    def _layout(self) -> tuple:
+        return tuple((t.data_ptr(), t.shape, t.stride()) for t in self.sources + self.bias_sources)
+
+    def _pack(self) -> None:
+        """Record the tensors' layout and compute the kernel's arguments from their current addresses."""
+        self.layout = self._layout()
+        weights, biases = self.weights, self.biases
         args: list = []
         for i in range(3):  # the kernel's (pointer, row stride, rows, bias pointer) of each block; none: 0 rows
             if i < len(weights) and self.fast:
@@ -890,6 +904,21 @@ class RowBlocks:
             else:
                 args += [None, 0, 0, None]
         self.args = tuple(args)
+
+    def check_layout(self) -> None:
+        """Raise ValueError if a block or bias was resized or restrided in place since it was built; recompute the
+        kernel's arguments if only its storage moved."""
+        layout = self._layout()
+        if layout == self.layout:
+            return
+        for i, (now, then) in enumerate(zip(layout, self.layout)):
+            if now[1:] != then[1:]:
+                kind = "weights" if i < len(self.sources) else "biases"
+                j = i if i < len(self.sources) else i - len(self.sources)
+                raise ValueError(f"cpu_linear.RowBlocks: {kind}[{j}] changed in place from shape {tuple(then[1])} "
+                                 f"stride {then[2]} to {tuple(now[1])} stride {now[2]} after the RowBlocks was built; "
+                                 "build a new RowBlocks from the resized tensors")
+        self._pack()
 
 
 def _fast_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -993,6 +1022,7 @@ def _run_amx(x: torch.Tensor, blocks, n: int, rows: int) -> torch.Tensor:
 
 
 def _run_blocks(x: torch.Tensor, blocks: RowBlocks, rows: int) -> torch.Tensor:
+    blocks.check_layout()
     ok = (blocks.fast and rows >= 1 and x.is_cpu and x.dtype == torch.float32 and x.shape[-1] == blocks.in_features
           and unobserved_eager((x,)))
     if ok and amx_active():

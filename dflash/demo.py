@@ -97,19 +97,26 @@ def main(argv=None) -> int:
     from dflash import generate
     from dflash.model import DFlashDraftModel
 
+    from safetensors import SafetensorError
+
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not os.path.isfile(os.path.join(args.draft, "config.json")):
+        print(f"dflash demo: --draft: no draft at {args.draft} (expected config.json + model.safetensors)",
+              file=sys.stderr)
+        return 2
+    _progress(f"loading draft {args.draft} ...")
+    try:
+        draft = DFlashDraftModel.from_pretrained(args.draft, dtype=torch.float32)
+    except SafetensorError as exc:
+        print(f"dflash demo: --draft {args.draft!r}: cannot read its weights ({exc})", file=sys.stderr)
+        return 2
     _progress("loading SmolLM2-135M-Instruct (first run converts the GGUF once, ~1 min) ...")
     try:
         target, tok = smollm2.load(verbose=True)
     except smollm2.SmolLM2NotInstalled as exc:
         print(f"dflash demo: {exc}", file=sys.stderr)
         return 1
-    if not os.path.isfile(os.path.join(args.draft, "config.json")):
-        print(f"dflash demo: no draft at {args.draft} (expected config.json + model.safetensors)", file=sys.stderr)
-        return 1
-    _progress(f"loading draft {args.draft} ...")
-    draft = DFlashDraftModel.from_pretrained(args.draft, dtype=torch.float32)
     B = args.block_size or draft.config.block_size
     prompt_text = smollm2.chat_prompt(tok, args.prompt)
     input_ids = torch.tensor([tok(prompt_text, add_special_tokens=False)["input_ids"]])

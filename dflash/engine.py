@@ -456,6 +456,9 @@ class TargetSlot:
 
 _SLOT_ATTR = "_dflash_slot"
 _SLOTS_LOCK = threading.Lock()  # guards creating slots and every read or write of a slot's engine and key
+# Held by every call on a CUDA target: capturing a step (torch.cuda.graph) must not overlap another thread's CUDA
+# work. Reentrant: a call from on_tokens on another CUDA target, in the same thread, goes ahead.
+_CUDA_LOCK = threading.RLock()
 
 
 def target_slot(target_model) -> TargetSlot:
@@ -470,13 +473,15 @@ def target_slot(target_model) -> TargetSlot:
 @contextlib.contextmanager
 def target_lock(target_model):
     """Hold the target model's lock for one call: calls on one target model run one at a time, calls on
-    different target models in parallel. A call made from inside another on the same model and thread (from
-    ``on_tokens``) would wait for itself forever: it raises instead."""
+    different target models in parallel, except on CUDA, where all calls run one at a time. A call made from
+    inside another on the same model and thread (from ``on_tokens``) would wait for itself forever: it raises
+    instead."""
     slot = target_slot(target_model)
     if slot.holder == threading.get_ident():
         raise RuntimeError("dflash.generate was called on a target model from inside another call on the same "
                            "model in the same thread (from on_tokens?); return from on_tokens first")
-    with slot.lock:
+    on_cuda = target_model.lm_head.weight.device.type == "cuda"
+    with _CUDA_LOCK if on_cuda else contextlib.nullcontext(), slot.lock:
         slot.holder = threading.get_ident()
         try:
             yield

@@ -77,6 +77,24 @@ def _check_numbers(args) -> None:
         raise UsageError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
 
 
+def _device(name: str):
+    """``--device``: "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N" of an existing GPU."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {name!r} is not a device: pass cpu, cuda, cuda:N or auto")
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise UsageError(f"--device {name!r}: this machine has {found} CUDA device(s); pass --device cpu")
+    return device
+
+
 def _resolve_paths(args) -> tuple[str, str]:
     """(model, draft) as EMBEDDED or existing folders; checked before anything is loaded."""
     model = args.model
@@ -93,28 +111,34 @@ def _resolve_paths(args) -> tuple[str, str]:
     return model, draft
 
 
-def _load(model: str, draft_path: str, device_name: str, *, system: str | None):
-    """(target, tokenizer, draft, device) with the draft in the target's dtype."""
+def _load(model: str, draft_path: str, device, *, system: str | None):
+    """(target, tokenizer, draft, device), the draft in the target's dtype; ``device`` from :func:`_device`.
+    The draft loads first (it is the smaller), so a weights file that cannot be read (corrupt safetensors) is
+    reported, as a usage error naming --draft or --model, before the target's loading starts."""
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash import smollm2
     from dflash.model import DFlashDraftModel
 
-    device = torch.device("cuda" if device_name == "auto" and torch.cuda.is_available() else
-                          "cpu" if device_name == "auto" else device_name)
-    if model == EMBEDDED:
-        target, tok = smollm2.load(verbose=False)
-    else:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        target = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
-        tok = AutoTokenizer.from_pretrained(model)
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" and model != EMBEDDED else torch.float32  # the target's
+    try:
+        draft = DFlashDraftModel.from_pretrained(draft_path, dtype=dtype, device=device)
+    except SafetensorError as exc:
+        raise UsageError(f"--draft {draft_path!r}: cannot read its weights ({exc})") from None
+    try:
+        if model == EMBEDDED:
+            target, tok = smollm2.load(dtype=dtype, verbose=False)
+        else:
+            target = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
+            tok = AutoTokenizer.from_pretrained(model)
+    except SafetensorError as exc:
+        raise UsageError(f"--model {model!r}: cannot read its weights ({exc})") from None
     if system is not None and not getattr(tok, "chat_template", None):
         raise UsageError("--system needs a tokenizer with a chat template; this model's tokenizer has none")
-    target = target.to(device)
-    dtype = target.get_input_embeddings().weight.dtype
-    draft = DFlashDraftModel.from_pretrained(draft_path, dtype=dtype, device=device)
-    return target, tok, draft, device
+    return target.to(device), tok, draft, device
 
 
 def _encode(tok, turns: list[dict], device):
@@ -210,6 +234,7 @@ def _generate(argv: list[str]) -> int:
     args = p.parse_intermixed_args(argv)
     _check_numbers(args)
     model, draft_path = _resolve_paths(args)
+    device = _device(args.device)
     if args.batch_file and args.prompt not in (None, "-"):
         raise UsageError("give either a PROMPT or --batch-file, not both")
     if args.batch_file:
@@ -233,7 +258,7 @@ def _generate(argv: list[str]) -> int:
 
     from dflash import generate
 
-    target, tok, draft, device = _load(model, draft_path, args.device, system=args.system)
+    target, tok, draft, device = _load(model, draft_path, device, system=args.system)
     encoded = [_encode(tok, _messages(args.system, text), device) for text in prompts]
     block = args.block_size or draft.config.block_size
     options = dict(stop_token_ids=_stop_ids(target, tok), temperature=args.temperature, top_p=args.top_p,
@@ -284,11 +309,12 @@ def _benchmark(argv: list[str]) -> int:
     if args.max_samples is not None and args.max_samples < 1:
         raise UsageError(f"--max-samples must be >= 1, got {args.max_samples}")
     model, draft_path = _resolve_paths(args)
+    device = _device(args.device)
     items = load_prompt_set(args.dataset, args.max_samples)
 
     from dflash import generate
 
-    target, tok, draft, device = _load(model, draft_path, args.device, system=args.system)
+    target, tok, draft, device = _load(model, draft_path, device, system=args.system)
     block = args.block_size or draft.config.block_size
     options = dict(stop_token_ids=_stop_ids(target, tok), temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, backend=args.runtime, seed=args.seed)

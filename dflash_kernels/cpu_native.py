@@ -44,7 +44,8 @@ then (request, head, 4 query rows); the norm and silu_mul split their rows once 
 
 Build: :func:`build_library` compiles a C++ source once per source, flags, compiler and CPU (``-O3
 -march=native -fopenmp``) into ``$DFLASH_CACHE/<name>/<hash>.so`` (default ``~/.cache/dflash``) and loads it
-with ctypes. Without Linux x86-64 or a compiler, :func:`enabled` is False (:func:`unavailable_reason` says why,
+with ctypes; it refuses a cache folder other users can write and loads only a file whose sha256 matches the
+sidecar it wrote with it (else it rebuilds). Without Linux x86-64 or a compiler, :func:`enabled` is False (:func:`unavailable_reason` says why,
 one warning too) and the ops keep their torch formulas (bit-equal to the references). ``DFLASH_CPU_NATIVE=0``
 turns these kernels off (A/B runs, tests of the torch formulas).
 """
@@ -55,6 +56,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import threading
 import warnings
@@ -78,24 +80,79 @@ def cpu_flags() -> str:
         return next((line for line in f if line.startswith("flags")), "")
 
 
-def build_library(name: str, source: str, flags) -> ctypes.CDLL:
-    """Compile ``source`` (C++) with ``flags`` once per source, flags, compiler and CPU into
-    ``<cache_root>/<name>/<hash>.so`` and load it. Raises RuntimeError (no compiler, compile error, not Linux
-    x86-64), OSError or SubprocessError."""
+def private_dir(path: str) -> str:
+    """``path`` as a folder only the current user can write (created mode 0700 when missing). Raises RuntimeError
+    naming ``DFLASH_CACHE`` when it is not: not a folder, owned by another user, or writable by group or others
+    (anyone who can write there could plant a library that the next build would load)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    problem = ("is not a folder" if not stat.S_ISDIR(st.st_mode)
+               else f"is owned by uid {st.st_uid}, not by this user ({os.getuid()})" if st.st_uid != os.getuid()
+               else f"is writable by {'group' if st.st_mode & stat.S_IWGRP else 'others'} (mode "
+                    f"{stat.S_IMODE(st.st_mode):o})" if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) else None)
+    if problem:
+        raise RuntimeError(f"the native-library cache {path} (DFLASH_CACHE, default ~/.cache/dflash) {problem}: other "
+                           f"users could plant code there. Point DFLASH_CACHE at a folder of your own, or run "
+                           f"chmod go-w {path} if it is yours")
+    return path
+
+
+def _digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _own_build(path: str, key: str) -> bool:
+    """Whether ``path`` is the library this process's builder wrote for ``key``: the file and its sidecar
+    ``<path>.sha256`` (the key and the file's sha256, written by :func:`build_library`) owned by this user and
+    writable by no one else, and the file's digest the one recorded."""
+    sidecar = f"{path}.sha256"
+    try:
+        for p in (path, sidecar):
+            st = os.lstat(p)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                return False
+        with open(sidecar, encoding="ascii") as f:
+            recorded = f.read().split()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return recorded == [key, _digest(path)]
+
+
+def library_path(name: str, source: str, flags) -> tuple[str, str, str]:
+    """``(compiler, key, path)`` of :func:`build_library`'s library of ``source`` built with ``flags``: the key
+    hashes the source, flags, compiler and CPU features. Raises RuntimeError without a compiler or off Linux
+    x86-64."""
     features = cpu_flags()
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx:
         raise RuntimeError("no C++ compiler ($CXX, c++ or g++)")
     key = hashlib.sha256("\0".join((source, *flags, cxx, features)).encode()).hexdigest()[:16]
-    path = os.path.join(cache_root(), name, f"{key}.so")
-    if not os.path.isfile(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
+    return cxx, key, os.path.join(cache_root(), name, f"{key}.so")
+
+
+def build_library(name: str, source: str, flags) -> ctypes.CDLL:
+    """Compile ``source`` (C++) with ``flags`` once per source, flags, compiler and CPU into
+    ``<cache_root>/<name>/<hash>.so`` and load it. The folders must be private to this user
+    (:func:`private_dir`); a library is loaded only if this builder wrote it (:func:`_own_build`: its sha256
+    matches the sidecar written with it), else it is rebuilt. Raises RuntimeError (no compiler, compile error,
+    not Linux x86-64, a shared cache folder), OSError or SubprocessError."""
+    cxx, key, path = library_path(name, source, flags)
+    private_dir(cache_root())
+    private_dir(os.path.dirname(path))
+    if not _own_build(path, key):
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # each concurrent builder writes its own
         done = subprocess.run([cxx, *flags, "-x", "c++", "-", "-o", tmp], input=source, text=True,
                               capture_output=True, timeout=300)
         if done.returncode:
             raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, path)  # atomic: concurrent builders each write their own tmp
+        os.chmod(tmp, 0o700)
+        with open(f"{tmp}.sha256", "w", encoding="ascii") as f:
+            f.write(f"{key} {_digest(tmp)}\n")
+        os.replace(f"{tmp}.sha256", f"{path}.sha256")  # atomic: the sidecar first, then the file it describes
+        os.replace(tmp, path)
+        if not _own_build(path, key):  # another builder replaced the sidecar in between: its file is as good
+            raise RuntimeError(f"{path} changed while it was built; run again")
     return ctypes.CDLL(path)
 
 
@@ -841,7 +898,11 @@ def build_tree(draft_logits: torch.Tensor, lse: torch.Tensor, anchor: torch.Tens
     reference's trees bit for bit, or None (nothing done) where it does not apply: no native library, non-fp32
     logits, or a NaN / +inf logit (the reference then decides by torch.topk's NaN rule)."""
     r, p, v = draft_logits.shape
-    if not (enabled() and draft_logits.dtype == torch.float32 and draft_logits.stride(2) == 1):
+    i64 = torch.int64
+    # Every extent the kernel indexes with, whatever the op validated (its unchecked path).
+    if not (enabled() and draft_logits.dtype == torch.float32 and draft_logits.stride(2) == 1 and budget >= 1
+            and v >= 1 and p >= 1 and anchor.dtype == i64 and anchor.shape == (r,) and lse.shape == (r, p)
+            and (vocab_ids is None or (vocab_ids.dtype == i64 and vocab_ids.shape == (v,)))):
         return None
     t = budget + 1
     out = tuple(torch.empty((r, t), dtype=torch.int64) for _ in range(3))
@@ -858,25 +919,31 @@ def build_tree(draft_logits: torch.Tensor, lse: torch.Tensor, anchor: torch.Tens
 def tree_ancestor_mask(tree_parents: torch.Tensor, words: int) -> torch.Tensor | None:
     """``tree_ancestor_mask``'s "cpu" body for validated CPU parents; None without the native library. A node
     whose parent is not an earlier node (or a root whose parent is not -1) raises ValueError naming it."""
-    if not enabled():
+    if not (enabled() and tree_parents.dtype == torch.int64):
         return None
     r, t = tree_parents.shape
     par = tree_parents if tree_parents.stride(1) == 1 else tree_parents.contiguous()
     mask = torch.empty((r, t, words), dtype=torch.int64)
     bad = _lib.dflash_cpu_tree_ancestor_mask(par.data_ptr(), par.stride(0), r, t, words, mask.data_ptr())
     if bad >= 0:
-        req, node = divmod(bad, t)
-        raise ValueError(f"tree_ancestor_mask: tree_parents[{req}, {node}] = {int(par[req, node])} is not a valid "
-                         f"parent: node 0 (the root) needs -1, node i > 0 an earlier node (0 <= parent < i), as "
-                         "build_tree returns them")
+        raise ValueError(bad_parent_message("tree_ancestor_mask", par, *divmod(bad, t)))
     return mask
+
+
+def bad_parent_message(op: str, tree_parents: torch.Tensor, req: int, node: int) -> str:
+    """The error of a tree whose node ``node`` of request ``req`` has no valid parent."""
+    return (f"{op}: tree_parents[{req}, {node}] = {int(tree_parents[req, node])} is not a valid parent: node 0 (the "
+            "root) needs -1, node i > 0 an earlier node (0 <= parent < i), as build_tree returns them")
 
 
 def tree_walk_tokens(target_tokens: torch.Tensor, tree_tokens: torch.Tensor, tree_parents: torch.Tensor,
                      block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``tree_accept_greedy_tokens``' "cpu" body (validated CPU inputs: [R, T] rows, the last dim contiguous): the
     reference's walk, ``(path, accepted, bonus)``; None without the native library."""
-    if not enabled():
+    i64 = torch.int64
+    if not (enabled() and block_size >= 1 and tree_tokens.dtype == tree_parents.dtype == i64
+            and target_tokens.shape == tree_tokens.shape == tree_parents.shape
+            and tree_tokens.stride(1) == tree_parents.stride(1) == 1):
         return None
     r, t = tree_tokens.shape
     target = target_tokens.to(torch.int64)
@@ -890,27 +957,46 @@ def tree_walk_tokens(target_tokens: torch.Tensor, tree_tokens: torch.Tensor, tre
     return path, accepted, bonus
 
 
+def compact_index_error(paths: list[list[int]], accepted: list[int], start: list[int], rows: list[int],
+                        batch_rows: int) -> str | None:
+    """Why ``tree_compact``'s host values would address rows outside the caches, or None: ``accepted[r]`` must be
+    a depth of the path, the moved sources ``path[r, :accepted[r] + 1]`` and ``start[r]`` non-negative (a
+    negative host index would take a row from the end), batch rows inside the cache. Sources at or past the
+    capacity are allowed: the moves skip them."""
+    for r, (a, s, b, p) in enumerate(zip(accepted, start, rows, paths)):
+        if not 0 <= a < len(p):
+            return f"accepted[{r}] = {a} is not a depth of path (0 <= accepted < B = {len(p)})"
+        if min(p[:a + 1]) < 0:
+            return f"path[{r}, :{a + 1}] = {p[:a + 1]} holds a negative node (the walk's path, -1 only past accepted)"
+        if s < 0:
+            return f"start[{r}] = {s} must be >= 0 (the cache length before the verify step)"
+        if not 0 <= b < batch_rows:
+            return f"cache_batch_idx[{r}] = {b} is outside the cache's {batch_rows} batch rows"
+    return None
+
+
 def tree_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor,
                  start: torch.Tensor, cache_batch_idx: torch.Tensor | None) -> bool:
-    """``tree_compact``'s "cpu" body (validated CPU inputs): the moves by ``memcpy``; False (nothing done) where it
-    does not apply: no native library, non-contiguous caches, or any value the reference would treat otherwise
-    (a path that is not a walk's, negative starts, batch rows outside the cache): the reference then decides."""
-    if not (enabled() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+    """``tree_compact``'s "cpu" body: the moves by ``memcpy``; False (nothing done) where it does not apply: no
+    native library, non-contiguous caches, indices outside the caches (:func:`compact_index_error`), or a path
+    that is not a walk's (node 0, then d <= path[d] < path[d + 1]: only then does no move in depth order overwrite
+    a later one's source); the reference then decides. The kernel reads int64 copies of the values checked here."""
+    if not (enabled() and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+            and k_cache.dim() == 5):
         return False
     layers, nb, cap = k_cache.shape[:3]
-    acc, st = accepted.tolist(), start.tolist()
-    rows = None if cache_batch_idx is None else cache_batch_idx.to(torch.int64).contiguous()
-    batch_rows = rows.tolist() if rows is not None else list(range(len(acc)))
-    paths = path.tolist()
-    bsz = path.shape[1]
-    for a, s, b, p in zip(acc, st, batch_rows, paths):
-        walk = p[:a + 1] if 0 <= a < bsz else None
-        if (walk is None or walk[0] != 0 or s < 0 or not 0 <= b < nb
-                or any(not (d <= x < y) for d, (x, y) in enumerate(zip(walk, walk[1:])))):
+    paths, acc, st = path.tolist(), accepted.tolist(), start.tolist()
+    if not acc:
+        return True
+    rows = cache_batch_idx.tolist() if cache_batch_idx is not None else list(range(len(acc)))
+    if not (len(paths) == len(acc) == len(st) == len(rows)) or compact_index_error(paths, acc, st, rows, nb):
+        return False
+    for a, p in zip(acc, paths):
+        walk = p[:a + 1]
+        if walk[0] != 0 or any(not (d <= x < y) for d, (x, y) in enumerate(zip(walk, walk[1:]))):
             return False
-    path = path.contiguous()
-    accepted, start = accepted.contiguous(), start.contiguous()
-    _lib.dflash_cpu_tree_compact(k_cache.data_ptr(), v_cache.data_ptr(), path.data_ptr(), path.stride(0),
-                                 accepted.data_ptr(), start.data_ptr(), _ptr(rows), len(acc), layers, nb, cap,
+    path_t, acc_t, st_t, rows_t = (_host_index_tensor(x) for x in (paths, acc, st, rows))
+    _lib.dflash_cpu_tree_compact(k_cache.data_ptr(), v_cache.data_ptr(), path_t.data_ptr(), path_t.shape[1],
+                                 acc_t.data_ptr(), st_t.data_ptr(), rows_t.data_ptr(), len(acc), layers, nb, cap,
                                  k_cache.shape[3:].numel() * k_cache.element_size())
     return True

@@ -22,13 +22,13 @@ import triton
 import triton.language as tl
 
 from dflash_kernels import cpu_native
-from dflash_kernels._dispatch import call_op, resolve_backend
+from dflash_kernels._dispatch import call_op, checked_by, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, argmax_cpu, check_last_dim_contiguous, check_tensor, interpreting, next_pow2,
 )
 from dflash_kernels.verify import (
     _argmax_partial_kernel, _filter_threshold, _merge_argmax, _rng_for, _rows_per_program, _sample_partial_kernel,
-    _vocab_split, filter_logits_reference, sampling_op_args,
+    _vocab_split, check_packed_sampling, filter_logits_reference, sampling_op_args,
 )
 
 _INDEX_DTYPES = (torch.int64,)
@@ -298,14 +298,17 @@ def build_tree(draft_logits: torch.Tensor, anchor: torch.Tensor, budget: int, *,
         ``(tree_tokens, tree_parents, tree_depths)``, int64 ``[R, T]`` each, nodes in selection order (best
         first; node 0 the root). Scores, order and tie rule: :func:`build_tree_reference`.
     """
-    op = "build_tree"
-    _validate_build(op, draft_logits, anchor, budget, vocab_ids)
-    chosen = resolve_backend(op, backend, draft_logits.device, available=_HOST_BACKENDS)
+    chosen = resolve_backend("build_tree", backend, draft_logits.device, available=_HOST_BACKENDS)
     return call_op(_build_tree_op, draft_logits, anchor, budget, vocab_ids, chosen, device=draft_logits.device)
 
 
 
+def _check_build(draft_logits, anchor, budget, vocab_ids, backend):
+    _validate_build("build_tree", draft_logits, anchor, budget, vocab_ids)
+
+
 @torch.library.custom_op("dflash::build_tree", mutates_args=())
+@checked_by(_check_build)
 def _build_tree_op(draft_logits: torch.Tensor, anchor: torch.Tensor, budget: int, vocab_ids: Optional[torch.Tensor],
                    backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.dflash.build_tree``: :func:`build_tree` after validation."""
@@ -386,14 +389,25 @@ def tree_ancestor_mask(tree_parents: torch.Tensor, *, backend: str = "auto") -> 
         ``[R, T, ceil(T / 64)]`` int64: bit ``j % 64`` of word ``j // 64`` of row i is set iff node j is node i
         or an ancestor of it.
     """
-    op = "tree_ancestor_mask"
-    _validate_nodes(op, "tree_parents", tree_parents)
-    chosen = resolve_backend(op, backend, tree_parents.device, available=_HOST_BACKENDS)
+    chosen = resolve_backend("tree_ancestor_mask", backend, tree_parents.device, available=_HOST_BACKENDS)
     return call_op(_tree_ancestor_mask_op, tree_parents, chosen, device=tree_parents.device)
 
 
 
+def _check_ancestor_mask(tree_parents, backend):
+    op = "tree_ancestor_mask"
+    _validate_nodes(op, "tree_parents", tree_parents)
+    if tree_parents.device.type == "cpu":  # the references and kernels follow the parents as addresses
+        r, t = tree_parents.shape
+        node = torch.arange(t)
+        ok = torch.where(node == 0, tree_parents == -1, (tree_parents >= 0) & (tree_parents < node))
+        if not bool(ok.all()):
+            req, i = divmod(int((~ok).reshape(-1).int().argmax()), t)
+            raise ValueError(cpu_native.bad_parent_message(op, tree_parents, req, i))
+
+
 @torch.library.custom_op("dflash::tree_ancestor_mask", mutates_args=())
+@checked_by(_check_ancestor_mask)
 def _tree_ancestor_mask_op(tree_parents: torch.Tensor, backend: str) -> torch.Tensor:
     """``torch.ops.dflash.tree_ancestor_mask``: :func:`tree_ancestor_mask` after validation."""
     chosen = resolve_backend("tree_ancestor_mask", backend, tree_parents.device, available=_HOST_BACKENDS)
@@ -589,14 +603,17 @@ def tree_accept_greedy(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_par
         path (``path[r, 0] = 0``; -1 after ``accepted[r]``), ``accepted`` the accepted non-root nodes, ``bonus``
         the target's token after the path.
     """
-    op = "tree_accept_greedy"
-    _validate_accept(op, logits, tree_tokens, tree_parents, block_size)
-    chosen = resolve_backend(op, backend, logits.device, available=_HOST_BACKENDS)
+    chosen = resolve_backend("tree_accept_greedy", backend, logits.device, available=_HOST_BACKENDS)
     return call_op(_tree_accept_greedy_op, logits, tree_tokens, tree_parents, block_size, chosen, device=logits.device)
 
 
 
+def _check_accept_greedy(logits, tree_tokens, tree_parents, block_size, backend):
+    _validate_accept("tree_accept_greedy", logits, tree_tokens, tree_parents, block_size)
+
+
 @torch.library.custom_op("dflash::tree_accept_greedy", mutates_args=())
+@checked_by(_check_accept_greedy)
 def _tree_accept_greedy_op(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_parents: torch.Tensor,
                            block_size: int, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.dflash.tree_accept_greedy``: :func:`tree_accept_greedy` after validation."""
@@ -630,6 +647,12 @@ def tree_accept_greedy_tokens(target_tokens: torch.Tensor, tree_tokens: torch.Te
     Returns:
         ``(path [R, B], accepted [R], bonus [R])``: :func:`tree_accept_greedy`'s for logits with these argmaxes.
     """
+    chosen = resolve_backend("tree_accept_greedy_tokens", backend, target_tokens.device, available=_HOST_BACKENDS)
+    return call_op(_tree_accept_greedy_tokens_op, target_tokens, tree_tokens, tree_parents, block_size, chosen,
+                   device=target_tokens.device)
+
+
+def _check_accept_greedy_tokens(target_tokens, tree_tokens, tree_parents, block_size, backend):
     op = "tree_accept_greedy_tokens"
     check_tensor(op, "target_tokens", target_tokens, ndim=2, dtypes=(torch.int64, torch.int32))
     r, t = target_tokens.shape
@@ -638,12 +661,10 @@ def tree_accept_greedy_tokens(target_tokens: torch.Tensor, tree_tokens: torch.Te
     _validate_nodes(op, "tree_tokens", tree_tokens, (r, t), target_tokens.device)
     _validate_nodes(op, "tree_parents", tree_parents, (r, t), target_tokens.device)
     _validate_block_size(op, block_size)
-    chosen = resolve_backend(op, backend, target_tokens.device, available=_HOST_BACKENDS)
-    return call_op(_tree_accept_greedy_tokens_op, target_tokens, tree_tokens, tree_parents, block_size, chosen,
-                   device=target_tokens.device)
 
 
 @torch.library.custom_op("dflash::tree_accept_greedy_tokens", mutates_args=())
+@checked_by(_check_accept_greedy_tokens)
 def _tree_accept_greedy_tokens_op(target_tokens: torch.Tensor, tree_tokens: torch.Tensor, tree_parents: torch.Tensor,
                                   block_size: int, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.dflash.tree_accept_greedy_tokens``: :func:`tree_accept_greedy_tokens` after validation."""
@@ -715,13 +736,21 @@ def tree_accept_sample(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_par
         ``(path [R, B], accepted [R], bonus [R])`` int64, as :func:`tree_accept_greedy`.
     """
     op = "tree_accept_sample"
-    _validate_accept(op, logits, tree_tokens, tree_parents, block_size)
+    _validate_accept(op, logits, tree_tokens, tree_parents, block_size)  # before sampling_op_args reads logits
     args = sampling_op_args(op, logits, temperature, top_k, top_p, seed, offset)
     chosen = resolve_backend(op, backend, logits.device, available=_BACKENDS)
     return call_op(_tree_accept_sample_op, logits, tree_tokens, tree_parents, block_size, *args, chosen, device=logits.device)
 
 
+def _check_accept_sample(logits, tree_tokens, tree_parents, block_size, temperature, top_k, top_p, seed, offset,
+                         use_top_k, use_top_p, backend):
+    op = "tree_accept_sample"
+    _validate_accept(op, logits, tree_tokens, tree_parents, block_size)
+    check_packed_sampling(op, logits.shape[0], temperature, top_k, top_p, seed, offset, logits.device)
+
+
 @torch.library.custom_op("dflash::tree_accept_sample", mutates_args=())
+@checked_by(_check_accept_sample)
 def _tree_accept_sample_op(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_parents: torch.Tensor,
                            block_size: int, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                            seed: torch.Tensor, offset: torch.Tensor, use_top_k: bool, use_top_p: bool,
@@ -845,14 +874,24 @@ def tree_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, path: torch.Tenso
         backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"``: the moves by ``memcpy`` in C for a walk's
             path on contiguous caches, else the reference).
     """
-    op = "tree_compact"
-    _validate_compact(op, k_cache, v_cache, path, accepted, start, cache_batch_idx)
-    chosen = resolve_backend(op, backend, k_cache.device, available=_HOST_BACKENDS)
+    chosen = resolve_backend("tree_compact", backend, k_cache.device, available=_HOST_BACKENDS)
     call_op(_tree_compact_op, k_cache, v_cache, path, accepted, start, cache_batch_idx, chosen, device=k_cache.device)
 
 
 
+def _check_compact(k_cache, v_cache, path, accepted, start, cache_batch_idx, backend):
+    op = "tree_compact"
+    _validate_compact(op, k_cache, v_cache, path, accepted, start, cache_batch_idx)
+    if k_cache.device.type == "cpu":  # the moves' rows are addresses (see check_index_values)
+        rows = cache_batch_idx.tolist() if cache_batch_idx is not None else list(range(path.shape[0]))
+        error = cpu_native.compact_index_error(path.tolist(), accepted.tolist(), start.tolist(), rows,
+                                               k_cache.shape[1])
+        if error:
+            raise ValueError(f"{op}: {error}")
+
+
 @torch.library.custom_op("dflash::tree_compact", mutates_args=("k_cache", "v_cache"))
+@checked_by(_check_compact)
 def _tree_compact_op(k_cache: torch.Tensor, v_cache: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor,
                      start: torch.Tensor, cache_batch_idx: Optional[torch.Tensor], backend: str) -> None:
     """``torch.ops.dflash.tree_compact``: :func:`tree_compact` after validation (writes k_cache, v_cache)."""

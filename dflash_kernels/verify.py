@@ -707,6 +707,21 @@ def _filter_threshold(logits: torch.Tensor, temp_t: torch.Tensor, topk_t: torch.
     return thr
 
 
+def check_packed_sampling(op: str, n: int, temperature, top_k, top_p, seed, offset, device) -> None:
+    """Validate the sampling ops' packed tensors (:func:`sampling_op_args`' results, as a registered op takes them):
+    temperature / top_k / top_p 1-D of one length, 1 (one value for the batch) or N (per request), seed and offset
+    one element each, all on ``device``. The kernels index the parameters by request when their length is not 1."""
+    for name, t, dtypes in (("temperature", temperature, (torch.float32, torch.float64)),
+                            ("top_k", top_k, (torch.int32, torch.int64)),
+                            ("top_p", top_p, (torch.float32, torch.float64))):
+        check_tensor(op, name, t, ndim=1, dtypes=dtypes, device=device)
+        if t.shape[0] not in (1, n) or t.shape != temperature.shape:
+            raise ValueError(f"{op}: temperature, top_k and top_p must be [1] or [N={n}] alike, got "
+                             f"{tuple(temperature.shape)}, {tuple(top_k.shape)}, {tuple(top_p.shape)}")
+    for name, t in (("seed", seed), ("offset", offset)):
+        as_index_tensor(op, name, t, device)
+
+
 def _sampling_params(op: str, n: int, temperature, top_k, top_p, device):
     """Validate the sampling parameters and pass them on as device tensors of length 1 (one value for the
     batch, packed here) or N (per request: the caller's tensors themselves, never copied, so that a replay

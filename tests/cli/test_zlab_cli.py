@@ -95,6 +95,10 @@ def test_benchmark_on_a_shipped_set(capsys, tmp_path):
     (["generate", "transformers", "--model", "smollm2", "  "], "PROMPT is empty"),
     (["generate", "transformers", "--model", "smollm2", "--batch-file", "no/such/file"], "--batch-file: cannot read"),
     (["generate", "transformers", "--model", "other"], "--draft is required"),
+    (["generate", "transformers", "--model", "smollm2", "--device", "foo", "Hi"], "--device 'foo' is not a device"),
+    (["generate", "transformers", "--model", "smollm2", "--device", "mps", "Hi"], "--device 'mps' is not a device"),
+    (["benchmark", "transformers", "--model", "smollm2", "--dataset", "gsm8k", "--device", "cuda:99"],
+     r"--device 'cuda:99': this machine has \d+ CUDA device"),
     (["benchmark", "transformers", "--model", "smollm2", "--dataset", "gsm8k", "--max-samples", "0"],
      "--max-samples must be >= 1"),
 ], ids=lambda v: "-".join(v[:2]) if isinstance(v, list) else None)
@@ -103,6 +107,17 @@ def test_bad_arguments(argv, message, capsys, monkeypatch):
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "error:" in err
     assert re.search(message, err), err
+
+
+def test_corrupt_draft_weights(capsys, tmp_path):
+    """A draft folder whose model.safetensors is not a safetensors file: exit 2, one line naming --draft, no
+    traceback, and the target is not loaded first."""
+    (tmp_path / "config.json").write_bytes((zlab_cli.EMBEDDED_DRAFT / "config.json").read_bytes())
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 1000)  # a header length of 2**64 - 1 bytes
+    code, out, err = run(["generate", "transformers", "--model", "smollm2", "--draft", str(tmp_path), "Hi"], capsys)
+    assert code == 2 and out == ""
+    assert err == f"dflash generate: error: --draft {str(tmp_path)!r}: cannot read its weights " \
+                  "(Error while deserializing header: header too large)\n"
 
 
 def test_empty_stdin(capsys, monkeypatch):

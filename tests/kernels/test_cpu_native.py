@@ -1,6 +1,8 @@
 """The native fp32 kernels behind backend="cpu" (dflash_kernels.cpu_native): they build on this machine, the ops
 take them where they apply (and not where they do not), and their results hold the 2x rule against fp64 at the
 shapes the runtime uses (one row, a verify block, a prefill chunk) and at odd ones (a head dim with a tail)."""
+import os
+
 import pytest
 import torch
 
@@ -313,3 +315,47 @@ def test_attention_scratch_too_large_is_a_memory_error(calls):
     with pytest.raises(MemoryError, match="block_attention: not enough memory"):
         verify_attention(q, k, v, kc, vc, torch.tensor([0]), inv_freq=_inv_freq(d), backend="cpu")
     assert calls["attention"] == 1
+
+
+_TINY = 'extern "C" int dflash_test_value() { return 7; }'
+
+
+def test_build_library_refuses_a_cache_others_can_write(tmp_path, monkeypatch):
+    """A cache folder writable by group or others, or owned by another user, is refused with an error naming
+    DFLASH_CACHE and the fix, before anything is compiled or loaded."""
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    for mode in (0o777, 0o775):
+        tmp_path.chmod(mode)
+        with pytest.raises(RuntimeError, match=r"DFLASH_CACHE.*writable by .*chmod go-w"):
+            cpu_native.build_library("tiny", _TINY, cpu_native.FLAGS)
+    tmp_path.chmod(0o700)
+    sub = tmp_path / "tiny"
+    sub.mkdir(mode=0o700)
+    if os.getuid() == 0:  # only root can hand a folder to another user
+        os.chown(sub, 12345, -1)
+        with pytest.raises(RuntimeError, match=r"DFLASH_CACHE.*owned by uid 12345"):
+            cpu_native.build_library("tiny", _TINY, cpu_native.FLAGS)
+        os.chown(sub, 0, -1)
+    assert cpu_native.build_library("tiny", _TINY, cpu_native.FLAGS).dflash_test_value() == 7
+
+
+def test_build_library_never_loads_a_file_it_did_not_build(tmp_path, monkeypatch):
+    """A library planted under the name of a build (no sidecar; a sidecar for it but the file writable by others;
+    a sidecar whose digest is another file's) is not loaded: the builder rebuilds it. (Each case under its own
+    name: the process never loaded that path before, so dlopen cannot answer from its cache.)"""
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    lib = cpu_native.build_library("other", _TINY.replace("7", "666"), cpu_native.FLAGS)
+    assert lib.dflash_test_value() == 666
+    (other,) = (tmp_path / "other").glob("*.so")
+    digest = cpu_native._digest(str(other))
+    for case in ("no sidecar", "file writable by others", "digest of another file"):
+        name = "tiny_" + case.replace(" ", "_")
+        _, key, path = cpu_native.library_path(name, _TINY, cpu_native.FLAGS)
+        cpu_native.private_dir(os.path.dirname(path))
+        with open(path, "wb") as f:
+            f.write(other.read_bytes())
+        if case != "no sidecar":
+            with open(f"{path}.sha256", "w") as f:
+                f.write(f"{key} {digest if case == 'file writable by others' else '0' * 64}\n")
+        os.chmod(path, 0o666 if case == "file writable by others" else 0o700)
+        assert cpu_native.build_library(name, _TINY, cpu_native.FLAGS).dflash_test_value() == 7, case

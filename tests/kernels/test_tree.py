@@ -513,3 +513,70 @@ def test_empty_batch(backend):
     cache = torch.full((2, 1, 9, 1, 4), float("nan"))
     dk.tree_compact(cache, cache.clone(), path, acc, torch.zeros(0, dtype=torch.int64), backend=backend)
     assert torch.isnan(cache).all()
+
+
+ALL_BACKENDS = ["torch", "triton", "cpu"]
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_registered_ops_check_their_arguments(backend):
+    """Calling ``torch.ops.dflash.*`` directly gets the public function's checks, before any raw pointer is used:
+    budget 0, a short or int32 vocab_ids, block_size 0, int32 node arrays, int32 accepted / start (each once
+    crashed the process or returned heap contents as token ids)."""
+    ops = torch.ops.dflash
+    logits, anchor = torch.randn(2, 3, 10), torch.tensor([1, 2])
+    with pytest.raises(ValueError, match="budget must be an int >= 1"):
+        ops.build_tree(logits, anchor, 0, None, backend)
+    with pytest.raises(ValueError, match=r"vocab_ids must be \[V'=10\]"):
+        ops.build_tree(logits, anchor, 4, torch.arange(3), backend)
+    with pytest.raises(TypeError, match="vocab_ids has dtype torch.int32"):
+        ops.build_tree(logits, anchor, 4, torch.arange(10, dtype=torch.int32), backend)
+    tokens, parents, _ = dk.build_tree(logits, anchor, 4, backend="torch")
+    target = torch.randint(0, 10, tokens.shape)
+    with pytest.raises(ValueError, match="block_size must be an int >= 1"):
+        ops.tree_accept_greedy_tokens(target, tokens, parents, 0, backend)
+    with pytest.raises(ValueError, match="block_size must be an int >= 1"):
+        ops.tree_accept_greedy(torch.randn(2, 5, 10), tokens, parents, 0, backend)
+    with pytest.raises(TypeError, match="tree_parents has dtype torch.int32"):
+        ops.tree_ancestor_mask(parents.int(), backend)
+    path, accepted, _ = dk.tree_accept_greedy_tokens(target, tokens, parents, block_size=4, backend="torch")
+    k = torch.randn(1, 2, 8, 1, 4)
+    for name in ("accepted", "start"):
+        args = dict(accepted=accepted, start=torch.tensor([0, 2]))
+        args[name] = args[name].int()
+        with pytest.raises(TypeError, match=f"{name} has dtype torch.int32"):
+            ops.tree_compact(k, k.clone(), path, args["accepted"], args["start"], None, backend)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_ancestor_mask_rejects_bad_parents_on_every_backend(backend):
+    """A parent that is not an earlier node (a cycle, a node past the tree, a second root) is a ValueError on every
+    backend, from the function and the registered op (the reference looped forever on a cycle; the kernel followed
+    it past the parents' buffer)."""
+    parents, _ = _random_tree(2, 9, 4)
+    for node, bad in ((4, 4), (4, 70), (0, 2), (3, -1)):
+        broken = parents.clone()
+        broken[1, node] = bad
+        for call in (lambda: dk.tree_ancestor_mask(broken, backend=backend),
+                     lambda: torch.ops.dflash.tree_ancestor_mask(broken, backend)):
+            with pytest.raises(ValueError, match=rf"tree_parents\[1, {node}\] = {bad} is not a valid parent"):
+                call()
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("name, value", [("start", [0, -1]), ("cache_batch_idx", [-1, 0]),
+                                         ("cache_batch_idx", [0, 3]), ("accepted", [4, 0]), ("accepted", [-1, 0]),
+                                         ("path", [[0, -2, 5, -1], [0, 1, -1, -1]])])
+def test_compact_rejects_indices_outside_the_cache(backend, name, value):
+    """Negative starts or batch rows (host indexing would move another row, the kernels would write before the
+    cache), rows past the cache, accepted depths past the path and negative moved nodes are a ValueError naming
+    the argument, with the caches untouched."""
+    args = dict(path=torch.tensor([[0, 2, 5, -1], [0, 1, -1, -1]]), accepted=torch.tensor([2, 1]),
+                start=torch.tensor([1, 0]), cache_batch_idx=torch.tensor([2, 0]))
+    args[name] = torch.tensor(value)
+    k, v = torch.randn(2, 3, 12, 1, 4), torch.randn(2, 3, 12, 1, 4)
+    kn, vn = k.clone(), v.clone()
+    with pytest.raises(ValueError, match=f"tree_compact: {name}"):
+        dk.tree_compact(kn, vn, args["path"], args["accepted"], args["start"],
+                        cache_batch_idx=args["cache_batch_idx"], backend=backend)
+    assert torch.equal(kn, k) and torch.equal(vn, v)

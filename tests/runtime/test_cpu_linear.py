@@ -167,6 +167,31 @@ def test_row_blocks_take_the_kernel_from_one_row(fast_calls):
     assert fast_calls == [1, 8, cpu_linear.MAX_ROWS, 3]
 
 
+@needs_fast
+def test_row_blocks_follow_or_refuse_a_block_resized_in_place(fast_calls):
+    """A block whose storage an in-place resize_ reallocated (the recorded pointer freed) is never read at the old
+    address: resized to another shape it is a ValueError naming the block; back at its shape (in the new storage)
+    the kernel reads the new storage, exactly as a RowBlocks built afresh."""
+    k = 64
+    ws = [torch.randn(8, k), torch.randn(4, k)]
+    biases = [torch.randn(8), torch.randn(4)]
+    blocks = cpu_linear.RowBlocks(ws, biases)
+    x = torch.randn(3, k)
+    cpu_linear.linear(x, blocks)
+    old = ws[0].data_ptr()
+    ws[0].resize_(2048, 2048)
+    assert ws[0].data_ptr() != old, "the resize reallocated"
+    with pytest.raises(ValueError, match=r"weights\[0\] changed in place from shape \(8, 64\)"):
+        cpu_linear.linear(x, blocks)
+    ws[0].resize_(8, k)
+    biases[1].resize_(4000)
+    with pytest.raises(ValueError, match=r"biases\[1\] changed in place"):
+        cpu_linear.linear(x, blocks)
+    biases[1].resize_(4)
+    assert torch.equal(cpu_linear.linear(x, blocks), cpu_linear.linear(x, cpu_linear.RowBlocks(ws, biases)))
+    assert blocks.args[0] == ws[0].data_ptr() and fast_calls == [3, 3, 3]
+
+
 def test_row_blocks_bad_input():
     k = 16
     ws = [torch.randn(4, k) for _ in range(4)]

@@ -4,6 +4,7 @@ dropped models alive."""
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import threading
 import weakref
@@ -16,6 +17,40 @@ from dflash import generate
 from tiny_models import make_draft, make_target
 
 THREADS, CALLS = 3, 4
+
+
+def in_threads(calls: list[list]) -> list[list]:
+    """Run ``calls[t]`` (zero-argument functions) one after another in thread t, all threads at once; their
+    results, or the first exception of any thread."""
+    got = [[None] * len(c) for c in calls]
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(calls))
+
+    def work(t):
+        try:
+            start.wait()
+            for c, call in enumerate(calls[t]):
+                got[t][c] = call()
+        except BaseException as exc:  # re-raised below, with the thread's traceback
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(len(calls))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    return got
+
+
+def assert_single_threaded_outputs(calls: list[list]) -> None:
+    """Each call's sequences, run in threads, equal the same call's run alone."""
+    expected = [[call().sequences for call in c] for c in calls]
+    got = in_threads(calls)
+    for t, c in enumerate(calls):
+        for i in range(len(c)):
+            assert torch.equal(got[t][i].sequences, expected[t][i]), (t, i)
 
 
 @pytest.mark.parametrize("options", [
@@ -31,29 +66,19 @@ def test_threads_sharing_a_pair_get_the_single_threaded_outputs(options):
     # every call its own prompt and length, so a call that reads another's state gets other tokens
     jobs = [[(torch.randint(0, 48, (int(torch.randint(3, 11, (), generator=g)),), generator=g), 6 + (t + c) % 7)
              for c in range(CALLS)] for t in range(THREADS)]
-    expected = [[generate(target, draft, p, m, **options).sequences for p, m in calls] for calls in jobs]
-    got: list[list] = [[None] * CALLS for _ in range(THREADS)]
-    errors: list[BaseException] = []
-    start = threading.Barrier(THREADS)
+    assert_single_threaded_outputs([[functools.partial(generate, target, draft, p, m, **options) for p, m in calls]
+                                    for calls in jobs])
 
-    def work(t):
-        try:
-            start.wait()
-            for c, (p, m) in enumerate(jobs[t]):
-                got[t][c] = generate(target, draft, p, m, **options).sequences
-        except BaseException as exc:  # reported below, with the thread's traceback
-            errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(THREADS)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if errors:
-        raise errors[0]
-    for t in range(THREADS):
-        for c in range(CALLS):
-            assert torch.equal(got[t][c], expected[t][c]), (t, c)
+def test_threads_on_two_pairs_get_the_single_threaded_outputs():
+    """Calls on different targets run in parallel, each building its engine (the cache keeps one): still exact."""
+    pairs = []
+    for arch in ("qwen3", "llama"):
+        target = make_target(arch)
+        pairs.append((target, make_draft(target, layers=1, block_size=3)))
+    prompts = [torch.randint(0, 48, (4 + c,)) for c in range(CALLS)]
+    assert_single_threaded_outputs([[functools.partial(generate, *pair, p, 8, backend="fast") for p in prompts]
+                                    for pair in pairs])
 
 
 def test_dropped_models_are_freed():

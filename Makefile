@@ -29,7 +29,7 @@ ASAN_LIBS = $(shell g++ -print-file-name=libasan.so) $(shell g++ -print-file-nam
 
 .PHONY: fuzz-asan
 fuzz-asan: install
-	mkdir -p -m 700 $(VENV)/asan-cache
-	DFLASH_FUZZ_MEMORY_GB=0 CXX=$(CURDIR)/tests/fuzz/asan_cxx.sh DFLASH_CACHE=$(VENV)/asan-cache \
+	mkdir -p -m 700 $(CURDIR)/$(VENV)/asan-cache
+	DFLASH_FUZZ_MEMORY_GB=0 CXX=$(CURDIR)/tests/fuzz/asan_cxx.sh DFLASH_CACHE=$(CURDIR)/$(VENV)/asan-cache \
 	LD_PRELOAD="$(ASAN_LIBS)" ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1:max_allocation_size_mb=4096 \
 	$(BIN)/python -m pytest -q tests/kernels/test_cpu_native.py tests/fuzz/test_fuzz_ops.py -k "native or cpu"

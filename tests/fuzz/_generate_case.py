@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 import dflash
+from dflash_kernels.tree import distinct_prefixes
 from tiny_models import VOCAB, OracleDraft, make_draft, make_target
 
 MAX_BLOCK = 64  # the largest block size a caller may ask for (the runtime documents its cap)
@@ -51,8 +52,9 @@ class Generate:
             b.mark("invalid")
         if block > MAX_BLOCK:
             b.mark("either")  # above the cap: a clear error, or the lossless output
-        if self.budget is not None and not (1 <= self.budget <= 64 and block >= 2):
-            b.mark("invalid")
+        if self.budget is not None and not (1 <= self.budget <= min(64, distinct_prefixes(block - 1, VOCAB, 65))
+                                            and block >= 2):
+            b.mark("invalid")  # more nodes than the draft's distinct continuations also get a ValueError
         if any(not 0 <= s < VOCAB for s in self.stops):
             b.mark("either")  # a stop id outside the vocabulary never occurs
         # the oracle's proposals ride on the reference runtime's draft forward; the engine drafts with its own step

@@ -33,7 +33,7 @@ GROUPS = {
     "big_block": dict(block_size=st.sampled_from([100_000, 65, 10**9]), tree_budget=st.none(), mutation=st.just("none")),
 }
 RUNTIMES = {"reference": ["torch"], "fast": ["cpu", "torch"]}
-EXAMPLES = {"valid": 10, "bad_args": 10, "big_block": 4}
+EXAMPLES = {"valid": 25, "bad_args": 20, "big_block": 6}
 KNOWN: dict[tuple[str, str, str], str] = {}
 
 

@@ -89,8 +89,9 @@ class Generate:
     def reference(self):
         return [self._expected()]
 
-    def check_form(self, seq: torch.Tensor) -> str | None:
+    def check_form(self, got: list) -> str | None:
         """For bf16 (no exact reference): what is wrong with the output's form, or None."""
+        seq = got[0]
         p = len(self.prompt)
         new = seq[p:]
         if not torch.equal(seq[:p], self.prompt):

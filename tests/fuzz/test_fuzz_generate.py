@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import fuzz_settings
+from _fuzz import fuzz_settings
 
 pytestmark = pytest.mark.fuzz
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import fuzz_settings
+from _fuzz import fuzz_settings
 
 pytestmark = pytest.mark.fuzz
 
@@ -62,15 +62,40 @@ KNOBS["verify_attention"] = (dict(_ATTN, tree=st.booleans()), ("triton", "cpu", 
 KNOBS["draft_attention"] = (dict(_ATTN, block_lens=st.booleans(), window=st.one_of(st.none(), _ints(1, 6))),
                             ("triton", "cpu", "torch"), MUTATIONS)
 
+KNOBS["inject_context_kv"] = (
+    dict(n=_ints(0, 3), kvh=_ints(1, 2), d=st.sampled_from([16, 32, 8, 2]), cap=_ints(1, 16), max_rows=_ints(0, 6),
+         extra_rows=_ints(0, 2), spare_rows=_ints(0, 2), batch_idx=st.booleans(),
+         target=st.sampled_from(["cache_lens", "batch_idx", "cu_ctx_lens"]),
+         layout=st.sampled_from(["contiguous", "contiguous", "strided"])),
+    ("triton", "cpu", "torch"), MUTATIONS)
+KNOBS["commit_round"] = (
+    dict(r=_ints(0, 4), b=_ints(1, 6), cap=_ints(0, 20), stops=st.sampled_from(["none", "shared", "per_request"]),
+         target=st.sampled_from(["accepted", "lengths", "max_lengths"])),
+    ("ext", "cpu", "torch"), MUTATIONS)
+KNOBS["draft_round_setup"] = (dict(n=_ints(0, 5), b=_ints(1, 9), layout=st.sampled_from(["contiguous", "transposed"])),
+                              ("triton", "torch"), {"none": ["none"], "int32": ["int32"]})
+KNOBS["gate_up_silu"] = (dict(lead=st.lists(_ints(0, 5), max_size=2), k=_ints(1, 70), i=_ints(1, 40),
+                              layout=st.sampled_from(LAYOUTS)),
+                         ("triton", "torch"), EXTENT)
+KNOBS["fused_context"] = (dict(n=_ints(0, 5), h=_ints(1, 40), taps=_ints(1, 4),
+                               form=st.sampled_from(["list", "stacked", "concat"])),
+                          ("triton", "torch"), EXTENT)
+_SAMPLING = dict(r=_ints(0, 3), t=_ints(1, 6), v=_ints(1, 300), temperature=st.sampled_from([1.0, 0.5, 2.0]),
+                 top_k=st.sampled_from([0, 1, 5]), top_p=st.sampled_from([1.0, 0.9, 0.3]))
+KNOBS["verify_sample"] = (_SAMPLING, ("triton", "torch"), MUTATIONS)
+KNOBS["tree_accept_sample"] = (dict(_SAMPLING, block_size=_ints(0, 6)), ("triton", "torch"), {"none": ["none"]})
+
 # CI examples per test: the interpreter runs a Triton kernel in ~0.1-2 s, the others take milliseconds.
 EXAMPLES = {"triton": 8, "ext": 40, "cpu": 50, "torch": 20}
 
 # (op, path, backend, mutation group) -> the finding that still fails there (drop the entry when its fix lands).
-# Neither finding below is in issue 35's list; both were found by this harness.
+# None of the findings below is in issue 35's list; this harness found them.
 UNVALIDATED_LAYER_OP = ("new finding: torch.ops.dflash.{op} does not validate its arguments: {what}")
 CACHE_LENS_PAST_CAPACITY = ("new finding: with cache_lens past the cache capacity (the README's live rows = "
                             "min(cache_lens, capacity)) the torch references raise ({ref}) while the cpu/triton "
                             "kernels return a clipped result")
+INJECT_ROWS_PAST_OFFSETS = ("new finding: inject_context_kv (triton) writes k/v rows past cu_ctx_lens[-1] into the "
+                            "cache (the validation allows cu_ctx_lens[-1] <= M; the reference and cpu ignore them)")
 _VERIFY_REF = "verify_attention_reference: torch.arange(c, min(c + B, capacity)) with c > capacity"
 _DRAFT_REF = "draft_attention_reference: IndexError indexing the cache rows past it"
 KNOWN: dict[tuple[str, str, str, str], str] = {
@@ -86,6 +111,12 @@ KNOWN: dict[tuple[str, str, str, str], str] = {
         op="silu_mul", what="an odd gate_up width is accepted (cpu)"),
     ("silu_mul", "registered", "torch", "bad_extent"): UNVALIDATED_LAYER_OP.format(
         op="silu_mul", what="an odd gate_up width is accepted (torch)"),
+    ("gate_up_silu", "registered", "triton", "bad_extent"): UNVALIDATED_LAYER_OP.format(
+        op="gate_up_silu", what="a weight of 2I + 1 rows or K + 1 columns is accepted (triton)"),
+    ("fused_context", "registered", "triton", "bad_extent"): UNVALIDATED_LAYER_OP.format(
+        op="fused_context", what="an fc_weight of T*H + 1 columns is accepted (triton)"),
+    **{("inject_context_kv", path, "triton", group): INJECT_ROWS_PAST_OFFSETS
+       for path in ("public", "registered") for group in ("none", "int32")},
     **{("verify_attention", path, backend, "bad_index"): CACHE_LENS_PAST_CAPACITY.format(ref=_VERIFY_REF)
        for path in ("public", "registered") for backend in ("triton", "cpu", "torch")
        if (path, backend) != ("registered", "torch")},

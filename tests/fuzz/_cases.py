@@ -405,7 +405,7 @@ class Attention:
         room = cap - bs if self.verify else cap
         lens = b.ints((n,), 0, max(room, 0) + 1)
         if c.get("overflow") and n:  # rows past the capacity: the verify drops them, the context clips
-            lens[b.pick(n)] = cap - b.pick(bs)
+            lens[b.pick(n)] = max(cap - b.pick(bs), 0)
         rows = torch.randperm(nb, generator=b.gen)[:n]
         target = c.get("target", "cache_lens")
         if target == "cache_lens":

@@ -182,7 +182,9 @@ class AddRmsNorm:
         self.x = b.floats(shape, layout=c["layout"])
         if c["layout"] == "transposed":
             b.mark("either")
-        h = c["h"] + ((1 if c["h"] == 1 or b.pick(2) else -1) if c["mutation"] == "past_end" else 0)  # one too many or few
+        h = c["h"]
+        if c["mutation"] == "past_end":  # a weight one element too long or too short
+            h += 1 if h == 1 or b.pick(2) else -1
         if h != c["h"]:
             b.mark("invalid", inert=self.x.numel() == 0)
         self.weight = b.floats((h,), 0.5, offset=1.0)

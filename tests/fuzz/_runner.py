@@ -22,7 +22,8 @@ import time
 from collections import deque
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
-# A case that runs longer than this is a hang (an unbounded loop or allocation); the slowest CI case (a Triton kernel under the interpreter) takes a few seconds.
+# A case that runs longer than this is a hang (an unbounded loop or allocation); the slowest CI case (a Triton
+# kernel under the interpreter) takes a few seconds.
 CASE_TIMEOUT_S = float(os.environ.get("DFLASH_FUZZ_CASE_TIMEOUT", "20"))
 
 

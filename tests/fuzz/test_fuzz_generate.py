@@ -30,7 +30,8 @@ GROUPS = {
                      tree_budget=st.sampled_from([None, 0, 65, 7, 10**6]),
                      mutation=st.sampled_from(["none", "none", "none", "negative", "past_end", "huge"])),
     # block sizes past the cap, up to one that would need gigabytes: a clear error (or the lossless output)
-    "big_block": dict(block_size=st.sampled_from([100_000, 65, 10**9]), tree_budget=st.none(), mutation=st.just("none")),
+    "big_block": dict(block_size=st.sampled_from([100_000, 65, 10**9]), tree_budget=st.none(),
+                      mutation=st.just("none")),
 }
 RUNTIMES = {"reference": ["torch"], "fast": ["cpu", "torch"]}
 EXAMPLES = {"valid": 25, "bad_args": 20, "big_block": 6}

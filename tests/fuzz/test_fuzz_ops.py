@@ -27,11 +27,13 @@ def _ints(lo, hi):
     return st.integers(lo, hi)
 
 
-# op -> (knob strategies, backends on CPU, mutations it uses)
+# op -> (knob strategies, its backends on CPU, its mutation groups)
 KNOBS = {
-    "verify_greedy": (dict(n=_ints(0, 4), b=_ints(1, 6), v=_ints(1, 300), ties=st.booleans(), layout=st.sampled_from(LAYOUTS)),
+    "verify_greedy": (dict(n=_ints(0, 4), b=_ints(1, 6), v=_ints(1, 300), ties=st.booleans(),
+                           layout=st.sampled_from(LAYOUTS)),
                       ("ext", "triton", "cpu", "torch"), MUTATIONS),
-    "verify_greedy_tokens": (dict(n=_ints(0, 4), b=_ints(1, 6), v=_ints(1, 1000), draft_dtype=st.sampled_from(["i32", "i64"])),
+    "verify_greedy_tokens": (dict(n=_ints(0, 4), b=_ints(1, 6), v=_ints(1, 1000),
+                                  draft_dtype=st.sampled_from(["i32", "i64"])),
                              ("triton", "cpu", "torch"), MUTATIONS),
     "add_rms_norm": (dict(lead=st.lists(_ints(0, 5), max_size=2), h=_ints(1, 130), residual=st.booleans(),
                           layout=st.sampled_from(LAYOUTS)),
@@ -49,7 +51,8 @@ KNOBS = {
     "tree_accept_greedy": (dict(r=_ints(0, 3), t=_ints(1, 20), v=_ints(1, 50), block_size=_ints(0, 8),
                                 logits=st.just(True)),
                            ("triton", "cpu", "torch"), MUTATIONS),
-    "tree_compact": (dict(layers=_ints(1, 2), r=_ints(0, 3), t=_ints(1, 10), kvh=_ints(1, 2), d=st.sampled_from([1, 2, 8, 16]),
+    "tree_compact": (dict(layers=_ints(1, 2), r=_ints(0, 3), t=_ints(1, 10), kvh=_ints(1, 2),
+                          d=st.sampled_from([1, 2, 8, 16]),
                           bsz=_ints(1, 6), spare_rows=_ints(0, 2), cap=_ints(1, 24), batch_idx=st.booleans(),
                           target=st.sampled_from(["start", "accepted", "batch_idx"])),
                      ("triton", "cpu", "torch"), MUTATIONS),

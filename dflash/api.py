@@ -218,7 +218,8 @@ def generate(
     buffers, the reference's feature hooks); calls on different target models run in parallel, except on
     CUDA, where all calls run one at a time (a step capture must not overlap other CUDA work). Calling
     ``generate`` on the same target from inside ``on_tokens`` raises RuntimeError. The cached engine lives
-    on its target model: dropping the target and draft frees both, engine included.
+    on its target model: dropping the target and draft frees both, engine included, at Python's next
+    garbage collection (``gc.collect()`` frees them at once; the engine and the model refer to each other).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")

@@ -27,6 +27,25 @@ SUBCOMMANDS = {
 }
 
 
+def device_arg(name: str):
+    """A ``--device`` value as a torch.device: "auto" (cuda when available, else cpu), "cpu", "cuda" or
+    "cuda:N" of a GPU this machine has; anything else is a ValueError naming ``--device``."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name!r} is not a device: pass cpu, cuda, cuda:N or auto")
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ValueError(f"--device {name!r}: this machine has {found} CUDA device(s); pass --device cpu")
+    return device
+
+
 def bench_dir() -> Path:
     """bench/ of the source checkout (the package is installed editable from it)."""
     return Path(__file__).resolve().parents[1] / "bench"

@@ -493,7 +493,8 @@ class EngineCache:
     """The one cached engine (at most one at a time, so a new one never coexists with the old one's buffers).
 
     The engine is stored in its target model's :class:`TargetSlot`; this cache holds only a weak reference to
-    that slot, so dropping the target and draft frees them with their engine. Read as a mapping with the one
+    that slot, so dropping the target and draft frees them with their engine (a reference cycle: at the next
+    garbage collection). Read as a mapping with the one
     key ``"engine"``; ``clear()`` drops the engine (the next call builds a fresh one)."""
 
     def __init__(self) -> None:

@@ -78,21 +78,13 @@ def _check_numbers(args) -> None:
 
 
 def _device(name: str):
-    """``--device``: "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N" of an existing GPU."""
-    import torch
+    """``--device`` (:func:`dflash.cli.device_arg`); a bad value is a usage error."""
+    from dflash.cli import device_arg
 
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(name)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise UsageError(f"--device {name!r} is not a device: pass cpu, cuda, cuda:N or auto")
-    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
-        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        raise UsageError(f"--device {name!r}: this machine has {found} CUDA device(s); pass --device cpu")
-    return device
+        return device_arg(name)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _resolve_paths(args) -> tuple[str, str]:

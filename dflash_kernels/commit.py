@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_kernels._dispatch import call_op, resolve_backend
+from dflash_kernels._dispatch import call_op, checked_by, resolve_backend
 from dflash_kernels._triton_utils import check_tensor, next_pow2
 
 __all__ = ["commit_round", "commit_round_reference", "CommitRoundInputError", "draft_round_setup",
@@ -218,13 +218,20 @@ def commit_round(draft_tokens: torch.Tensor, accepted: torch.Tensor, bonus: torc
                    done, max_lengths, stop_tokens, chosen, device=dev)
 
 
+def _check_commit(draft_tokens, accepted, bonus, out_tokens, lengths, positions, anchor, done, max_lengths,
+                  stop_tokens, backend):
+    _validate(draft_tokens, accepted, bonus, out_tokens, lengths, positions, anchor, done, max_lengths, stop_tokens)
+
+
 @torch.library.custom_op("dflash::commit_round",
                          mutates_args=("out_tokens", "lengths", "positions", "anchor", "done"))
+@checked_by(_check_commit)
 def _commit_round_op(draft_tokens: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor,
                      out_tokens: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, anchor: torch.Tensor,
                      done: torch.Tensor, max_lengths: torch.Tensor, stop_tokens: Optional[torch.Tensor],
                      backend: str) -> torch.Tensor:
-    """``torch.ops.dflash.commit_round``: :func:`commit_round` after validation (no value checks here)."""
+    """``torch.ops.dflash.commit_round``: :func:`commit_round` after its shape and dtype checks (no value checks
+    here: every backend finishes a request with values out of range untouched)."""
     chosen = resolve_backend(_OP, backend, draft_tokens.device, available=_BACKENDS)
     if chosen == "cpu":  # the extension's CPU kernel where it is built (~70 us vs ~250 us), else the reference
         from dflash_kernels import _ext
@@ -291,6 +298,12 @@ def draft_round_setup(anchor: torch.Tensor, positions: torch.Tensor, num_new: to
             draft attends to (``draft_attention``'s ``block_lens``).
         backend: ``"auto" | "triton" | "torch"``.
     """
+    chosen = resolve_backend(_SETUP, backend, block.device, available=_SETUP_BACKENDS)
+    call_op(_draft_round_setup_op, anchor, positions, num_new, max_lengths, block, context_start, block_lens,
+            chosen, device=block.device)
+
+
+def _check_setup(anchor, positions, num_new, max_lengths, block, context_start, block_lens, backend):
     check_tensor(_SETUP, "block", block, ndim=2, dtypes=(torch.int64,))
     n, dev = block.shape[0], block.device
     if block.shape[1] < 1:
@@ -301,12 +314,10 @@ def draft_round_setup(anchor: torch.Tensor, positions: torch.Tensor, num_new: to
         if t.shape[0] != n or not t.is_contiguous():
             raise ValueError(f"{_SETUP}: {name} must be a contiguous [N={n}] tensor (N = block.shape[0]), "
                              f"got shape {tuple(t.shape)}")
-    chosen = resolve_backend(_SETUP, backend, dev, available=_SETUP_BACKENDS)
-    call_op(_draft_round_setup_op, anchor, positions, num_new, max_lengths, block, context_start, block_lens,
-            chosen, device=dev)
 
 
 @torch.library.custom_op("dflash::draft_round_setup", mutates_args=("block", "context_start", "block_lens"))
+@checked_by(_check_setup)
 def _draft_round_setup_op(anchor: torch.Tensor, positions: torch.Tensor, num_new: torch.Tensor,
                           max_lengths: torch.Tensor, block: torch.Tensor, context_start: torch.Tensor,
                           block_lens: torch.Tensor, backend: str) -> None:

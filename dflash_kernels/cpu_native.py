@@ -65,6 +65,9 @@ import torch
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 ENV = "DFLASH_CPU_NATIVE"
+# A sanitizer for every native build (e.g. "address": csrc/tests/asan_cpu.sh runs the op tests on ASan builds;
+# the process needs the sanitizer's runtime preloaded). Part of the flags, so of the cache key.
+SANITIZE_ENV = "DFLASH_CPU_SANITIZE"
 
 
 def cache_root() -> str:
@@ -99,7 +102,7 @@ def private_dir(path: str) -> str:
 
 def _digest(path: str) -> str:
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        return hashlib.sha256(f.read()).hexdigest()  # a library of a few hundred KB: one read
 
 
 def _own_build(path: str, key: str) -> bool:
@@ -135,8 +138,12 @@ def build_library(name: str, source: str, flags) -> ctypes.CDLL:
     """Compile ``source`` (C++) with ``flags`` once per source, flags, compiler and CPU into
     ``<cache_root>/<name>/<hash>.so`` and load it. The folders must be private to this user
     (:func:`private_dir`); a library is loaded only if this builder wrote it (:func:`_own_build`: its sha256
-    matches the sidecar written with it), else it is rebuilt. Raises RuntimeError (no compiler, compile error,
+    matches the sidecar written with it), else it is rebuilt. ``$DFLASH_CPU_SANITIZE`` adds a sanitizer to the
+    flags. Raises RuntimeError (no compiler, compile error,
     not Linux x86-64, a shared cache folder), OSError or SubprocessError."""
+    sanitizer = os.environ.get(SANITIZE_ENV)
+    if sanitizer:
+        flags = (*flags, f"-fsanitize={sanitizer}", "-fno-omit-frame-pointer", "-g")
     cxx, key, path = library_path(name, source, flags)
     private_dir(cache_root())
     private_dir(os.path.dirname(path))
@@ -578,10 +585,11 @@ struct Candidate {  // a heap entry, ordered as the reference's tuples (-score, 
 // z [R, P, V] fp32 (strides ldr, ldp; last dim contiguous), lse [R, P] (the log normalizer), K = min(T - 1, V)
 // -> tokens / parents / depths [R, T] int64. Per row the K largest logits, by value desc then index asc, as
 // log p = fp32(z - lse); then the best-first enumeration. Returns 1 (nothing usable written) when a logit is
-// NaN or +inf (the reference's order then follows torch.topk's NaN rule), else 0.
-extern "C" int dflash_cpu_build_tree(const float* z, long ldr, long ldp, long R, long P, long V, const float* lse,
-                                     long K, long T, const int64_t* anchor, const int64_t* vocab_ids,
-                                     int64_t* tokens, int64_t* parents, int64_t* depths) {
+// NaN or +inf (the reference's order then follows torch.topk's NaN rule), 2 when its work memory cannot be
+// allocated, else 0.
+static int build_tree(const float* z, long ldr, long ldp, long R, long P, long V, const float* lse, long K, long T,
+                      const int64_t* anchor, const int64_t* vocab_ids, int64_t* tokens, int64_t* parents,
+                      int64_t* depths) {
   std::vector<float> lp(P * K);
   std::vector<long> idx(P * K);
   std::vector<float> score(T);
@@ -631,6 +639,16 @@ extern "C" int dflash_cpu_build_tree(const float* z, long ldr, long ldp, long R,
     }
   }
   return 0;
+}
+
+extern "C" int dflash_cpu_build_tree(const float* z, long ldr, long ldp, long R, long P, long V, const float* lse,
+                                     long K, long T, const int64_t* anchor, const int64_t* vocab_ids,
+                                     int64_t* tokens, int64_t* parents, int64_t* depths) {
+  try {
+    return build_tree(z, ldr, ldp, R, P, V, lse, K, T, anchor, vocab_ids, tokens, parents, depths);
+  } catch (const std::bad_alloc&) {  // an exception must not cross the C boundary (it would abort the process)
+    return 2;
+  }
 }
 
 // parents [R, T] (row stride ldr) -> mask [R, T, W]: node i's words are its parent's plus bit i. Returns the
@@ -909,11 +927,12 @@ def build_tree(draft_logits: torch.Tensor, lse: torch.Tensor, anchor: torch.Tens
     lse = lse.contiguous()
     anchor = anchor.contiguous()
     ids = None if vocab_ids is None else vocab_ids.contiguous()
-    if _lib.dflash_cpu_build_tree(draft_logits.data_ptr(), draft_logits.stride(0), draft_logits.stride(1), r, p, v,
-                                  lse.data_ptr(), min(budget, v), t, anchor.data_ptr(), _ptr(ids),
-                                  *(o.data_ptr() for o in out)) != 0:
-        return None
-    return out
+    status = _lib.dflash_cpu_build_tree(draft_logits.data_ptr(), draft_logits.stride(0), draft_logits.stride(1), r,
+                                        p, v, lse.data_ptr(), min(budget, v), t, anchor.data_ptr(), _ptr(ids),
+                                        *(o.data_ptr() for o in out))
+    if status == 2:
+        _raise_on_failure(status, "build_tree", f"{r} trees of {t} nodes over {p} depths")
+    return None if status else out
 
 
 def tree_ancestor_mask(tree_parents: torch.Tensor, words: int) -> torch.Tensor | None:

@@ -769,7 +769,7 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             ``inject_context_kv``); row t of a request is absolute position t. Either contiguous
             ``[N_cap, max_len, kvH, D]`` (request n uses batch row ``cache_batch_idx[n]``, default n) or paged
             ``[num_pages, page_size, kvH, D]`` with ``block_table``. Slices ``cache[l]`` of the 5-D caches work.
-        cache_lens: ``[N]`` int32/int64 on the device: cached context rows per request (0 allowed). Reads
+        cache_lens: ``[N]`` int32/int64 on the device: cached context rows per request (>= 0). Reads
             stop at the cache capacity (max_len, or max_pages * page_size) even if cache_lens is larger.
         q_norm_weight, k_norm_weight: ``[D]`` the layer's ``q_norm.weight`` / ``k_norm.weight``, or both None
             (no per-head q/k norm).
@@ -782,14 +782,15 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             overrides (e.g. ``dflash_config.causal``): causal masks block keys after the query, and a
             non-causal window also hides block keys W or more positions after it.
         block_table: ``[N, max_pages]`` int32/int64 page ids of a paged cache (logical row t lives in
-            page ``block_table[n, t // page_size]`` at slot ``t % page_size``).
-        cache_batch_idx: ``[N]`` int, contiguous cache only.
+            page ``block_table[n, t // page_size]`` at slot ``t % page_size``); every entry a page of the cache.
+        cache_batch_idx: ``[N]`` int32/int64 batch rows of the cache, contiguous cache only.
         block_lens: ``[N]`` int64 on the device, or None (all B rows valid): request n's block keys/values
             at rows ``j >= block_lens[n]`` are masked out for every query (and not read). Values must be in
-            ``[1, B]`` (not checked: that would sync). Output rows ``i < block_lens[n]`` equal a run on the
-            block ``[:, :block_lens[n]]``; rows ``i >= block_lens[n]`` are unspecified (finite for finite
-            inputs) and should be ignored. For a shortened tail block ``[anchor, MASK x (v-1)]`` with static
-            shapes.
+            ``[1, B]``. Output rows ``i < block_lens[n]`` equal a run on the block ``[:, :block_lens[n]]``;
+            rows ``i >= block_lens[n]`` are unspecified (finite for finite inputs) and should be ignored. For a
+            shortened tail block ``[anchor, MASK x (v-1)]`` with static shapes. The index values
+            (``cache_lens``, ``cache_batch_idx``, ``block_table``, ``block_lens``) are checked on CPU tensors
+            (ValueError); on a GPU only the kernels read them (no host sync).
         num_splits: the maximum context splits per (request, KV head) (the grid); default
             ``pick_max_splits`` from the SM count and the capacity. Each request uses
             ``active_splits(live rows, num_splits)`` of them, computed in-kernel.

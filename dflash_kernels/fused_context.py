@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_kernels._dispatch import call_op, resolve_backend
+from dflash_kernels._dispatch import call_op, checked_by, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, rms_norm_reference,
 )
@@ -278,7 +278,12 @@ def fused_context(taps: Taps, fc_weight: torch.Tensor, norm_weight: torch.Tensor
     return out
 
 
+def _check(taps, fc_weight, norm_weight, eps, out, backend):
+    _validate(taps, fc_weight, norm_weight, eps, out)
+
+
 @torch.library.custom_op("dflash::fused_context", mutates_args=("out",))
+@checked_by(_check)
 def _fused_context_op(taps: list[torch.Tensor], fc_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                       out: torch.Tensor, backend: str) -> None:
     """``torch.ops.dflash.fused_context``: :func:`fused_context` after validation (writes out); ``taps`` is the

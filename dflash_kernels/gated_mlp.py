@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dflash_kernels._dispatch import call_op, resolve_backend
+from dflash_kernels._dispatch import call_op, checked_by, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2,
 )
@@ -183,7 +183,12 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, *, out: Optional[torch.T
     return out
 
 
+def _check(x, weight, out, backend):
+    _validate(x, weight, out)
+
+
 @torch.library.custom_op("dflash::gate_up_silu", mutates_args=("out",))
+@checked_by(_check)
 def _gate_up_silu_op(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, backend: str) -> None:
     """``torch.ops.dflash.gate_up_silu``: :func:`gate_up_silu` after validation (writes out)."""
     chosen = resolve_backend(OP, backend, x.device, available=_BACKENDS)

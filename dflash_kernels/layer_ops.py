@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from dflash_kernels import cpu_native
-from dflash_kernels._dispatch import call_op, lean_version_bump, resolve_backend
+from dflash_kernels._dispatch import call_op, checked_by, lean_version_bump, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, rms_norm_reference,
 )
@@ -142,23 +142,28 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
         out: None, or a contiguous tensor of x's shape and dtype to write the result into (e.g. rows of a
             buffer that a following GEMM reads together with other rows).
         backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"``: CPU tensors, torch's fused RMSNorm).
-        validate: check the arguments first (default). ``False`` is for a caller that already checked the
-            same shapes, dtypes and devices (the lean target: every layer after the first of a forward).
+        validate: check the arguments first (default; ``torch.ops.dflash.add_rms_norm`` always does).
+            ``False`` takes the internal unchecked path (``_dispatch.call_op(checked=True)``), for a caller that
+            already checked the same shapes, dtypes and devices (the lean target: every layer after the first of a
+            forward).
 
     Returns:
         ``out``, or a new contiguous tensor of x's shape and dtype: ``RMSNorm(residual + x or x) * weight`` with
         fp32 statistics, the normalised value rounded to the dtype before the weight multiply (HF order). One launch.
     """
-    if validate:
-        _validate_add_rms_norm(x, weight, eps, residual, out)
     chosen = resolve_backend(ADD_RMS_NORM, backend, x.device, available=_BACKENDS)
     if out is None:
         out = x.new_empty(x.shape)
-    call_op(_add_rms_norm_op, x, weight, float(eps), residual, out, chosen, device=x.device)
+    call_op(_add_rms_norm_op, x, weight, eps, residual, out, chosen, device=x.device, checked=not validate)
     return out
 
 
+def _check_add_rms_norm(x, weight, eps, residual, out, backend):
+    _validate_add_rms_norm(x, weight, eps, residual, out)
+
+
 @torch.library.custom_op("dflash::add_rms_norm", mutates_args=("residual", "out"))
+@checked_by(_check_add_rms_norm)
 def _add_rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor],
                      out: torch.Tensor, backend: str) -> None:
     """``torch.ops.dflash.add_rms_norm``: :func:`add_rms_norm` after validation (writes residual and out)."""
@@ -233,17 +238,20 @@ def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto", validate: bool = T
         A new ``[..., I]`` tensor in gate_up's dtype; ``silu`` in fp32 rounded to the dtype, then times up
         and rounded (HF order). One launch.
     """
-    if validate:
-        check_tensor(SILU_MUL, "gate_up", gate_up, dtypes=FLOAT_DTYPES)
-        if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
-            raise ValueError(f"{SILU_MUL}: gate_up must be [..., 2I] (gate and up halves of one projection), "
-                             f"got shape {tuple(gate_up.shape)}")
-        check_last_dim_contiguous(SILU_MUL, "gate_up", gate_up)
     chosen = resolve_backend(SILU_MUL, backend, gate_up.device, available=_BACKENDS)
-    return call_op(_silu_mul_op, gate_up, chosen, device=gate_up.device)
+    return call_op(_silu_mul_op, gate_up, chosen, device=gate_up.device, checked=not validate)
+
+
+def _check_silu_mul(gate_up, backend):
+    check_tensor(SILU_MUL, "gate_up", gate_up, dtypes=FLOAT_DTYPES)
+    if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
+        raise ValueError(f"{SILU_MUL}: gate_up must be [..., 2I] (gate and up halves of one projection), "
+                         f"got shape {tuple(gate_up.shape)}")
+    check_last_dim_contiguous(SILU_MUL, "gate_up", gate_up)
 
 
 @torch.library.custom_op("dflash::silu_mul", mutates_args=())
+@checked_by(_check_silu_mul)
 def _silu_mul_op(gate_up: torch.Tensor, backend: str) -> torch.Tensor:
     """``torch.ops.dflash.silu_mul``: :func:`silu_mul` after validation."""
     chosen = resolve_backend(SILU_MUL, backend, gate_up.device, available=_BACKENDS)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_kernels._dispatch import call_op, resolve_backend
+from dflash_kernels._dispatch import call_op, checked_by, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, argmax_cpu, as_index_tensor, check_tensor, interpreting, next_pow2,
 )
@@ -202,12 +202,16 @@ def verify_greedy(logits: torch.Tensor, draft_tokens: torch.Tensor, *, backend: 
         ``draft_tokens[n, j] == argmax(logits[n, j])``; ``bonus[n] = argmax(logits[n, accepted[n]])``.
         argmax is ``torch.argmax`` exactly: first index among ties, NaN counts as the maximum.
     """
-    _validate("verify_greedy", logits, draft_tokens)
     chosen = resolve_backend("verify_greedy", backend, logits.device, available=_GREEDY_BACKENDS)
     return call_op(_verify_greedy_op, logits, draft_tokens, chosen, device=logits.device)
 
 
+def _check_greedy(logits, draft_tokens, backend):
+    _validate("verify_greedy", logits, draft_tokens)
+
+
 @torch.library.custom_op("dflash::verify_greedy", mutates_args=())
+@checked_by(_check_greedy)
 def _verify_greedy_op(logits: torch.Tensor, draft_tokens: torch.Tensor, backend: str
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.dflash.verify_greedy``: :func:`verify_greedy` after validation (``backend`` may be "auto")."""
@@ -262,12 +266,16 @@ def verify_greedy_tokens(target_tokens: torch.Tensor, draft_tokens: torch.Tensor
     Returns:
         ``(accepted, bonus)``, both int64 ``[N]``: :func:`verify_greedy`'s for logits with these argmax tokens.
     """
-    _validate_tokens("verify_greedy_tokens", target_tokens, draft_tokens)
     chosen = resolve_backend("verify_greedy_tokens", backend, target_tokens.device, available=_TOKENS_BACKENDS)
     return call_op(_verify_greedy_tokens_op, target_tokens, draft_tokens, chosen, device=target_tokens.device)
 
 
+def _check_greedy_tokens(target_tokens, draft_tokens, backend):
+    _validate_tokens("verify_greedy_tokens", target_tokens, draft_tokens)
+
+
 @torch.library.custom_op("dflash::verify_greedy_tokens", mutates_args=())
+@checked_by(_check_greedy_tokens)
 def _verify_greedy_tokens_op(target_tokens: torch.Tensor, draft_tokens: torch.Tensor, backend: str
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.dflash.verify_greedy_tokens``: :func:`verify_greedy_tokens` after validation."""
@@ -710,11 +718,12 @@ def _filter_threshold(logits: torch.Tensor, temp_t: torch.Tensor, topk_t: torch.
 def check_packed_sampling(op: str, n: int, temperature, top_k, top_p, seed, offset, device) -> None:
     """Validate the sampling ops' packed tensors (:func:`sampling_op_args`' results, as a registered op takes them):
     temperature / top_k / top_p 1-D of one length, 1 (one value for the batch) or N (per request), seed and offset
-    one element each, all on ``device``. The kernels index the parameters by request when their length is not 1."""
-    for name, t, dtypes in (("temperature", temperature, (torch.float32, torch.float64)),
-                            ("top_k", top_k, (torch.int32, torch.int64)),
-                            ("top_p", top_p, (torch.float32, torch.float64))):
-        check_tensor(op, name, t, ndim=1, dtypes=dtypes, device=device)
+    one element each, all on ``device``; any float dtype for temperature and top_p, any integer one for top_k (the
+    ops convert). The kernels index the parameters by request when their length is not 1."""
+    for name, t, floating in (("temperature", temperature, True), ("top_k", top_k, False), ("top_p", top_p, True)):
+        check_tensor(op, name, t, ndim=1, device=device)
+        if t.is_floating_point() != floating or t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"{op}: {name} must be {'a float' if floating else 'an integer'} tensor, got {t.dtype}")
         if t.shape[0] not in (1, n) or t.shape != temperature.shape:
             raise ValueError(f"{op}: temperature, top_k and top_p must be [1] or [N={n}] alike, got "
                              f"{tuple(temperature.shape)}, {tuple(top_k.shape)}, {tuple(top_p.shape)}")
@@ -822,13 +831,19 @@ def verify_sample(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperatu
         ``(accepted, next_token)``, int64 ``[N]`` each.
     """
     op = "verify_sample"
-    _validate(op, logits, draft_tokens)
+    _validate(op, logits, draft_tokens)  # before sampling_op_args reads logits
     args = sampling_op_args(op, logits, temperature, top_k, top_p, seed, offset)
     chosen = resolve_backend(op, backend, logits.device, available=_SAMPLE_BACKENDS)
     return call_op(_verify_sample_op, logits, draft_tokens, *args, chosen, device=logits.device)
 
 
+def _check_sample(logits, draft_tokens, temperature, top_k, top_p, seed, offset, use_top_k, use_top_p, backend):
+    _validate("verify_sample", logits, draft_tokens)
+    check_packed_sampling("verify_sample", logits.shape[0], temperature, top_k, top_p, seed, offset, logits.device)
+
+
 @torch.library.custom_op("dflash::verify_sample", mutates_args=())
+@checked_by(_check_sample)
 def _verify_sample_op(logits: torch.Tensor, draft_tokens: torch.Tensor, temperature: torch.Tensor,
                       top_k: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
                       use_top_k: bool, use_top_p: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -838,14 +853,9 @@ def _verify_sample_op(logits: torch.Tensor, draft_tokens: torch.Tensor, temperat
     seed / offset: 1-element int tensors. All are read on the device at run time. ``use_top_k`` /
     ``use_top_p`` switch the filter launches on (the reference filters from the values themselves).
     """
-    n = logits.shape[0]
-    params = (temperature, top_k, top_p)
-    if len({p.numel() for p in params}) != 1 or params[0].numel() not in (1, n):
-        raise ValueError(f"verify_sample: temperature, top_k and top_p must all be [1] or all be [N={n}], got "
-                         f"{[tuple(p.shape) for p in params]}")
     chosen = resolve_backend("verify_sample", backend, logits.device, available=_SAMPLE_BACKENDS)
     if chosen == "torch":
-        if params[0].numel() == 1:
+        if temperature.numel() == 1:
             temperature, top_k, top_p = temperature.item(), int(top_k.item()), top_p.item()
         return verify_sample_reference(logits, draft_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                        seed=seed, offset=offset)

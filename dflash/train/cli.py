@@ -67,5 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Run a subcommand; its ValueErrors (bad arguments, refused files) exit 2 with one line, no traceback."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:
+        print(f"dflash train {args.cmd}: error: {exc}", file=sys.stderr)
+        return 2

@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from dflash.cli import device_arg
 from dflash.config import DFlashConfig
 from dflash.model import DFlashDraftModel
 from dflash.train.blocks import (
@@ -323,6 +324,7 @@ def fit_main(args) -> int:
     from dflash.train.data import load_dataset
 
     tree_budgets = _budgets(args.eval_tree_budgets)
+    device_arg(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -306,14 +306,15 @@ def test_inject_kernel_reads_the_values_that_were_checked(monkeypatch, calls):
     assert torch.equal(kc, expected[0]) and torch.equal(vc, expected[1])
 
 
-def test_attention_scratch_too_large_is_a_memory_error(calls):
+@pytest.mark.parametrize("op", [verify_attention, draft_attention])
+def test_attention_scratch_too_large_is_a_memory_error(calls, op):
     """A block whose scratch cannot be allocated (300,000 rows: B x keys scores per thread) is a MemoryError, not
     an abort of the process from the C++ allocator."""
     b, d = 300_000, 16
     q, k, v = (torch.randn(1, b, 1, d) for _ in range(3))
     kc, vc = torch.zeros(1, b, 1, d), torch.zeros(1, b, 1, d)
     with pytest.raises(MemoryError, match="block_attention: not enough memory"):
-        verify_attention(q, k, v, kc, vc, torch.tensor([0]), inv_freq=_inv_freq(d), backend="cpu")
+        op(q, k, v, kc, vc, torch.tensor([0]), None, None, inv_freq=_inv_freq(d), backend="cpu")
     assert calls["attention"] == 1
 
 

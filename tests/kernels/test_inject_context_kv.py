@@ -127,3 +127,37 @@ def test_rows_past_capacity_are_dropped_not_wrapped(backend):
     full_v = full_k.clone()
     inject_context_kv(k, v, knw, cu, lens, full_k, full_v, inv_freq=_inv_freq(8), backend=backend)
     assert torch.equal(kc, full_k[:, :4]) and torch.equal(vc, full_v[:, :4])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int32_index_tensors_give_the_int64_result(backend):
+    """int32 cu_ctx_lens, cache_lens and cache_batch_idx write exactly the caches int64 ones write, on every
+    backend (the native kernel reads int64 copies)."""
+    k, v, knw, cu, lens, cap = _case(3, 2, 16, [4, 0, 6], [2, 5, 0], torch.float32)
+    rows = torch.tensor([3, 0, 1])
+    caches = []
+    for dtype in (torch.int64, torch.int32):
+        kc, vc = torch.zeros(4, cap, 2, 16), torch.zeros(4, cap, 2, 16)
+        inject_context_kv(k, v, knw, cu.to(dtype), lens.to(dtype), kc, vc, inv_freq=_inv_freq(16),
+                          cache_batch_idx=rows.to(dtype), backend=backend)
+        caches.append((kc, vc))
+    assert caches[0][0].any() and not caches[0][0][2].any()  # rows written; batch row 2 belongs to no request
+    for a, b in zip(*caches):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name, value", [("cache_lens", [0, -1, 2]), ("cache_batch_idx", [0, -1, 1]),
+                                         ("cache_batch_idx", [0, 4, 1]), ("cu_ctx_lens", [0, 4, 3, 10]),
+                                         ("cu_ctx_lens", [1, 4, 4, 10]), ("cu_ctx_lens", [0, 4, 4, 11])])
+def test_bad_index_values_raise_before_any_write(backend, name, value):
+    """Negative lengths or rows, rows past the cache and offsets that are not a partition of k's rows are a
+    ValueError naming the argument (host indexing would have written other rows; the kernels past the caches)."""
+    k, v, knw, cu, lens, cap = _case(3, 2, 16, [4, 0, 6], [2, 5, 0], torch.float32)
+    args = dict(cu_ctx_lens=cu, cache_lens=lens, cache_batch_idx=torch.tensor([3, 0, 1]))
+    args[name] = torch.tensor(value)
+    kc, vc = torch.zeros(4, cap, 2, 16), torch.zeros(4, cap, 2, 16)
+    with pytest.raises(ValueError, match=f"inject_context_kv: {name}"):
+        inject_context_kv(k, v, knw, args["cu_ctx_lens"], args["cache_lens"], kc, vc, inv_freq=_inv_freq(16),
+                          cache_batch_idx=args["cache_batch_idx"], backend=backend)
+    assert not kc.any() and not vc.any()

@@ -192,6 +192,33 @@ def test_each_public_call_is_one_registered_op(backend):
         assert torch.equal(plain[k], recorded[k]), k
 
 
+def _wrong_dtype(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.complex64) if t.is_floating_point() else t.to(torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_registered_ops_validate_like_the_public_functions(backend):
+    """Every torch.ops.dflash.* op checks its arguments itself (a direct call is not a way around the public
+    function's checks): each recorded call of a round, its first tensor given a dtype no op accepts, raises a
+    TypeError or ValueError naming the op, before touching any state. The unchecked bodies are reachable only
+    through call_op(checked=True)."""
+    from torch._library.custom_ops import OPDEFS
+
+    ours = {name: d for name, d in OPDEFS.items() if name.startswith("dflash::")}
+    assert len(ours) == len(OPS) + 1 and all(hasattr(d._init_fn, "unchecked") for d in ours.values())
+    state = _state()
+    with Recorder() as rec:
+        _round(state, backend)
+    before = _clone(state)
+    for func, args, kwargs in rec.calls:
+        first = args[0]
+        bad = [_wrong_dtype(first[0]), *first[1:]] if isinstance(first, list) else _wrong_dtype(first)
+        with pytest.raises((TypeError, ValueError), match=func.__name__.split(".")[0]):
+            func(bad, *args[1:], **kwargs)
+    for k in MUTATED:
+        assert torch.equal(state[k], before[k]), k
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_eager_cpu_calls_skip_the_dispatcher(backend, monkeypatch):
     """Plain eager calls on CPU tensors run the ops' bodies without torch.ops (dflash_kernels._dispatch.call_op):

@@ -162,9 +162,9 @@ def test_fit_resumed_one_step_at_a_time_equals_uninterrupted(tmp_path):
         assert torch.equal(w, pieces["draft"][name]), name
 
 
-def test_crafted_checkpoint_is_refused_on_resume_and_export(tmp_path):
-    """`fit` resuming from, and `export` reading, a last.pt with a payload refuse it; the payload never runs.
-    Needs SmolLM2 (fit loads it before resuming)."""
+def test_crafted_checkpoint_is_refused_on_resume_and_export(tmp_path, capsys):
+    """`fit` resuming from, and `export` reading, a last.pt with a payload refuse it (exit 2, one line, no
+    traceback); the payload never runs. Needs SmolLM2 (fit loads it before resuming)."""
     from dflash import smollm2
     from dflash.train.cli import main
 
@@ -174,12 +174,24 @@ def test_crafted_checkpoint_is_refused_on_resume_and_export(tmp_path):
     _write_shard(str(data / "train"), 2, seed=1)
     out.mkdir()
     _crafted(out / "last.pt", marker, wrap=lambda payload: {"step": 1, "draft": payload})
-    with pytest.raises(ValueError, match="last.pt: refused"):
-        main(["fit", "--data", str(data), "--steps", "1", "--batch-seqs", "1", "--anchors", "2", "--eval-every",
-              "1000", "--threads", "1", "--out", str(out)])
-    with pytest.raises(ValueError, match="last.pt: refused"):
-        main(["export", str(out), str(tmp_path / "exported"), "--use-last"])
+    for argv in (["fit", "--data", str(data), "--steps", "1", "--batch-seqs", "1", "--anchors", "2", "--eval-every",
+                  "1000", "--threads", "1", "--out", str(out)],
+                 ["export", str(out), str(tmp_path / "exported"), "--use-last"]):
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err[-1].startswith(f"dflash train {argv[0]}: error: {out / 'last.pt'}: refused"), err
+        assert not any("Traceback" in line for line in err)
     assert not marker.exists()
+
+
+def test_fit_refuses_a_bad_device_before_any_work(tmp_path, capsys):
+    from dflash.train.cli import main
+
+    assert main(["fit", "--device", "foo", "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == ("dflash train fit: error: --device 'foo' is not a device: pass cpu, cuda, "
+                                       "cuda:N or auto\n")
+    assert not (tmp_path / "run").exists()
 
 
 def test_fit_logs_tree_estimates(tmp_path, capsys):

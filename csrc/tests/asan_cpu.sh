@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The native CPU kernels (dflash_kernels.cpu_native, dflash.cpu_linear) built with AddressSanitizer and run over
+# the op tests that reach them; fails on any ASan report. Run from the repository root:
+#   PY=.venv/bin/python bash csrc/tests/asan_cpu.sh [extra pytest args]
+# The builds go to a fresh private cache folder; libasan (and libstdc++, so that ASan intercepts the C++
+# exceptions torch throws) are preloaded into Python. Leak checks are off (the interpreter's own allocations).
+set -euo pipefail
+PY=${PY:-python}
+CXX_=${CXX:-g++}
+cache=$(mktemp -d)
+trap 'rm -rf "$cache"' EXIT
+export DFLASH_CACHE=$cache DFLASH_CPU_SANITIZE=address TRITON_INTERPRET=1
+export ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1:log_path=$cache/asan
+export LD_PRELOAD="$($CXX_ -print-file-name=libasan.so) $($CXX_ -print-file-name=libstdc++.so.6)"
+status=0
+$PY -m pytest -q -p no:warnings tests/kernels/test_cpu_native.py tests/kernels/test_verify_attention.py \
+    tests/kernels/test_draft_attention.py tests/kernels/test_inject_context_kv.py tests/kernels/test_tree.py \
+    tests/kernels/test_layer_ops.py tests/kernels/test_ops_registered.py tests/runtime/test_cpu_linear.py "$@" \
+    || status=$?
+if compgen -G "$cache/asan*" > /dev/null; then
+    cat "$cache"/asan*
+    echo "AddressSanitizer reported errors (above)"
+    exit 1
+fi
+exit $status

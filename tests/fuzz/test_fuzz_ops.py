@@ -93,7 +93,6 @@ EXAMPLES = {"triton": 8, "ext": 40, "cpu": 50, "torch": 20}
 
 # (op, path, backend, mutation group) -> the finding that still fails there (drop the entry when its fix lands).
 # None of the findings below is in issue 35's list; this harness found them.
-UNVALIDATED_LAYER_OP = ("new finding: torch.ops.dflash.{op} does not validate its arguments: {what}")
 CACHE_LENS_PAST_CAPACITY = ("new finding: with cache_lens past the cache capacity (the README's live rows = "
                             "min(cache_lens, capacity)) the torch references raise ({ref}) while the cpu/triton "
                             "kernels return a clipped result")
@@ -102,22 +101,6 @@ INJECT_ROWS_PAST_OFFSETS = ("new finding: inject_context_kv (triton) writes k/v 
 _VERIFY_REF = "verify_attention_reference: torch.arange(c, min(c + B, capacity)) with c > capacity"
 _DRAFT_REF = "draft_attention_reference: IndexError indexing the cache rows past it"
 KNOWN: dict[tuple[str, str, str, str], str] = {
-    ("add_rms_norm", "registered", "triton", "none"): UNVALIDATED_LAYER_OP.format(
-        op="add_rms_norm", what="x not contiguous in its last dim gives wrong values (triton)"),
-    ("add_rms_norm", "registered", "triton", "bad_extent"): UNVALIDATED_LAYER_OP.format(
-        op="add_rms_norm", what="a weight of H - 1 is read past its end, H + 1 accepted (triton)"),
-    ("add_rms_norm", "registered", "cpu", "bad_extent"): UNVALIDATED_LAYER_OP.format(
-        op="add_rms_norm", what="a weight of H + 1 is accepted (cpu)"),
-    ("silu_mul", "registered", "triton", "none"): UNVALIDATED_LAYER_OP.format(
-        op="silu_mul", what="gate_up not contiguous in its last dim gives wrong values (triton)"),
-    ("silu_mul", "registered", "cpu", "bad_extent"): UNVALIDATED_LAYER_OP.format(
-        op="silu_mul", what="an odd gate_up width is accepted (cpu)"),
-    ("silu_mul", "registered", "torch", "bad_extent"): UNVALIDATED_LAYER_OP.format(
-        op="silu_mul", what="an odd gate_up width is accepted (torch)"),
-    ("gate_up_silu", "registered", "triton", "bad_extent"): UNVALIDATED_LAYER_OP.format(
-        op="gate_up_silu", what="a weight of 2I + 1 rows or K + 1 columns is accepted (triton)"),
-    ("fused_context", "registered", "triton", "bad_extent"): UNVALIDATED_LAYER_OP.format(
-        op="fused_context", what="an fc_weight of T*H + 1 columns is accepted (triton)"),
     **{("inject_context_kv", path, "triton", group): INJECT_ROWS_PAST_OFFSETS
        for path in ("public", "registered") for group in ("none", "int32")},
     **{("verify_attention", path, backend, "bad_index"): CACHE_LENS_PAST_CAPACITY.format(ref=_VERIFY_REF)

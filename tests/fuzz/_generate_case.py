@@ -1,7 +1,8 @@
 """The ``generate`` fuzz case: ``dflash.generate`` on a tiny random pair (tests/runtime/tiny_models.py) with random
-block sizes, tree budgets, max_new_tokens, stop lists, dtypes, runtimes and kernel backends. On the reference runtime
-the draft is an oracle (its proposals are the target's continuation, corrupted at random; optionally with NaN
-logits), so that long acceptances occur; the engine runs the random draft as it is.
+block sizes, tree budgets, max_new_tokens, stop lists, dtypes, runtimes, kernel backends and (on the engine)
+ragged batches of 1-3 prompts. On the reference runtime the draft is an oracle (its proposals are the target's
+continuation, corrupted at random; optionally with NaN logits), so that long acceptances occur; the engine runs the
+random draft as it is.
 
 Its reference is the target's own greedy decoding (Hugging Face ``generate``, stopping after the first stop token):
 temperature 0 is lossless. In bf16 the speculative verify scores B rows at once where Hugging Face scores one, so
@@ -63,48 +64,56 @@ class Generate:
         if self.nan:
             b.mark("either")
         self.exact = self.dtype == torch.float32
+        # the engine also takes a ragged batch: more prompts, each with its own max_new_tokens
+        extra = c["batch"] - 1 if self.backend == "fast" else 0
+        self.prompts = [self.prompt] + [b.ints((1 + b.pick(12),), 0, VOCAB) for _ in range(extra)]
+        self.max_news = [self.max_new] + [1 + b.pick(24) for _ in range(extra)]
 
-    def _expected(self) -> torch.Tensor:
-        ids = self.prompt[None]
+    def _expected(self, prompt: torch.Tensor, max_new: int) -> torch.Tensor:
+        ids = prompt[None]
         kwargs = {"eos_token_id": self.stops} if self.stops else {}
         with torch.no_grad():
-            out = self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.max_new,
+            out = self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                                        do_sample=False, pad_token_id=0, **kwargs)[0]
-        return _cut_at_stop(out, len(self.prompt), self.stops)
+        return _cut_at_stop(out, len(prompt), self.stops)
 
     def public(self, backend):
         # the oracle proposes the target's continuation (corrupted at random), so every acceptance length occurs
         valid_prompt = bool(((self.prompt >= 0) & (self.prompt < VOCAB)).all())
         usable = self.oracle and valid_prompt and self.max_new > 0
-        continuation = self._expected()[len(self.prompt):] if usable else self.prompt[:0]
+        continuation = self._expected(self.prompt, self.max_new)[len(self.prompt):] if usable else self.prompt[:0]
         draft = self.draft
         if self.oracle:
             draft.__class__ = NanOracle if self.nan else OracleDraft
             draft.attach(continuation, len(self.prompt), corrupt=0.3, seed=0)
         kwargs = {} if self.backend == "reference" else {"kernel_backend": self.kernel_backend}
-        out = dflash.generate(self.target, draft, self.prompt, self.max_new, stop_token_ids=self.stops or None,
+        batched = len(self.prompts) > 1
+        out = dflash.generate(self.target, draft, self.prompts if batched else self.prompt,
+                              self.max_news if batched else self.max_new, stop_token_ids=self.stops or None,
                               block_size=self.block, backend=self.backend, tree_budget=self.budget, **kwargs)
-        return [out.sequences[0]]
+        return list(out.sequences) if batched else [out.sequences[0]]
 
     def reference(self):
-        return [self._expected()]
+        return [self._expected(p, m) for p, m in zip(self.prompts, self.max_news)]
 
     def check_form(self, got: list) -> str | None:
-        """For bf16 (no exact reference): what is wrong with the output's form, or None."""
-        seq = got[0]
-        p = len(self.prompt)
-        new = seq[p:]
-        if not torch.equal(seq[:p], self.prompt):
-            return "the prompt was changed"
-        if not 1 <= len(new) <= self.max_new:
-            return f"{len(new)} new tokens for max_new_tokens={self.max_new}"
-        if ((new < 0) | (new >= VOCAB)).any():
-            return f"token ids outside [0, {VOCAB}): {new.tolist()}"
-        hits = [i for i, t in enumerate(new.tolist()) if t in self.stops]
-        if hits and hits[0] != len(new) - 1:
-            return f"tokens after the first stop token (at {hits[0]}): {new.tolist()}"
-        if not hits and len(new) != self.max_new:
-            return f"stopped after {len(new)} of {self.max_new} tokens without a stop token"
+        """For bf16 (no exact reference): what is wrong with the outputs' form, or None."""
+        if len(got) != len(self.prompts):
+            return f"{len(got)} sequences for {len(self.prompts)} prompts"
+        for r, (seq, prompt, max_new) in enumerate(zip(got, self.prompts, self.max_news)):
+            p = len(prompt)
+            new = seq[p:]
+            if not torch.equal(seq[:p], prompt):
+                return f"request {r}: the prompt was changed"
+            if not 1 <= len(new) <= max_new:
+                return f"request {r}: {len(new)} new tokens for max_new_tokens={max_new}"
+            if ((new < 0) | (new >= VOCAB)).any():
+                return f"request {r}: token ids outside [0, {VOCAB}): {new.tolist()}"
+            hits = [i for i, t in enumerate(new.tolist()) if t in self.stops]
+            if hits and hits[0] != len(new) - 1:
+                return f"request {r}: tokens after the first stop token (at {hits[0]}): {new.tolist()}"
+            if not hits and len(new) != max_new:
+                return f"request {r}: stopped after {len(new)} of {max_new} tokens without a stop token"
         return None
 
 

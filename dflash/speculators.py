@@ -136,3 +136,14 @@ def zlab_state_dict(state: dict[str, torch.Tensor], config, *,
                              f"{int(t2d.bool().sum())} tokens, draft_vocab_size is {draft_vocab}); re-export the "
                              "checkpoint's vocabulary mapping")
     return state, token_ids
+
+
+def vocab_subset_tensors(token_ids: torch.Tensor, head_rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A draft vocabulary subset as speculators and vLLM store it: the draft's own LM head (``lm_head.weight``,
+    the target head's rows for ``token_ids``) and ``d2t`` (int64 offsets, target id = draft index + offset);
+    :func:`zlab_state_dict` reads it back."""
+    if head_rows.dim() != 2 or head_rows.shape[0] != token_ids.numel():
+        raise ValueError(f"head_rows: expected [{token_ids.numel()}, hidden] (one LM head row per draft token id), "
+                         f"got {list(head_rows.shape)}")
+    offsets = token_ids.long() - torch.arange(token_ids.numel(), dtype=torch.long, device=token_ids.device)
+    return {"lm_head.weight": head_rows.detach().contiguous(), "d2t": offsets.contiguous()}

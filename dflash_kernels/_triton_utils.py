@@ -143,10 +143,14 @@ def norm_rope_halves(x_lo, x_hi, w_ptr, offs_half, mask_half, HALF, cos, sin, ep
     return x_lo * cos - x_hi * sin, x_hi * cos + x_lo * sin
 
 
-def check_cache_pair(op: str, k_cache, v_cache, *, ndim: int, kv_heads: int, head_dim: int, device) -> None:
+def check_cache_pair(op: str, k_cache, v_cache, *, ndim: int, kv_heads: int, head_dim: int, device,
+                     any_strides: bool = False) -> None:
+    """Shapes, dtypes and device of a K/V cache pair; the last dim contiguous unless ``any_strides`` (caches that
+    only host-indexed paths write)."""
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(op, name, c, ndim=ndim, dtypes=FLOAT_DTYPES, device=device)
-        check_last_dim_contiguous(op, name, c)
+        if not any_strides:
+            check_last_dim_contiguous(op, name, c)
         if c.shape[-2] != kv_heads or c.shape[-1] != head_dim:
             raise ValueError(f"{op}: {name} must end in [..., kvH={kv_heads}, D={head_dim}], got {tuple(c.shape)}")
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:

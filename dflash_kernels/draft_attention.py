@@ -157,9 +157,11 @@ def _cache_index(cache: torch.Tensor, n: int, t: torch.Tensor, block_table, cach
     return block_table[n].to(torch.int64)[t // page_size], t % page_size
 
 
-def write_cache_rows_reference(k_cache, v_cache, req, t, keep, k_rows, v_rows, block_table, cache_batch_idx) -> None:
+def write_cache_rows_reference(k_cache, v_cache, req, t, keep, k_rows, v_rows, block_table, cache_batch_idx,
+                               slot_mapping=None) -> None:
     """Write ``k_rows[i]`` / ``v_rows[i]`` (``[R, kvH, D]``) to request ``req[i]``'s logical cache row ``t[i]``
-    (int64 ``[R]`` each) where ``keep[i]``, in static shapes and without a host read (a CUDA graph can hold it).
+    (int64 ``[R]`` each), or to flat slot ``slot_mapping[i]`` (page ``// page_size``, slot ``% page_size``) when
+    given, where ``keep[i]``, in static shapes and without a host read (a CUDA graph can hold it).
 
     Every row is written somewhere: a row not kept takes the destination and the values of the first kept row
     (the same bits to the same place, so the write order does not matter), or, when no row is kept, writes back
@@ -170,7 +172,10 @@ def write_cache_rows_reference(k_cache, v_cache, req, t, keep, k_rows, v_rows, b
     if req.numel() == 0 or capacity == 0:
         return
     t = t.clamp(0, capacity - 1)
-    if block_table is not None:
+    if slot_mapping is not None:
+        flat = slot_mapping.to(torch.int64).clamp(0, k_cache.shape[0] * page_size - 1)
+        pages, slots = flat // page_size, flat % page_size
+    elif block_table is not None:
         pages, slots = block_table.to(torch.int64)[req, t // page_size], t % page_size
     else:
         pages, slots = (cache_batch_idx.to(torch.int64)[req] if cache_batch_idx is not None else req), t

@@ -10,8 +10,9 @@ import triton.language as tl
 from dflash_kernels import cpu_native
 from dflash_kernels._dispatch import call_op, checked_by, resolve_backend
 from dflash_kernels._triton_utils import (
-    FLOAT_DTYPES, check_cache_index_values, check_cache_pair, check_last_dim_contiguous, check_tensor, next_pow2,
-    norm_rope_halves, page_table, rms_norm_reference, rope_cos_sin, rope_cos_sin_reference, rotate_half,
+    FLOAT_DTYPES, check_cache_index_values, check_cache_pair, check_index_values, check_last_dim_contiguous,
+    check_tensor, next_pow2, norm_rope_halves, page_table, rms_norm_reference, rope_cos_sin, rope_cos_sin_reference,
+    rotate_half,
 )
 from dflash_kernels.draft_attention import rope_tables_cpu, write_cache_rows_reference
 
@@ -19,7 +20,8 @@ OP = "inject_context_kv"
 _BACKENDS = ("triton", "cpu", "torch")
 
 
-def _validate(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq, block_table, cache_batch_idx):
+def _validate(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq, block_table, cache_batch_idx,
+              slot_mapping):
     check_tensor(OP, "k", k, ndim=3, dtypes=FLOAT_DTYPES)
     dev = k.device
     m, kvh, d = k.shape
@@ -30,7 +32,8 @@ def _validate(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, in
         raise ValueError(f"{OP}: v must have k's shape [M, kvH, D] = {tuple(k.shape)}, got {tuple(v.shape)}")
     if d < 2 or d % 2:
         raise ValueError(f"{OP}: head dim D={d} must be even (RoPE)")
-    check_cache_pair(OP, k_cache, v_cache, ndim=4, kv_heads=kvh, head_dim=d, device=dev)
+    check_cache_pair(OP, k_cache, v_cache, ndim=4, kv_heads=kvh, head_dim=d, device=dev,
+                     any_strides=slot_mapping is not None)
     check_tensor(OP, "k_norm_weight", k_norm_weight, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
     if k_norm_weight.shape[0] != d:
         raise ValueError(f"{OP}: k_norm_weight must be [D={d}] (the layer's k_norm.weight), "
@@ -48,6 +51,17 @@ def _validate(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, in
         raise ValueError(f"{OP}: inv_freq must be [D/2={d // 2}], got {tuple(inv_freq.shape)}")
     page_table(OP, n_req, block_table, cache_batch_idx, dev)
     check_cache_index_values(OP, k_cache, cache_lens, block_table, cache_batch_idx)
+    if slot_mapping is not None:
+        if block_table is not None or cache_batch_idx is not None:
+            raise ValueError(f"{OP}: slot_mapping addresses the cache by itself; pass neither block_table nor "
+                             "cache_batch_idx with it")
+        check_tensor(OP, "slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32), device=dev)
+        if slot_mapping.shape[0] != m:
+            raise ValueError(f"{OP}: slot_mapping must be [M={m}] (one cache slot per row of k), "
+                             f"got {tuple(slot_mapping.shape)}")
+        slots = k_cache.shape[0] * k_cache.shape[1]
+        check_index_values(OP, "slot_mapping", slot_mapping, -1, slots,
+                           f"slots of a cache of {k_cache.shape[0]} pages x {k_cache.shape[1]} rows, or -1 to skip")
     if dev.type == "cpu":  # the offsets address k's and v's rows (see check_index_values)
         cu = cu_ctx_lens.tolist()
         if cu[0] != 0 or any(a > b for a, b in zip(cu, cu[1:])) or cu[-1] > m:
@@ -57,12 +71,13 @@ def _validate(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, in
 
 def inject_context_kv_reference(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, *, inv_freq,
                                 attention_scaling: float = 1.0, eps: float = 1e-6, block_table=None,
-                                cache_batch_idx=None) -> None:
+                                cache_batch_idx=None, slot_mapping=None) -> None:
     """Definition (HF Qwen3 numerics in k's dtype; static shapes, no host read).
 
     Request n's rows cu[n]..cu[n+1]-1 sit at positions t = cache_lens[n] + (0, 1, ...): the cache gets
     K = RoPE(k_norm(k_row), t) and V = v_row at row t (rows at or past the capacity are dropped, and so
-    are rows at or past cu[N])."""
+    are rows at or past cu[N]); with ``slot_mapping``, row i goes to flat slot ``slot_mapping[i]`` instead
+    (-1: dropped)."""
     m, n_req = k.shape[0], cache_lens.shape[0]
     if m == 0 or n_req == 0:
         return
@@ -75,8 +90,9 @@ def inject_context_kv_reference(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_
     cos, sin = rope_cos_sin_reference(t, inv_freq, attention_scaling, k.dtype)
     kk = rms_norm_reference(k.contiguous(), k_norm_weight, eps)
     kk = kk * cos[:, None, :] + rotate_half(kk) * sin[:, None, :]
-    write_cache_rows_reference(k_cache, v_cache, req, t, (rows < cu[-1]) & (t < capacity), kk, v, block_table,
-                               cache_batch_idx)
+    placed = t < capacity if slot_mapping is None else slot_mapping >= 0
+    write_cache_rows_reference(k_cache, v_cache, req, t, (rows < cu[-1]) & placed, kk, v, block_table,
+                               cache_batch_idx, slot_mapping)
 
 
 def _inject_cpu(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq, attention_scaling, eps,
@@ -172,14 +188,14 @@ def inject_context_kv(k: torch.Tensor, v: torch.Tensor, k_norm_weight: torch.Ten
                       cache_lens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                       inv_freq: torch.Tensor, attention_scaling: float = 1.0, eps: float = 1e-6,
                       block_table: Optional[torch.Tensor] = None, cache_batch_idx: Optional[torch.Tensor] = None,
-                      backend: str = "auto") -> None:
+                      slot_mapping: Optional[torch.Tensor] = None, backend: str = "auto") -> None:
     """Write one draft layer's K/V of new context rows into its context KV cache (in place).
 
     The rows' ``k_proj`` / ``v_proj`` outputs come in already projected (the engine computes them in the
     layer's merged QKV GEMM, stacked under the block rows, so the K/V weights are read once per step);
     this applies ``k_norm`` (fp32 statistics) and NeoX rotate_half RoPE to K and stores K and V. Request
-    n's rows are consecutive positions ``cache_lens[n] + 0, 1, ...`` (RoPE position = cache row). One
-    launch, no host sync.
+    n's rows are consecutive positions ``cache_lens[n] + 0, 1, ...`` (RoPE position = cache row, unless
+    ``slot_mapping`` places the rows). One launch, no host sync.
 
     Args:
         k, v: ``[M, kvH, D]`` raw projections of the new context rows of all requests, request by request
@@ -193,19 +209,27 @@ def inject_context_kv(k: torch.Tensor, v: torch.Tensor, k_norm_weight: torch.Ten
             ``cache_batch_idx[n]``, default n) or paged ``[num_pages, page_size, kvH, D]`` with
             ``block_table`` ``[N_req, max_pages]``. Any float dtype. Only the M rows x kvH heads are written;
             rows past the capacity (max_len, or max_pages * page_size) are dropped.
+        slot_mapping: ``[M]`` int32/int64, vLLM's addressing of a paged cache ``[num_pages, page_size, kvH, D]``:
+            row i goes to page ``slot_mapping[i] // page_size``, row ``slot_mapping[i] % page_size``; -1 (vLLM's
+            padding) skips the row. The caches may then have any strides (vLLM's CPU cache keeps K transposed
+            inside each page); positions still come from ``cache_lens``. Backends "torch" and "cpu" (the
+            reference); "triton" refuses it.
         inv_freq: ``[D/2]`` fp32, ``attention_scaling``: from transformers' ``ROPE_INIT_FUNCTIONS``.
         eps: RMSNorm epsilon of k_norm.
         backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"``: CPU tensors; fp32 into a contiguous
             cache in C, else the reference).
     """
     chosen = resolve_backend(OP, backend, k.device, available=_BACKENDS)
+    if slot_mapping is not None and chosen == "triton":
+        raise ValueError(f"{OP}: slot_mapping is supported by backend 'torch' or 'cpu', not 'triton'; pass one of them")
     call_op(_inject_context_kv_op, k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq,
-            float(attention_scaling), float(eps), block_table, cache_batch_idx, chosen, device=k.device)
+            float(attention_scaling), float(eps), block_table, cache_batch_idx, slot_mapping, chosen, device=k.device)
 
 
 def _check(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq, attention_scaling, eps,
-           block_table, cache_batch_idx, backend):
-    _validate(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq, block_table, cache_batch_idx)
+           block_table, cache_batch_idx, slot_mapping, backend):
+    _validate(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq, block_table, cache_batch_idx,
+              slot_mapping)
 
 
 @torch.library.custom_op("dflash::inject_context_kv", mutates_args=("k_cache", "v_cache"))
@@ -214,16 +238,16 @@ def _inject_context_kv_op(k: torch.Tensor, v: torch.Tensor, k_norm_weight: torch
                           cache_lens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           inv_freq: torch.Tensor, attention_scaling: float, eps: float,
                           block_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],
-                          backend: str) -> None:
+                          slot_mapping: Optional[torch.Tensor], backend: str) -> None:
     """``torch.ops.dflash.inject_context_kv``: :func:`inject_context_kv` after validation (writes k_cache, v_cache)."""
     chosen = resolve_backend(OP, backend, k.device, available=_BACKENDS)
-    if chosen == "cpu" and _inject_cpu(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq,
+    if chosen == "cpu" and slot_mapping is None and _inject_cpu(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq,
                                        attention_scaling, eps, block_table, cache_batch_idx):
         return
     if chosen in ("torch", "cpu"):
         inject_context_kv_reference(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq=inv_freq,
                                     attention_scaling=attention_scaling, eps=eps, block_table=block_table,
-                                    cache_batch_idx=cache_batch_idx)
+                                    cache_batch_idx=cache_batch_idx, slot_mapping=slot_mapping)
         return
     _inject_triton(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq, attention_scaling, eps,
                    block_table, cache_batch_idx)
@@ -231,5 +255,5 @@ def _inject_context_kv_op(k: torch.Tensor, v: torch.Tensor, k_norm_weight: torch
 
 @_inject_context_kv_op.register_fake
 def _inject_context_kv_fake(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq,
-                            attention_scaling, eps, block_table, cache_batch_idx, backend):
+                            attention_scaling, eps, block_table, cache_batch_idx, slot_mapping, backend):
     return None

@@ -161,3 +161,65 @@ def test_bad_index_values_raise_before_any_write(backend, name, value):
         inject_context_kv(k, v, knw, args["cu_ctx_lens"], args["cache_lens"], kc, vc, inv_freq=_inv_freq(16),
                           cache_batch_idx=args["cache_batch_idx"], backend=backend)
     assert not kc.any() and not vc.any()
+
+
+def vllm_cpu_cache(num_pages, page_size, kvh, d, dtype):
+    """vLLM's CPU KV cache of one layer ``[pages, kvH, page_size, 2*D]``, NaN-filled, and its K and V as
+    ``[pages, page_size, kvH, D]`` views: per page and head, K is stored transposed (``[D, page_size]``), then V."""
+    cache = torch.full((num_pages, kvh, page_size, 2 * d), float("nan"), dtype=dtype)
+    halves = cache.view(num_pages, kvh, 2, page_size * d)
+    k_view = halves[:, :, 0].view(num_pages, kvh, d, page_size).permute(0, 3, 1, 2)
+    v_view = halves[:, :, 1].view(num_pages, kvh, page_size, d).permute(0, 2, 1, 3)
+    return cache, k_view, v_view
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpu", marks=pytest.mark.skipif(
+    DEVICE != "cpu", reason="CPU tensors only"))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slot_mapping_writes_each_row_to_its_slot_in_vllms_cpu_layout(backend, dtype):
+    """Row i lands at vLLM's flat slot ``slot_mapping[i]`` (-1 skips it) with the K and V the reference writes into a
+    contiguous cache at its position; nothing else of the cache (NaN-filled, K transposed per page) is written."""
+    k, v, knw, cu, lens, cap = _case(3, 3, 16, [5, 1, 9], [40, 0, 7], dtype)
+    m, pages, page_size = k.shape[0], 6, 8
+    slots = torch.randperm(pages * page_size)[:m]
+    slots[torch.randperm(m)[:3]] = -1
+    rope = dict(inv_freq=_inv_freq(16), attention_scaling=0.75, eps=1e-5)
+    cache, kc, vc = vllm_cpu_cache(pages, page_size, 3, 16, dtype)
+    inject_context_kv(k, v, knw, cu, lens, kc, vc, slot_mapping=slots.to(torch.int32), backend=backend, **rope)
+    plain_k = torch.full((3, cap, 3, 16), float("nan"), dtype=dtype)
+    plain_v = plain_k.clone()
+    inject_context_kv(k, v, knw, cu, lens, plain_k, plain_v, backend="torch", **rope)  # both run the reference
+    written = torch.zeros(pages * page_size, dtype=torch.bool)
+    for n in range(3):
+        for i in range(int(cu[n]), int(cu[n + 1])):
+            s = int(slots[i])
+            if s < 0:
+                continue
+            written[s] = True
+            t = int(lens[n]) + i - int(cu[n])
+            assert torch.equal(kc[s // page_size, s % page_size], plain_k[n, t])
+            assert torch.equal(vc[s // page_size, s % page_size], plain_v[n, t])
+    untouched = ~written.view(pages, page_size)
+    assert torch.isnan(kc[untouched]).all() and torch.isnan(vc[untouched]).all()
+    assert not torch.isnan(kc[~untouched]).any() and not torch.isnan(vc[~untouched]).any()
+
+
+@pytest.mark.parametrize("slots, message", [
+    ([0, 1, 2], r"slot_mapping must be \[M=5\]"),
+    ([0, 1, 2, 3, 48], r"slot_mapping.*\[-1, 48\)"),
+    ([0, 1, -2, 3, 4], r"slot_mapping.*\[-1, 48\)"),
+], ids=["length", "past-the-cache", "below-minus-one"])
+def test_bad_slot_mapping_raises_before_any_write(slots, message):
+    k, v, knw, cu, lens, cap = _case(0, 1, 8, [2, 3], [0, 1], torch.float32)
+    cache, kc, vc = vllm_cpu_cache(6, 8, 1, 8, torch.float32)
+    with pytest.raises(ValueError, match=message):
+        inject_context_kv(k, v, knw, cu, lens, kc, vc, inv_freq=_inv_freq(8), slot_mapping=torch.tensor(slots),
+                          backend="torch")
+    assert torch.isnan(cache).all()
+    with pytest.raises(ValueError, match="neither block_table nor cache_batch_idx"):
+        inject_context_kv(k, v, knw, cu, lens, kc, vc, inv_freq=_inv_freq(8), slot_mapping=torch.arange(5),
+                          cache_batch_idx=torch.tensor([0, 1]), backend="torch")
+    with pytest.raises(ValueError, match="not 'triton'"):
+        inject_context_kv(k, v, knw, cu, lens, kc, vc, inv_freq=_inv_freq(8), slot_mapping=torch.arange(5),
+                          backend="triton")
+    assert torch.isnan(cache).all()

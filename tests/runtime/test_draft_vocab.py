@@ -175,3 +175,75 @@ def test_subset_draft_under_emulated_graphs_equals_the_target():
     for graphs in ("emulate", False):
         result = generate(target, draft, prompt, 20, backend="fast", use_cuda_graphs=graphs)
         assert torch.equal(result.sequences, expected), graphs
+
+
+def saved_tensors(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vllm_form_holds_the_head_rows_and_offsets_and_loads_back(tmp_path, dtype):
+    """Given the target's LM head, a subset is saved as vLLM / speculators read it (top-level draft_vocab_size,
+    the draft's own lm_head rows, d2t offsets, no draft_token_ids) and loads back to the same draft."""
+    import json
+
+    torch.manual_seed(SEED)
+    target = make_target("qwen3")
+    vocab = target.config.vocab_size
+    ids = torch.randperm(vocab)[:13]
+    draft, _ = subset_draft(target, ids.tolist(), block_size=4)
+    draft = draft.to(dtype)
+    draft.save_pretrained(tmp_path, output_head=target.lm_head)
+    state = saved_tensors(tmp_path)
+    assert "draft_token_ids" not in state
+    assert torch.equal(state["lm_head.weight"], target.lm_head.weight.detach()[ids].to(dtype))
+    assert state["d2t"].dtype == torch.int64 and torch.equal(state["d2t"] + torch.arange(13), ids)
+    assert json.loads((tmp_path / "config.json").read_text())["draft_vocab_size"] == 13
+    loaded = DFlashDraftModel.from_pretrained(tmp_path)
+    assert loaded.fc.weight.dtype == dtype and torch.equal(loaded.draft_token_ids, ids)
+    assert set(loaded.state_dict()) == set(draft.state_dict())
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in draft.state_dict().items())
+    prompt = torch.randint(0, vocab, (1, 7))
+    a = generate(target.to(dtype), draft, prompt, 12, backend="reference")
+    b = generate(target, loaded, prompt, 12, backend="reference")
+    assert torch.equal(a.sequences, b.sequences) and a.acceptance_lengths == b.acceptance_lengths
+
+
+def test_checkpoint_with_both_vocabulary_forms_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    target = make_target("qwen3")
+    draft = make_draft(target, draft_vocab_size=4)
+    draft.set_draft_vocab(torch.tensor([4, 3, 2, 1]))
+    draft.save_pretrained(tmp_path, output_head=target.lm_head)
+    state = saved_tensors(tmp_path)
+    save_file({**state, "draft_token_ids": torch.tensor([4, 3, 2, 1])}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="both draft_token_ids and d2t"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+    state["lm_head.weight"] = state["lm_head.weight"][:3]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="lm_head.weight has 3 rows but draft_vocab_size is 4"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+
+
+def test_export_vllm_rewrites_an_old_form_draft(tmp_path):
+    """``dflash export vllm`` turns a draft_token_ids checkpoint into the vLLM form with the target's head rows."""
+    from dflash.cli import main
+
+    torch.manual_seed(SEED)
+    target = make_target("llama")
+    target.save_pretrained(tmp_path / "target")
+    ids = torch.randperm(target.config.vocab_size)[:9]
+    draft, _ = subset_draft(target, ids.tolist())
+    draft.save_pretrained(tmp_path / "old")
+    assert "draft_token_ids" in saved_tensors(tmp_path / "old")
+    with pytest.raises(SystemExit):  # a subset needs the target's head
+        main(["export", "vllm", str(tmp_path / "old"), str(tmp_path / "new")])
+    assert main(["export", "vllm", str(tmp_path / "old"), str(tmp_path / "new"), "--target",
+                 str(tmp_path / "target")]) == 0
+    state = saved_tensors(tmp_path / "new")
+    assert "draft_token_ids" not in state
+    assert torch.equal(state["lm_head.weight"], target.lm_head.weight.detach()[ids])
+    assert torch.equal(DFlashDraftModel.from_pretrained(tmp_path / "new").draft_token_ids, ids)

@@ -26,8 +26,9 @@ write):
                attention: eight kernels per draft layer. A DFlash2 draft also convolves each request's block
                rows around attention and around the MLP (the kernel projections by the steps' GEMM, the four
                convolutions of a layer by ``grouped_dynamic_conv``) and proposes the
-               candidate selector's greedy walk from the anchor (``select_block``); sampling with one is left to
-               the reference.
+               candidate selector's greedy walk from the anchor (``candidate_select``; on the "cpu" backend the
+               official module's walk, whose tie order is torch's CPU topk); sampling with one is left to the
+               reference.
   verify step  lean target forward over [anchor, proposals] at positions[r] (verify_attention writes
                the block's K/V into the target cache; taps into a buffer), verify_greedy /
                verify_sample, commit_round (tokens, lengths, positions, anchor, stop and length
@@ -61,7 +62,7 @@ from dflash.reference import finite_tree_logits_
 from dflash.results import GenerateResult, device_clock
 from dflash.sampling import GREEDY_EPS, SamplingParams, sample
 from dflash_kernels import (
-    add_rms_norm, build_tree, commit_round, draft_attention, draft_round_setup, first_token_done, fused_context,
+    add_rms_norm, build_tree, candidate_select, commit_round, draft_attention, draft_round_setup, first_token_done, fused_context,
     grouped_dynamic_conv, inject_context_kv, tree_accept_greedy, tree_accept_greedy_tokens, tree_accept_sample, tree_ancestor_mask,
     tree_compact, verify_greedy, verify_greedy_tokens, verify_sample,
 )
@@ -323,8 +324,17 @@ class DFlashEngine:
             if dflash2:
                 delta = grouped_dynamic_conv(delta, kernel, layer.mlp_conv.base_kernel[1], backend=self.backend)
         x = add_rms_norm(delta, draft.norm.weight, draft.norm.eps, residual=h, backend=self.backend)
-        if dflash2:  # the selector's greedy walk from each request's anchor (rows past a tail block: unused)
+        if dflash2 and self.backend == "cpu":
+            # The official walk itself: its candidates come in torch.topk(sorted=False) order, which the walk
+            # depends on where scores tie (equal logits) and which only torch's CPU topk reproduces.
             self.proposals.copy_(draft.select_block(x, self.target_model.lm_head, self.anchor, linear=self.linear)[0])
+        elif dflash2:  # the selector's greedy walk from each request's anchor (rows past a tail block: unused)
+            selector = draft.candidate_selector
+            path = candidate_select(draft.block_logits(x, self.target_model.lm_head, self.linear),
+                                    self.linear(x[:, 1:], selector.hidden_projection.weight),
+                                    selector.predecessor_codebook, selector.successor_codebook, self.anchor,
+                                    top_k=selector.top_k, backend=self.backend)[0]
+            self.proposals.copy_(path)
         elif self.tree_budget is None:
             draft.propose(x, self.target_model.lm_head, out=self.proposals, linear=self.linear)
         else:  # tree mode: the verify step builds the tree from all of the block's logits

@@ -331,7 +331,7 @@ class DFlashEngine:
         elif dflash2:  # the selector's greedy walk from each request's anchor (rows past a tail block: unused)
             selector = draft.candidate_selector
             path = candidate_select(draft.block_logits(x, self.target_model.lm_head, self.linear),
-                                    self.linear(x[:, 1:], selector.hidden_projection.weight),
+                                    self.linear(x, selector.hidden_projection.weight)[:, 1:],  # x: no copy
                                     selector.predecessor_codebook, selector.successor_codebook, self.anchor,
                                     top_k=selector.top_k, backend=self.backend)[0]
             self.proposals.copy_(path)

@@ -9,8 +9,8 @@ Candidate order (the definition, which the argmax's tie rule depends on): descen
 lower token id; a tie of scores takes the earlier candidate. Scores are computed in fp32 from the inputs' values.
 
 Launch: one program per request walks its positions in order (the walk is sequential); per position it streams
-the row's V logits once in tiles of BLOCK_V, keeping the running top-k in registers (k selection passes per tile,
-no sort), then scores the k candidates against the codebook rows and picks. Reads per call:
+the row's V logits once in tiles of BLOCK_V, keeping the running top-k in registers (k selection passes over a
+tile that holds a value above the k-th kept one, none over the others; no sort), then scores the k candidates against the codebook rows and picks. Reads per call:
 ``N*P*V*e`` logits + ``N*P*(k+1)*r*e_c`` codebook rows + ``N*P*r*e`` projections; writes ``N*P*(1 + 2k)`` words.
 Sampling reads seed and offset on the device (Philox; no host sync, graph-capturable).
 """
@@ -112,24 +112,29 @@ def _candidate_select_kernel(path_ptr, cand_ptr, q_ptr, logits_ptr, proj_ptr, pr
             idx = start + tl.arange(0, BLOCK_V)
             in_row = idx < V
             x = tl.load(row + idx, mask=in_row, other=float("-inf")).to(tl.float32)
-            new_v = tl.full([BLOCK_K], float("-inf"), tl.float32)
-            new_i = tl.full([BLOCK_K], NO_ID, tl.int32)
-            last_v = tl.max(tl.full([BLOCK_K], float("inf"), tl.float32), axis=0)
-            last_i = tl.min(tl.full([BLOCK_K], -1, tl.int32), axis=0)
-            for j in range(K):  # pass j: the best (value, id) after the previous pass's pick
-                ok_x = in_row & ((x < last_v) | ((x == last_v) & (idx > last_i)))
-                best_x = tl.max(tl.where(ok_x, x, float("-inf")), axis=0)
-                id_x = tl.min(tl.where(ok_x & (x == best_x), idx, NO_ID), axis=0)
-                ok_r = (run_i != NO_ID) & ((run_v < last_v) | ((run_v == last_v) & (run_i > last_i)))
-                best_r = tl.max(tl.where(ok_r, run_v, float("-inf")), axis=0)
-                id_r = tl.min(tl.where(ok_r & (run_v == best_r), run_i, NO_ID), axis=0)
-                from_x = (best_x > best_r) | ((best_x == best_r) & (id_x < id_r))
-                last_v = tl.where(from_x, best_x, best_r)
-                last_i = tl.where(from_x, id_x, id_r)
-                new_v = tl.where(slots == j, last_v, new_v)
-                new_i = tl.where(slots == j, last_i, new_i)
-            run_v = new_v
-            run_i = new_i
+            # The tile's ids follow every kept id, so an element gets in only by a larger value than the k-th
+            # kept one: a tile without one (most tiles once the list is full) costs one max and no passes.
+            kth_v = tl.max(tl.where(slots == K - 1, run_v, float("-inf")), axis=0)
+            kth_i = tl.min(tl.where(slots == K - 1, run_i, NO_ID), axis=0)
+            if (kth_i == NO_ID) | (tl.max(x, axis=0) > kth_v):
+                new_v = tl.full([BLOCK_K], float("-inf"), tl.float32)
+                new_i = tl.full([BLOCK_K], NO_ID, tl.int32)
+                last_v = tl.max(tl.full([BLOCK_K], float("inf"), tl.float32), axis=0)
+                last_i = tl.min(tl.full([BLOCK_K], -1, tl.int32), axis=0)
+                for j in range(K):  # pass j: the best (value, id) after the previous pass's pick
+                    ok_x = in_row & ((x < last_v) | ((x == last_v) & (idx > last_i)))
+                    best_x = tl.max(tl.where(ok_x, x, float("-inf")), axis=0)
+                    id_x = tl.min(tl.where(ok_x & (x == best_x), idx, NO_ID), axis=0)
+                    ok_r = (run_i != NO_ID) & ((run_v < last_v) | ((run_v == last_v) & (run_i > last_i)))
+                    best_r = tl.max(tl.where(ok_r, run_v, float("-inf")), axis=0)
+                    id_r = tl.min(tl.where(ok_r & (run_v == best_r), run_i, NO_ID), axis=0)
+                    from_x = (best_x > best_r) | ((best_x == best_r) & (id_x < id_r))
+                    last_v = tl.where(from_x, best_x, best_r)
+                    last_i = tl.where(from_x, id_x, id_r)
+                    new_v = tl.where(slots == j, last_v, new_v)
+                    new_i = tl.where(slots == j, last_i, new_i)
+                run_v = new_v
+                run_i = new_i
         a = (tl.load(pred_ptr + prev * stride_pred + rcols, mask=rmask, other=0.0).to(tl.float32)
              * tl.load(proj_ptr + req * stride_pn + i * stride_pp + rcols, mask=rmask, other=0.0).to(tl.float32))
         safe_i = tl.where(live_slot, run_i, 0).to(tl.int64)

@@ -22,7 +22,8 @@ Model, per recorded op (a model, not a measurement):
             commit_round 1 (the ext op), draft_round_setup 1. Draft trees (``--tree-budget``): build_tree 3 + ATen's
             logsumexp of the fp32 draft logits (assumed 9 kernels: amax, abs, eq, masked_fill_, sub,
             exp_, sum, log_, add_; +1 fp32 copy of 16-bit logits), tree_ancestor_mask 1,
-            tree_accept_greedy 2, tree_accept_sample 3 (+ threshold), tree_compact 1.
+            tree_accept_greedy 2, tree_accept_sample 3 (+ threshold), tree_compact 1. DFlash2 drafts
+            (``--draft dflash2``): grouped_dynamic_conv 1, candidate_select 1.
   bytes     every distinct tensor operand read once and every output written once (stride-0,
             broadcast dimensions count once); an in-place op's mutated operand is written once and
             also read, except pure overwrites (copy_, fill_, zero_). Gathers and scatters move only
@@ -43,12 +44,16 @@ Model, per recorded op (a model, not a measurement):
             copy (read 4, read+write 2: 6 x 4 bytes per element, plus the copy) and the split top-K
             candidates; a tree verify_attention also reads its depths and ancestor mask;
             tree_compact moves every accepted depth's K/V rows in every layer (an upper bound: all
-            B - 1 depths accepted, none already in place).
+            B - 1 depths accepted, none already in place). grouped_dynamic_conv reads x, its dynamic
+            kernels and base once and writes the output; candidate_select reads the logits and projections
+            once and, per position, the k candidates' and the predecessor's codebook rows, and writes path,
+            candidates and q.
   FLOPs     mm / bmm / addmm 2*M*N*K; the attention ops 4*B*nH*D*(context + B) per request;
             fused_context and gate_up_silu their GEMMs (+ 4 per gate_up_silu output); everything else
             one per output element.
   floor     what the step cannot avoid moving: every weight it uses once (the embedding table only
-            as the rows looked up; the LM head in full), the live K/V once, the new K/V rows
+            as the rows looked up; the LM head in full; a DFlash2 selector's codebooks only as the k + 1 rows
+            per position it looks up), the live K/V once, the new K/V rows
             written once, the step's inputs and outputs (draft: fused-context features; verify:
             the tapped features written), and the logits written once and read once.
   time      device = max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s) + the attention
@@ -60,8 +65,8 @@ Model, per recorded op (a model, not a measurement):
             meta engine, measured on this CPU (``host_step_ms``: wrappers, validation, dispatcher), + 4 us a
             launch for the launcher and the driver call, which a CPU cannot measure (assumed).
 
-Usage: python bench/traffic.py [--model qwen3-8b] [--batch 1,8] [--context 2k,32k] [--capacity 32k]
-       [--block 16] [--tree-budget 16,32,64] [--eager] [--json] [--out DIR]
+Usage: python bench/traffic.py [--model qwen3-8b] [--draft dflash|dflash2] [--batch 1,8] [--context 2k,32k]
+       [--capacity 32k] [--block 16] [--tree-budget 16,32,64] [--eager] [--json] [--out DIR]
        (``dflash bench traffic`` runs this file)
 """
 from __future__ import annotations
@@ -113,6 +118,10 @@ MODELS = {
     "tiny": dict(type="qwen3", hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, inter=128,
                  vocab=512, draft_layers=2, draft_inter=128, mask_token_id=510, rope_theta=1e6),
 }
+# DFlash2 drafts (``--draft dflash2``): the DFlash draft's body above plus DFlash2's convolutions and selector, at
+# these settings. Assumed: the published Qwen3-8B DFlash2 config was not readable from here; these are the defaults
+# of speculators' DFlash2SpeculatorConfig (dflash.speculators.DFLASH2_DEFAULTS: K 2, G 16, rank 256, top-k 16).
+DRAFTS = ("dflash", "dflash2")
 DTYPE = torch.bfloat16
 
 aten = torch.ops.aten
@@ -126,13 +135,15 @@ PURE_OVERWRITE = {aten.copy_.default, aten.fill_.Scalar, aten.zero_.default}
 MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default}
 
 
-def build_models(model: str, capacity: int, block: int, device, dtype: torch.dtype = DTYPE):
-    """The HF target and the DFlash draft of ``model`` (``MODELS``), built in ``dtype`` on ``device`` with
-    HF's own initialisation (none on ``meta``)."""
+def build_models(model: str, capacity: int, block: int, device, dtype: torch.dtype = DTYPE, draft: str = "dflash"):
+    """The HF target and the ``draft`` kind (``DRAFTS``) of draft of ``model`` (``MODELS``), built in ``dtype`` on
+    ``device`` with HF's own initialisation (none on ``meta``)."""
     from transformers import LlamaConfig, Qwen3Config, LlamaForCausalLM, Qwen3ForCausalLM
 
-    from dflash.config import DFlashConfig, build_target_layer_ids
+    from dflash.config import DFlash2Settings, DFlashConfig, build_target_layer_ids
     from dflash.draft import DraftModel
+    from dflash.model import DFlash2DraftModel
+    from dflash.speculators import DFLASH2_DEFAULTS
 
     s = MODELS[model]
     cfg_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if s["type"] == "qwen3" else (LlamaConfig, LlamaForCausalLM)
@@ -146,22 +157,24 @@ def build_models(model: str, capacity: int, block: int, device, dtype: torch.dty
                         target_layer_ids=build_target_layer_ids(s["layers"], s["draft_layers"]),
                         block_size=block, mask_token_id=s["mask_token_id"], vocab_size=s["vocab"],
                         max_position_embeddings=max(40960, capacity + block),
-                        rope_parameters={"rope_type": "default", "rope_theta": s["rope_theta"]})
+                        rope_parameters={"rope_type": "default", "rope_theta": s["rope_theta"]},
+                        dflash2=DFlash2Settings(**DFLASH2_DEFAULTS) if draft == "dflash2" else None)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return model_cls(tcfg).eval(), DraftModel(dcfg).eval()
+            return model_cls(tcfg).eval(), (DFlash2DraftModel if draft == "dflash2" else DraftModel)(dcfg).eval()
     finally:
         torch.set_default_dtype(old)
 
 
-def build_engine(model: str, batch: int, capacity: int, block: int, graphs: bool, tree_budget: int | None = None):
-    """``DFlashEngine`` for ``model`` with every weight and buffer on the meta device (tree rounds of
-    ``tree_budget`` + 1 nodes when given)."""
+def build_engine(model: str, batch: int, capacity: int, block: int, graphs: bool, tree_budget: int | None = None,
+                 draft_kind: str = "dflash"):
+    """``DFlashEngine`` for ``model`` and a ``draft_kind`` draft with every weight and buffer on the meta device
+    (tree rounds of ``tree_budget`` + 1 nodes when given)."""
     from dflash.engine import DFlashEngine
 
-    target, draft = build_models(model, capacity, block, "meta")
+    target, draft = build_models(model, capacity, block, "meta", draft=draft_kind)
     tree = {} if tree_budget is None else dict(tree_budget=tree_budget)
     return DFlashEngine(target, draft, batch=batch, capacity=capacity, block_size=block,
                         use_cuda_graphs="emulate" if graphs else False, **tree)
@@ -305,6 +318,15 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
         layers, _, _, kvh, d = k_cache.shape
         moved = 2 * 2 * layers * path.shape[0] * (path.shape[1] - 1) * kvh * d * k_cache.element_size()
         return 1, nbytes(args[2:5]) + moved, 0
+    if name == "grouped_dynamic_conv":  # (x, dynamic, base, out, backend)
+        x, dynamic, base = args[:3]
+        return 1, nbytes(args[:3]) + distinct_bytes(args[3]), 2 * x.numel() * base.shape[0]
+    if name == "candidate_select":  # (logits, projected, predecessor, successor, anchor, top_k, temperature, ...)
+        logits, projected, predecessor, top_k = args[0], args[1], args[2], args[5]
+        positions, rank = logits.numel() // logits.shape[-1], predecessor.shape[1]
+        rows = positions * (top_k + 1) * rank * predecessor.element_size()  # k successor rows + 1 predecessor row
+        return (1, nbytes([logits, projected, args[4], *args[6:9]]) + rows + nbytes(out),
+                positions * (logits.shape[-1] + 3 * top_k * rank))
     raise ValueError(f"traffic: no cost contract for torch.ops.dflash.{name}; add one to dflash_cost")
 
 
@@ -388,6 +410,10 @@ def floor_bytes(engine, step: str, context: int) -> int:
         cfg = draft.config
         kv_row = cfg.num_key_value_heads * cfg.head_dim
         weights = params(draft) + target.lm_head.weight.numel()
+        if cfg.dflash2 is not None:  # the codebooks: only the rows looked up (k candidates + the predecessor)
+            selector = draft.candidate_selector
+            weights += (n * (B - 1) * (selector.top_k + 1) * cfg.dflash2.selector_rank
+                        - selector.predecessor_codebook.numel() - selector.successor_codebook.numel())
         kv = cfg.num_hidden_layers * n * kv_row * 2 * (context + B)  # live rows read + new rows written
         io = n * B * cfg.num_taps * H + n * B * H  # features read, block embedding rows read
         logits = 2 * n * (B - 1) * V * elem
@@ -466,12 +492,13 @@ def goal_text(step: str) -> str:
 
 
 def measure(model: str, batch: int, context: int, capacity: int, block: int, graphs: bool = True,
-            tree_budget: int | None = None) -> list[dict]:
-    """Both steps' summaries for one configuration (tree rounds of ``tree_budget`` + 1 nodes when given)."""
-    engine = build_engine(model, batch, capacity, block, graphs, tree_budget)
+            tree_budget: int | None = None, draft: str = "dflash") -> list[dict]:
+    """Both steps' summaries for one configuration (tree rounds of ``tree_budget`` + 1 nodes when given; a
+    ``draft`` kind of ``DRAFTS``)."""
+    engine = build_engine(model, batch, capacity, block, graphs, tree_budget, draft)
     engine.set_context(context)
     launch_us = LAUNCH_US["graph"] if graphs else None
-    config = dict(model=model, batch=batch, context=context, capacity=capacity, block=block,
+    config = dict(model=model, draft=draft, batch=batch, context=context, capacity=capacity, block=block,
                   tree_budget=tree_budget or "", mode="graph" if graphs else "eager")
     rows = [{**config, **summarize(engine, step, context, account(engine, step, context), launch_us)}
             for step in ("draft", "verify")]
@@ -483,6 +510,8 @@ def measure(model: str, batch: int, context: int, capacity: int, block: int, gra
 def check_args(args) -> None:
     if args.model not in MODELS:
         raise SystemExit(f"--model {args.model!r}: choose one of {', '.join(MODELS)}")
+    if args.draft not in DRAFTS:
+        raise SystemExit(f"--draft {args.draft!r}: choose one of {', '.join(DRAFTS)}")
     for name in ("batch", "context"):
         values = common.parse_ints(getattr(args, name))
         if not values or min(values) < 1:
@@ -499,7 +528,7 @@ def check_args(args) -> None:
         raise SystemExit(f"--context {too_long}: exceeds --capacity {capacity[0]}")
 
 
-COLUMNS = ["model", "batch", "context", "tree_budget", "step", "launches", "launches_per_layer",
+COLUMNS = ["model", "draft", "batch", "context", "tree_budget", "step", "launches", "launches_per_layer",
            "launches_outside_layers", "bytes_GB", "floor_GB", "ratio", "GFLOP", "merge_ms_h200", "predicted_ms_h200",
            "floor_ms_h200",
            "goal_ratio", "goal_per_layer", "goal_outside"]
@@ -514,7 +543,7 @@ def row_of(s: dict) -> dict:
 
 def print_human(s: dict, top: int) -> None:
     tree = f" tree budget {s['tree_budget']}" if s["tree_budget"] else ""
-    print(f"\n== {s['model']} batch {s['batch']} context {s['context']} capacity {s['capacity']} block {s['block']}"
+    print(f"\n== {s['model']} ({s['draft']} draft) batch {s['batch']} context {s['context']} capacity {s['capacity']} block {s['block']}"
           f"{tree} ({s['mode']}): {s['step']} step")
     print(f"launches {s['launches']} ({s['launches_per_layer']:.1f} per layer x {s['layers']}, "
           f"{s['launches_outside_layers']} outside layers); bytes {s['bytes'] / 1e9:.3f} GB vs floor "
@@ -545,6 +574,7 @@ def op_rows(s: dict, top: int) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="qwen3-8b", help=f"one of {', '.join(MODELS)}")
+    p.add_argument("--draft", default="dflash", help=f"draft kind, one of {', '.join(DRAFTS)} (default dflash)")
     p.add_argument("--batch", default="1", help="comma list (default 1)")
     p.add_argument("--context", default="2k", help="cached rows per request, comma list, k = 1024 (default 2k)")
     p.add_argument("--capacity", default="32k", help="engine capacity in tokens (default 32k)")
@@ -565,7 +595,7 @@ def main(argv=None) -> int:
     for batch, context, budget in itertools.product(common.parse_ints(args.batch), common.parse_ints(args.context),
                                                     budgets):
         for s in measure(args.model, batch, context, common.parse_ints(args.capacity)[0], args.block,
-                         graphs=not args.eager, tree_budget=budget):
+                         graphs=not args.eager, tree_budget=budget, draft=args.draft):
             results.append(s)
             if args.json:
                 print(json.dumps(s))

@@ -41,30 +41,13 @@ codebooks are parameters without ``.weight``), the full target vocabulary and ``
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dflash.config import DFlashConfig
 from dflash.draft import DFlashDecoderLayer
+from dflash_kernels.dynamic_conv import grouped_dynamic_conv_reference
 
 CODEBOOKS = ("predecessor_codebook", "successor_codebook")
-
-
-def grouped_dynamic_convolve(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor,
-                             group_size: int) -> torch.Tensor:
-    """Causal convolution over the rows of a block: x [b, q, H], dynamic [b, q, K, H/G] (one value per group
-    of G = ``group_size`` channels), base [K, H] -> [b, q, H]. Tap o reads row t-o (zero before row 0); per tap
-    the base part is added, then the dynamic part (the official rounding order)."""
-    b, q, hidden = x.shape
-    taps, groups = base.shape[0], hidden // group_size
-    rows = x.view(b, q, groups, group_size)
-    dynamic = dynamic.view(b, q, taps, groups, 1)
-    out = torch.zeros_like(rows)
-    for o in range(taps):
-        shifted = rows if o == 0 else F.pad(rows[:, :-o], (0, 0, 0, 0, o, 0))
-        out = out + base[o].view(1, 1, groups, group_size).to(x.dtype) * shifted
-        out = torch.addcmul(out, dynamic[:, :, o], shifted)
-    return out.view_as(x)
 
 
 class GroupedDynamicCausalConv(nn.Module):
@@ -86,11 +69,10 @@ class GroupedDynamicCausalConv(nn.Module):
     def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [b, q, H] (normed sublayer input) -> (convolved x, the dynamic kernel [b, q, K, H/G] of ``finish``)."""
         dynamic = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, -1)
-        return (grouped_dynamic_convolve(x, dynamic[:, :, 0], self.base_kernel[0], self.group_size),
-                dynamic[:, :, 1])
+        return grouped_dynamic_conv_reference(x, dynamic[:, :, 0], self.base_kernel[0]), dynamic[:, :, 1]
 
     def finish(self, y: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
-        return grouped_dynamic_convolve(y, dynamic, self.base_kernel[1], self.group_size)
+        return grouped_dynamic_conv_reference(y, dynamic, self.base_kernel[1])
 
 
 class DFlash2DecoderLayer(DFlashDecoderLayer):

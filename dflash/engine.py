@@ -24,9 +24,11 @@ write):
                stacked under the block rows, so the K/V weights are read once per step; their K/V go to
                the layer's context cache (inject_context_kv: k_norm + RoPE + cache write) before its
                attention: eight kernels per draft layer. A DFlash2 draft also convolves each request's block
-               rows around attention and around the MLP (its layers' ``prepare`` / ``finish``) and proposes the
-               candidate selector's greedy walk from the anchor (``select_block``); sampling with one is left to
-               the reference.
+               rows around attention and around the MLP (the kernel projections by the steps' GEMM, the four
+               convolutions of a layer by ``grouped_dynamic_conv``) and proposes the
+               candidate selector's greedy walk from the anchor (``candidate_select``; on the "cpu" backend the
+               official module's walk, whose tie order is torch's CPU topk); sampling with one is left to the
+               reference.
   verify step  lean target forward over [anchor, proposals] at positions[r] (verify_attention writes
                the block's K/V into the target cache; taps into a buffer), verify_greedy /
                verify_sample, commit_round (tokens, lengths, positions, anchor, stop and length
@@ -60,8 +62,8 @@ from dflash.reference import finite_tree_logits_
 from dflash.results import GenerateResult, device_clock
 from dflash.sampling import GREEDY_EPS, SamplingParams, sample
 from dflash_kernels import (
-    add_rms_norm, build_tree, commit_round, draft_attention, draft_round_setup, first_token_done, fused_context,
-    inject_context_kv, tree_accept_greedy, tree_accept_greedy_tokens, tree_accept_sample, tree_ancestor_mask,
+    add_rms_norm, build_tree, candidate_select, commit_round, draft_attention, draft_round_setup, first_token_done, fused_context,
+    grouped_dynamic_conv, inject_context_kv, tree_accept_greedy, tree_accept_greedy_tokens, tree_accept_sample, tree_ancestor_mask,
     tree_compact, verify_greedy, verify_greedy_tokens, verify_sample,
 )
 
@@ -254,6 +256,15 @@ class DFlashEngine:
                                 backend=self.backend)
         return fused_context(features, draft.fc.weight, draft.hidden_norm.weight, eps, out=out, backend=self.backend)
 
+    def _conv_prepare(self, conv, x: torch.Tensor, out: torch.Tensor | None = None):
+        """DFlash2's ``GroupedDynamicCausalConv.prepare`` on x [n, B, H]: both sides' dynamic kernels by the steps'
+        ``linear``, side 0's convolution by ``grouped_dynamic_conv`` (into ``out`` when given) -> (convolved x,
+        side 1's dynamic kernels [n, B, K, H/G], a view, for the convolution after the sublayer)."""
+        n, B = x.shape[:2]
+        dynamic = self.linear(x, conv.kernel_projection.weight).view(n, B, 2, conv.kernel_size, -1)
+        return (grouped_dynamic_conv(x, dynamic[:, :, 0], conv.base_kernel[0], out=out, backend=self.backend),
+                dynamic[:, :, 1])
+
     def _inject(self, li: int, kv: torch.Tensor, cu_lens, cache_lens, cache_batch_idx=None):
         """Layer ``li``'s context rows into its cache; ``kv`` [M, 2*kvH*D] holds their k_proj and v_proj columns."""
         attn = self.draft.layers[li].self_attn
@@ -284,11 +295,11 @@ class DFlashEngine:
         dflash2 = cfg.dflash2 is not None  # convolutions over each request's block around both sublayers
         for li, layer in enumerate(draft.layers):
             attn, norm = layer.self_attn, layer.input_layernorm
-            add_rms_norm(h if delta is None else delta, norm.weight, norm.eps,
-                         residual=None if delta is None else h, out=x_block, backend=self.backend)
+            normed = add_rms_norm(h if delta is None else delta, norm.weight, norm.eps,
+                                  residual=None if delta is None else h, out=None if dflash2 else x_block,
+                                  backend=self.backend)
             if dflash2:
-                convolved, kernel = layer.attention_conv.prepare(x_block)
-                x_block.copy_(convolved)
+                kernel = self._conv_prepare(layer.attention_conv, normed, out=x_block)[1]
             qkv = self.linear(self.layer_in, self.qkv[li])  # block rows, then context rows
             q_cols, kv_cols = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
             # All B rows of every request are written; only num_new of them become valid context
@@ -303,18 +314,27 @@ class DFlashEngine:
                                 max_context_len=self.kv_bound, block_lens=self.block_lens, backend=self.backend)
             delta = self.linear(o.reshape(n, B, -1), attn.o_proj.weight)
             if dflash2:
-                delta = layer.attention_conv.finish(delta, kernel)
+                delta = grouped_dynamic_conv(delta, kernel, layer.attention_conv.base_kernel[1], backend=self.backend)
             norm = layer.post_attention_layernorm
             x = add_rms_norm(delta, norm.weight, norm.eps, residual=h, backend=self.backend)
             if dflash2:
-                x, kernel = layer.mlp_conv.prepare(x)
+                x, kernel = self._conv_prepare(layer.mlp_conv, x)
             act = gate_up_act(x, self.gate_up[li], None, backend=self.backend, linear=self.linear)
             delta = self.linear(act, layer.mlp.down_proj.weight)
             if dflash2:
-                delta = layer.mlp_conv.finish(delta, kernel)
+                delta = grouped_dynamic_conv(delta, kernel, layer.mlp_conv.base_kernel[1], backend=self.backend)
         x = add_rms_norm(delta, draft.norm.weight, draft.norm.eps, residual=h, backend=self.backend)
-        if dflash2:  # the selector's greedy walk from each request's anchor (rows past a tail block: unused)
+        if dflash2 and self.backend == "cpu":
+            # The official walk itself: its candidates come in torch.topk(sorted=False) order, which the walk
+            # depends on where scores tie (equal logits) and which only torch's CPU topk reproduces.
             self.proposals.copy_(draft.select_block(x, self.target_model.lm_head, self.anchor, linear=self.linear)[0])
+        elif dflash2:  # the selector's greedy walk from each request's anchor (rows past a tail block: unused)
+            selector = draft.candidate_selector
+            path = candidate_select(draft.block_logits(x, self.target_model.lm_head, self.linear),
+                                    self.linear(x, selector.hidden_projection.weight)[:, 1:],  # x: no copy
+                                    selector.predecessor_codebook, selector.successor_codebook, self.anchor,
+                                    top_k=selector.top_k, backend=self.backend)[0]
+            self.proposals.copy_(path)
         elif self.tree_budget is None:
             draft.propose(x, self.target_model.lm_head, out=self.proposals, linear=self.linear)
         else:  # tree mode: the verify step builds the tree from all of the block's logits

@@ -21,6 +21,8 @@ def available_backends(device: str | torch.device = "cpu") -> dict[str, tuple[bo
     return {name: backend_status(name, device) for name in BACKENDS if name != "auto"}
 
 from dflash_kernels.draft_attention import draft_attention, verify_attention  # noqa: E402
+from dflash_kernels.dynamic_conv import grouped_dynamic_conv  # noqa: E402
+from dflash_kernels.candidate_select import candidate_select  # noqa: E402
 from dflash_kernels.fused_context import fused_context  # noqa: E402
 from dflash_kernels.inject_context_kv import inject_context_kv  # noqa: E402
 from dflash_kernels.layer_ops import add_rms_norm, silu_mul  # noqa: E402
@@ -34,7 +36,8 @@ from dflash_kernels.commit import (  # noqa: E402
 )
 
 __all__ += ["commit_round", "commit_round_reference", "draft_round_setup", "first_token_done", "add_rms_norm",
-            "silu_mul", "gate_up_silu"]
+            "silu_mul", "gate_up_silu", "grouped_dynamic_conv",
+            "candidate_select"]
 from dflash_kernels.tree import (  # noqa: E402
     build_tree, distinct_prefixes, tree_accept_greedy, tree_accept_greedy_tokens, tree_accept_sample,
     tree_ancestor_mask, tree_compact,

@@ -15,6 +15,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 import traffic  # noqa: E402
 
+from dflash.speculators import DFLASH2_DEFAULTS  # noqa: E402
 from dflash_kernels import gate_up_silu  # noqa: E402
 from dflash_kernels.gated_mlp import MAX_FUSED_ROWS  # noqa: E402
 
@@ -95,6 +96,7 @@ def test_json_keys(capsys):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--model", "gpt2"], "--model"),
+    (["--draft", "eagle"], "--draft"),
     (["--batch", "0"], "--batch"),
     (["--context", "64k", "--capacity", "32k"], "--context"),
     (["--block", "1"], "--block"),
@@ -223,3 +225,42 @@ def test_eager_rows_take_the_host_time_measured_here():
     engine = traffic.build_engine("tiny", 1, 128, 16, graphs=False)
     engine.set_context(32)
     assert 0 < traffic.host_step_ms(engine, "draft", reps=3) < 1e3
+
+
+def test_dflash2_op_contracts_by_hand():
+    x, dynamic, base = torch.empty(2, 16, 64), torch.empty(2, 16, 2, 4), torch.empty(2, 64)
+    assert traffic.dflash_cost("grouped_dynamic_conv", (x, dynamic, base, torch.empty(2, 16, 64), "auto"), None,
+                               0) == (1, 4 * (2 * 2048 + 2 * 16 * 2 * 4 + 128), 2 * 2048 * 2)
+    logits, projected = torch.empty(3, 15, 1000, dtype=torch.bfloat16), torch.empty(3, 15, 8, dtype=torch.bfloat16)
+    codebook, anchor = torch.empty(1000, 8, dtype=torch.bfloat16), torch.empty(3, dtype=torch.int64)
+    seed, offset = torch.empty(1, dtype=torch.int64), torch.empty(1, dtype=torch.int64)
+    out = (torch.empty(3, 15, dtype=torch.int64), torch.empty(3, 15, 4, dtype=torch.int64), torch.empty(3, 15, 4))
+    launches, nbytes, _ = traffic.dflash_cost("candidate_select", (logits, projected, codebook, codebook, anchor, 4,
+                                                                   None, seed, offset, "auto"), out, 0)
+    # logits + projections + 5 codebook rows per position + anchor, seed, offset; path, candidates, q written
+    assert (launches, nbytes) == (1, 2 * 45 * 1000 + 2 * 45 * 8 + 45 * 5 * 8 * 2 + 3 * 8 + 2 * 8
+                                  + 45 * 8 + 45 * 4 * 8 + 45 * 4 * 4)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_qwen3_8b_dflash2_draft_step(batch):
+    """The DFlash2 draft step: per layer the DFlash layer's launches + 2 kernel projections + 4 convolutions; its
+    bytes over the floor exceed the DFlash step's only by the activations DFlash2 adds (the convolutions' rows,
+    the projection GEMMs' input and output rows, the selector's projection): <= 1.05 x floor at batch 1; at
+    batch 8 those activations (~59 MB, 1.5 % of the floor) put it at 1.06x."""
+    plain = traffic.measure("qwen3-8b", batch=batch, context=2048, capacity=32768, block=16)[0]
+    draft = traffic.measure("qwen3-8b", batch=batch, context=2048, capacity=32768, block=16, draft="dflash2")[0]
+    if batch == 1:
+        assert draft["ratio"] <= traffic.GOALS["draft"]["ratio"], draft["ratio"]
+    assert draft["launches_per_layer"] == plain["launches_per_layer"] + 6
+    assert draft["ops"]["dflash.grouped_dynamic_conv"]["launches"] == 4 * draft["layers"]
+    assert draft["ops"]["dflash.candidate_select"]["launches"] == 1
+    s, e = traffic.MODELS["qwen3-8b"], 2
+    rows, hidden = batch * 16, s["hidden"]
+    d2 = DFLASH2_DEFAULTS  # the settings traffic assumes for DFlash2 drafts
+    k, g, rank, top_k = (d2[key] for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"))
+    projections = 2 * draft["layers"] * rows * (hidden + 2 * k * hidden // g) * e
+    selector = rows * (hidden + rank) * e + batch * 15 * (top_k + 1) * rank * e + batch * 15 * (8 + 16 * top_k)
+    added = draft["ops"]["dflash.grouped_dynamic_conv"]["bytes"] + projections + selector
+    excess = (draft["bytes"] - draft["floor_bytes"]) - (plain["bytes"] - plain["floor_bytes"])
+    assert 0 < excess <= added, (excess, added)

@@ -14,7 +14,7 @@ from dflash_kernels import _ext
 OPS = ("fused_context", "inject_context_kv", "draft_attention", "verify_greedy", "verify_greedy_tokens",
        "verify_sample", "commit_round", "verify_attention", "add_rms_norm", "silu_mul", "draft_round_setup",
        "build_tree", "tree_ancestor_mask", "tree_accept_greedy", "tree_accept_greedy_tokens", "tree_accept_sample",
-       "tree_compact")  # every registered op
+       "tree_compact", "grouped_dynamic_conv", "candidate_select")  # every registered op
 # The order _round calls them in (verify_attention twice: the chain, then a draft tree).
 CALLS = OPS[:11] + ("build_tree", "tree_ancestor_mask", "verify_attention") + OPS[13:]
 EXT_OK = _ext.status("cpu")[0]
@@ -63,6 +63,10 @@ def _state(device=None):
         tree_q=torch.randn(n, 5, nh, d), tree_k=torch.randn(n, 5, kvh, d), tree_v=torch.randn(n, 5, kvh, d),
         tree_logits=torch.randn(n, 5, v), tree_k_cache=torch.randn(layers, n, cap, kvh, d),
         tree_v_cache=torch.randn(layers, n, cap, kvh, d),
+        # DFlash2's convolution: K = 3 taps, G = 4 channels a group, the kernels one side of a projection output.
+        conv_x=torch.randn(n, b, h), conv_dynamic=torch.randn(n, b, 2, 3, h // 4), conv_base=torch.randn(2, 3, h),
+        # DFlash2's selector: rank 4 codebooks over the v-token vocabulary, proposals of rows 1..b-1.
+        projected=torch.randn(n, b - 1, 4), predecessor=torch.randn(v, 4), successor=torch.randn(v, 4),
     )
     s["draft"] = s["logits"].argmax(-1)[:, :-1].clone()
     s["draft"][1, 0] = (s["draft"][1, 0] + 1) % v
@@ -114,8 +118,13 @@ def _round(s, backend):
                                                               top_p=s["top_p"], seed=s["seed"], offset=s["offset"],
                                                               backend=backend)
     dflash_kernels.tree_compact(s["tree_k_cache"], s["tree_v_cache"], path, tacc, s["cache_lens"], backend=backend)
+    conv = dflash_kernels.grouped_dynamic_conv(s["conv_x"], s["conv_dynamic"][:, :, 1], s["conv_base"][1],
+                                               backend=backend)
+    selected = dflash_kernels.candidate_select(s["logits"][:, 1:], s["projected"], s["predecessor"], s["successor"],
+                                               s["anchor"], top_k=4, temperature=s["temperature"], seed=s["seed"],
+                                               offset=s["offset"], backend=backend)
     return (ctx, att, target, acc, bonus, sacc, stok, num_new, normed, act, tokens, parents, depths, mask, tree_att,
-            path, tacc, tbonus, spath, sacc_t, sbonus, *setup, tok_acc, tok_bonus, *tok_walk)
+            path, tacc, tbonus, spath, sacc_t, sbonus, *setup, tok_acc, tok_bonus, *tok_walk, conv, *selected)
 
 
 MUTATED = ("k_cache", "v_cache", "target_k_cache", "target_v_cache", "out_tokens", "lengths", "pos", "anchor", "done",
@@ -166,7 +175,8 @@ def test_schemas_and_mutations():
                        "draft_round_setup": ["block", "block_lens", "context_start"], "build_tree": [],
                        "tree_ancestor_mask": [], "tree_accept_greedy": [], "tree_accept_greedy_tokens": [],
                        "tree_accept_sample": [],
-                       "tree_compact": ["k_cache", "v_cache"]}
+                       "tree_compact": ["k_cache", "v_cache"], "grouped_dynamic_conv": ["out"],
+                       "candidate_select": []}
     args = {a.name: str(a.type) for a in schemas["draft_attention"].arguments}
     assert args["block_lens"] == "Optional[Tensor]" and args["backend"] == "str"
     assert args["q_norm_weight"] == args["k_norm_weight"] == "Optional[Tensor]"

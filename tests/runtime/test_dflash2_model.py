@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, cli, generate, smollm2, zlab_cli
 from dflash.config import DFlash2Settings
-from dflash.dflash2 import GroupedDynamicCausalConv, grouped_dynamic_convolve
+from dflash.dflash2 import GroupedDynamicCausalConv
 from dflash.draft import RMSNorm
 
 from test_speculators import write_speculators
@@ -150,21 +150,6 @@ def test_speculators_dflash2_checkpoint_runs_like_zlab(tmp_path):
         DFlashDraftModel.from_pretrained(folder)
 
 
-def test_grouped_convolution_matches_its_definition():
-    torch.manual_seed(3)
-    b, q, H, K, G = 2, 5, 24, 3, 6
-    x, base = torch.randn(b, q, H), torch.randn(K, H)
-    dynamic = torch.randn(b, q, K, H // G)
-    out = torch.full((b, q, H), float("nan"))
-    out.copy_(grouped_dynamic_convolve(x, dynamic, base, G))
-    expected = torch.zeros(b, q, H, dtype=torch.float64)
-    for t in range(q):
-        for o in range(min(K, t + 1)):
-            weight = base[o].double() + dynamic[:, t, o].double().repeat_interleave(G, dim=-1)
-            expected[:, t] += weight * x[:, t - o].double()
-    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
-
-
 def test_selector_walks_from_the_anchor():
     target = make_target("qwen3")
     draft = make_dflash2(target)
@@ -197,8 +182,9 @@ def test_runtimes_choose_and_refuse_clearly():
     auto = generate(target, draft, prompt, 12)
     assert torch.equal(ref.sequences, expected) and torch.equal(auto.sequences, expected)
     assert ref.acceptance_lengths == auto.acceptance_lengths
-    fast = generate(target, draft, prompt, 12, backend="fast", kernel_backend="cpu")
-    assert torch.equal(fast.sequences, expected) and fast.acceptance_lengths == ref.acceptance_lengths
+    for kernel_backend in ("cpu", "triton"):  # the engine's DFlash2 ops: references, then the Triton kernels
+        fast = generate(target, draft, prompt, 12, backend="fast", kernel_backend=kernel_backend)
+        assert torch.equal(fast.sequences, expected) and fast.acceptance_lengths == ref.acceptance_lengths
     sampled = generate(target, draft, prompt, 12, temperature=0.7, seed=3)  # auto: the reference
     assert torch.equal(sampled.sequences, generate(target, draft, prompt, 12, temperature=0.7, seed=3,
                                                    backend="reference").sequences)

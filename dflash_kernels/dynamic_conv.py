@@ -1,0 +1,164 @@
+"""``grouped_dynamic_conv``: DFlash2's grouped dynamic causal convolution over the block rows of every request.
+
+A DFlash2 layer wraps attention and its MLP each in two such convolutions: ``prepare`` convolves the normed
+sublayer input with ``base_kernel[0]`` plus the first half of ``kernel_projection(x)``, ``finish`` the sublayer
+output with ``base_kernel[1]`` plus the second half (:mod:`dflash.dflash2`). This op is one convolution; the
+engine calls it twice per sublayer, once per side.
+
+The projection is not fused in: it is a ``[rows, H] x [H, 2*K*H/G]`` GEMM whose bytes are its weight (4 MB a
+sublayer at Qwen3-8B's H = 4096 with K = 4, G = 16 taken as an example), against ``rows * 2*K*H/G`` elements of
+output (64 KB at 16 rows in bf16): fusing would save that round trip (under 2 % of the GEMM's bytes) and one
+launch, at the price of a second GEMM kernel that must match the runtime's own at small row counts (split-K,
+tensor cores). The runtime's GEMM (cuBLAS, ``cpu_linear``) computes the dynamic kernels; this op reads them as a
+strided view of that output.
+
+Launches and bytes per call (e = element size of x, e_b of base): 1 launch (none when empty), grid (rows,
+channel tiles); reads x once (the K-1 earlier rows of a tap come from cache), the dynamic kernels and base,
+writes the output: ``2*N*B*H*e + N*B*K*(H/G)*e + K*H*e_b``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from dflash_kernels._dispatch import call_op, checked_by, resolve_backend
+from dflash_kernels._triton_utils import (
+    FLOAT_DTYPES, check_last_dim_contiguous, check_shape, check_tensor, interpreting, next_pow2,
+)
+
+GROUPED_DYNAMIC_CONV = "grouped_dynamic_conv"
+_BACKENDS = ("triton", "torch")
+
+
+def grouped_dynamic_conv_reference(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """Definition (z-lab ``GroupedDynamicCausalConv``): causal convolution over the rows of each block,
+    ``y[n, t, c] = sum_o (base[o, c] + dynamic[n, t, o, c // G]) * x[n, t - o, c]`` with rows before the block's
+    first row zero, G = H / dynamic.shape[-1]. Per tap the base part is added, then the dynamic part, in x's
+    dtype (the official rounding order). Differentiable (plain torch)."""
+    b, q, hidden = x.shape
+    taps, groups = base.shape[0], dynamic.shape[-1]
+    rows = x.view(b, q, groups, hidden // groups)
+    dynamic = dynamic.view(b, q, taps, groups, 1)
+    out = torch.zeros_like(rows)
+    for o in range(min(taps, q)):  # taps reaching before row 0 read only zeros
+        shifted = rows if o == 0 else F.pad(rows[:, :-o], (0, 0, 0, 0, o, 0))
+        out = out + base[o].view(1, 1, groups, -1).to(x.dtype) * shifted
+        out = torch.addcmul(out, dynamic[:, :, o], shifted)
+    return out.view_as(x)
+
+
+@triton.jit
+def _grouped_dynamic_conv_kernel(out_ptr, x_ptr, d_ptr, base_ptr, B, H, G,
+                                 stride_xn, stride_xt, stride_dn, stride_dt, stride_do,
+                                 TAPS: tl.constexpr, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # n * B + t
+    n = row // B
+    t = row % B
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = cols < H
+    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for o in tl.static_range(TAPS):
+        if t >= o:
+            xs = tl.load(x_ptr + n * stride_xn + (t - o) * stride_xt + cols, mask=m, other=0.0).to(tl.float32)
+            w = tl.load(base_ptr + o * H + cols, mask=m, other=0.0).to(tl.float32)
+            dyn = tl.load(d_ptr + n * stride_dn + t * stride_dt + o * stride_do + cols // G, mask=m,
+                          other=0.0).to(tl.float32)
+            acc += (w + dyn) * xs
+    tl.store(out_ptr + row * H + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _grouped_dynamic_conv_triton(x, dynamic, base, out) -> None:
+    n, b, h = x.shape
+    if out.numel() == 0:
+        return
+    block_c = min(next_pow2(h), 8192 if interpreting() else 1024)
+    _grouped_dynamic_conv_kernel[(n * b, triton.cdiv(h, block_c))](
+        out_ptr=out, x_ptr=x, d_ptr=dynamic, base_ptr=base, B=b, H=h, G=h // dynamic.shape[-1],
+        stride_xn=x.stride(0), stride_xt=x.stride(1), stride_dn=dynamic.stride(0), stride_dt=dynamic.stride(1),
+        stride_do=dynamic.stride(2), TAPS=base.shape[0], BLOCK_C=block_c, num_warps=4,
+    )
+
+
+def grouped_dynamic_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, *,
+                         out: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+    """One grouped dynamic causal convolution over the B block rows of each of N requests.
+
+    Args:
+        x: ``[N, B, H]`` fp32/bf16/fp16, last dim contiguous (requests and rows may be strided): the rows to
+            convolve (``prepare``: the normed sublayer input; ``finish``: the sublayer output).
+        dynamic: ``[N, B, K, H/G]`` in x's dtype, last dim contiguous: row t's dynamic kernel, one value per group
+            of G channels; a view ``proj.view(N, B, 2, K, H/G)[:, :, side]`` of ``kernel_projection``'s output.
+        base: ``[K, H]`` contiguous, any float dtype: ``base_kernel[side]``.
+        out: ``None``, or a contiguous ``[N, B, H]`` tensor in x's dtype sharing no memory with x, to write into
+            (the engine passes the block rows its merged QKV GEMM reads).
+        backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"`` is the reference).
+
+    Returns:
+        ``out``, or a new ``[N, B, H]`` tensor in x's dtype: :func:`grouped_dynamic_conv_reference`; the kernel accumulates
+        the K taps in fp32 and rounds once. Rows depend only on earlier rows of their block, so a shortened
+        (tail) block's valid rows are unaffected by the rows after them.
+    """
+    chosen = resolve_backend(GROUPED_DYNAMIC_CONV, backend, x.device, available=_BACKENDS)
+    if out is None:
+        out = x.new_empty(x.shape)
+    call_op(_grouped_dynamic_conv_op, x, dynamic, base, out, chosen, device=x.device)
+    return out
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of ``a`` and ``b`` (one storage) intersect."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t):
+        start = t.data_ptr()
+        return start, start + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 <= b1 and b0 <= a1
+
+
+def _check_grouped_dynamic_conv(x, dynamic, base, out, backend):
+    op = GROUPED_DYNAMIC_CONV
+    check_tensor(op, "x", x, ndim=3, dtypes=FLOAT_DTYPES)
+    check_last_dim_contiguous(op, "x", x)
+    n, b, h = x.shape
+    check_tensor(op, "dynamic", dynamic, ndim=4, dtypes=(x.dtype,), device=x.device)
+    check_tensor(op, "base", base, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
+    taps = base.shape[0]
+    groups = dynamic.shape[-1]
+    if groups == 0 or h % groups:
+        raise ValueError(f"{op}: dynamic's last dim (H/G groups) must divide H = {h}, got {groups}")
+    check_shape(op, "dynamic", dynamic, (n, b, taps, groups), "[N, B, K, H/G]: N, B from x, K from base")
+    check_last_dim_contiguous(op, "dynamic", dynamic)
+    check_shape(op, "base", base, (taps, h), "[K, H]")
+    if taps == 0:
+        raise ValueError(f"{op}: base must have at least one tap (K >= 1), got shape {tuple(base.shape)}")
+    if not base.is_contiguous():
+        raise ValueError(f"{op}: base must be contiguous; pass base.contiguous()")
+    check_tensor(op, "out", out, dtypes=(x.dtype,), device=x.device)
+    if out.shape != x.shape or not out.is_contiguous():
+        raise ValueError(f"{op}: out must be a contiguous tensor of x's shape {tuple(x.shape)}, got "
+                         f"{tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}")
+    if _overlap(out, x):
+        raise ValueError(f"{op}: out overlaps x (row t reads rows t-K+1..t of x); write into another buffer")
+
+
+@torch.library.custom_op("dflash::grouped_dynamic_conv", mutates_args=("out",))
+@checked_by(_check_grouped_dynamic_conv)
+def _grouped_dynamic_conv_op(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, out: torch.Tensor,
+                             backend: str) -> None:
+    """``torch.ops.dflash.grouped_dynamic_conv``: :func:`grouped_dynamic_conv` after validation, into ``out``
+    (a custom op may not return an alias of an input)."""
+    chosen = resolve_backend(GROUPED_DYNAMIC_CONV, backend, x.device, available=_BACKENDS)
+    if chosen == "torch":
+        out.copy_(grouped_dynamic_conv_reference(x, dynamic, base))
+    else:
+        _grouped_dynamic_conv_triton(x, dynamic, base, out)
+
+
+@_grouped_dynamic_conv_op.register_fake
+def _grouped_dynamic_conv_fake(x, dynamic, base, out, backend):
+    return None

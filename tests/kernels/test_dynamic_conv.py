@@ -1,0 +1,92 @@
+import pytest
+import torch
+
+from dflash_kernels.dynamic_conv import grouped_dynamic_conv, grouped_dynamic_conv_reference
+from _device import DEVICE
+from _tol import assert_within_rule
+
+BACKENDS = ["torch", "triton", pytest.param("cpu", marks=pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only"))]
+DTYPES = [torch.float32, torch.bfloat16]
+# (N, B, H, K, G): odd block sizes, more taps than rows, G = 1 and G = H, empty batches
+SHAPES = [(2, 5, 24, 3, 6), (3, 7, 40, 4, 8), (1, 2, 12, 5, 12), (2, 16, 96, 4, 1), (0, 4, 16, 2, 4),
+          (3, 1, 8, 3, 2), (1, 3, 1030, 2, 10)]
+
+
+@pytest.fixture(autouse=True)
+def _fixed_seed():
+    torch.manual_seed(20261204)
+
+
+def _inputs(n, b, h, k, g, dtype, strided=False):
+    """x, the dynamic kernels of one side and base; ``strided``: x rows of a wider buffer, the kernels a side of
+    one [N, B, 2, K, H/G] projection output (what the engine passes)."""
+    pad = 3 if strided else 0
+    x = torch.randn(n, b, h + 2 * pad, device=DEVICE).to(dtype)[..., pad:h + pad]
+    proj = (0.5 * torch.randn(n, b, 2, k, h // g, device=DEVICE)).to(dtype)
+    base = torch.randn(2, k, h, device=DEVICE)
+    return x, proj[:, :, 1], base[1]
+
+
+def _expected64(x, dynamic, base):
+    """The definition written out per row and tap, in fp64."""
+    n, b, h = x.shape
+    g = h // dynamic.shape[-1]
+    out = torch.zeros(n, b, h, dtype=torch.float64, device=x.device)
+    for t in range(b):
+        for o in range(min(base.shape[0], t + 1)):
+            weight = base[o].double() + dynamic[:, t, o].double().repeat_interleave(g, dim=-1)
+            out[:, t] += weight * x[:, t - o].double()
+    return out
+
+
+def test_reference_is_the_definition():
+    x, dynamic, base = _inputs(2, 5, 24, 3, 6, torch.float64)
+    torch.testing.assert_close(grouped_dynamic_conv_reference(x, dynamic, base), _expected64(x, dynamic, base),
+                               rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("strided", [False, True])
+def test_grouped_dynamic_conv(backend, dtype, shape, strided):
+    x, dynamic, base = _inputs(*shape, dtype, strided)
+    before = [t.clone() for t in (x, dynamic, base)]
+    out = torch.full(x.shape, float("nan"), dtype=dtype, device=DEVICE)  # an element not written stays NaN
+    assert grouped_dynamic_conv(x, dynamic, base, out=out, backend=backend) is out
+    assert all(torch.equal(t, b) for t, b in zip((x, dynamic, base), before)), "an input was written"
+    assert torch.equal(grouped_dynamic_conv(x, dynamic, base, backend=backend), out), "out= changed the result"
+    assert_within_rule(out, _expected64(x, dynamic, base), grouped_dynamic_conv_reference(x, dynamic, base),
+                       "grouped_dynamic_conv")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_tail_rows_do_not_reach_earlier_rows(backend):
+    x, dynamic, base = _inputs(2, 8, 16, 3, 4, torch.float32)
+    full = grouped_dynamic_conv(x, dynamic, base, backend=backend)
+    short = grouped_dynamic_conv(x[:, :5], dynamic[:, :5], base, backend=backend)
+    assert torch.equal(full[:, :5], short)
+
+
+def test_bad_arguments_raise_before_work():
+    x, dynamic, base = _inputs(2, 5, 24, 3, 6, torch.float32)
+    with pytest.raises(TypeError, match="grouped_dynamic_conv: dynamic has dtype"):
+        grouped_dynamic_conv(x, dynamic.to(torch.bfloat16), base)
+    with pytest.raises(ValueError, match=r"dynamic must have shape \(2, 5, 3, 4\)"):
+        grouped_dynamic_conv(x, torch.randn(2, 5, 2, 4, device=DEVICE), base)
+    with pytest.raises(ValueError, match="must divide H = 24"):
+        grouped_dynamic_conv(x, torch.randn(2, 5, 3, 5, device=DEVICE), base)
+    with pytest.raises(ValueError, match=r"base must have shape \(3, 24\)"):
+        grouped_dynamic_conv(x, dynamic, base[:, :20])
+    with pytest.raises(ValueError, match="x must be contiguous in its last dim"):
+        grouped_dynamic_conv(x.transpose(1, 2).contiguous().transpose(1, 2), dynamic, base)
+    with pytest.raises(ValueError, match="at least one tap"):
+        grouped_dynamic_conv(x, dynamic[:, :, :0], base[:0])
+    out = torch.full_like(x, float("nan"))
+    with pytest.raises(ValueError, match="out overlaps x"):
+        grouped_dynamic_conv(x, dynamic, base, out=x)
+    with pytest.raises(ValueError, match=r"out must be a contiguous tensor of x's shape"):
+        grouped_dynamic_conv(x, dynamic, base, out=out[:, :4])
+    with pytest.raises(TypeError, match="out has dtype"):
+        grouped_dynamic_conv(x, dynamic, base, out=out.double())
+    assert torch.isnan(out).all(), "a rejected call wrote out"

@@ -206,13 +206,15 @@ def _request_keys(k_cache, r: int, c, nb, b: int, causal: bool, sliding_window, 
     """Request ``r``'s attention layout for block rows at positions ``c + 0..b-1`` with ``nb`` valid block keys:
     (those positions [b], the cache index of its context keys, the slice of block keys it takes, the [b, keys]
     visibility of context keys then block keys). ``c``/``nb`` are host ints (exactly the C context keys and
-    ``nb`` block keys) or 0-dim device tensors (all capacity rows and all b block keys, the extra ones hidden)."""
+    ``nb`` block keys) or 0-dim device tensors (all capacity rows and all b block keys, the extra ones hidden).
+    The context keys are the rows below ``min(c, capacity)``: a length past the capacity reads up to it."""
     device = k_cache.device
-    if isinstance(c, int):
-        ctx = _cache_index(k_cache, r, torch.arange(c, device=device), block_table, cache_batch_idx)
-        return torch.arange(c, c + b, device=device), ctx, slice(0, nb), _block_mask(c, b, c + nb, causal,
-                                                                                      sliding_window, device)
     capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    if isinstance(c, int):
+        live = min(c, capacity)
+        ctx = _cache_index(k_cache, r, torch.arange(live, device=device), block_table, cache_batch_idx)
+        return torch.arange(c, c + b, device=device), ctx, slice(0, nb), _block_mask(c, live, b, nb, causal,
+                                                                                      sliding_window, device)
     t = torch.arange(capacity, device=device)
     pos = c + torch.arange(b, device=device)
     valid = torch.cat([t < c, torch.arange(b, device=device) < nb])
@@ -220,10 +222,11 @@ def _request_keys(k_cache, r: int, c, nb, b: int, causal: bool, sliding_window, 
     return pos, _cache_index(k_cache, r, t, block_table, cache_batch_idx), slice(None), mask
 
 
-def _block_mask(c: int, b: int, keys: int, causal: bool, sliding_window, device) -> torch.Tensor:
-    """[b, keys] bool: which keys (positions 0..keys-1) the block rows at positions c..c+b-1 see."""
-    return _visible(c + torch.arange(b, device=device)[:, None], torch.arange(keys, device=device)[None, :], causal,
-                    sliding_window)
+def _block_mask(c: int, live: int, b: int, nb: int, causal: bool, sliding_window, device) -> torch.Tensor:
+    """[b, live + nb] bool: which keys the block rows at positions c..c+b-1 see, of the ``live`` context keys
+    (positions 0..live-1) and the ``nb`` block keys (positions c..c+nb-1)."""
+    kpos = torch.cat([torch.arange(live, device=device), torch.arange(c, c + nb, device=device)])
+    return _visible(c + torch.arange(b, device=device)[:, None], kpos[None, :], causal, sliding_window)
 
 
 def _visible(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, sliding_window) -> torch.Tensor:
@@ -246,11 +249,11 @@ def draft_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_weig
 
     Per request n with C = cache_lens[n] and v = block_lens[n] (B when None): block row i sits at position
     C + i. q/k get per-head RMSNorm (when the weights are given) then RoPE; scores over
-    [cache[:C] ++ block keys 0..v-1], scale ``scale`` (D**-0.5 when None). Key at position p is visible to
-    the query at position P unless: causal and p > P; or a window W is set and P - p >= W (or, non-causal
-    with a window, p - P >= W). ``causal=None`` means causal iff a window is set (PyPI dflash / vLLM
-    default). Rows i < v are exactly a run on the v-row block ``[:, :v]``; rows i >= v are unspecified
-    (here: the same formula, and 0 where no key is visible).
+    [cache[:min(C, capacity)] (a length past the capacity reads up to it) ++ block keys 0..v-1], scale
+    ``scale`` (D**-0.5 when None). Key at position p is visible to the query at position P unless: causal and
+    p > P; or a window W is set and P - p >= W (or, non-causal with a window, p - P >= W). ``causal=None``
+    means causal iff a window is set (PyPI dflash / vLLM default). Rows i < v are exactly a run on the v-row
+    block ``[:, :v]``; rows i >= v are unspecified (here: the same formula, and 0 where no key is visible).
     """
     causal = (sliding_window is not None) if causal is None else causal
     n, b, nh, d = q.shape
@@ -285,7 +288,8 @@ def verify_attention_reference(q, k, v, k_cache, v_cache, cache_lens, q_norm_wei
                                tree_depths=None, tree_mask=None) -> torch.Tensor:
     """Definition (static-shape writes): write request n's block K rows (normed + rotated, as the attention uses
     them) and raw V rows to cache rows ``cache_lens[n] + i`` (those below the capacity), then
-    ``draft_attention_reference`` with ``causal=True`` (the context [0, cache_lens[n]) plus block keys j <= i).
+    ``draft_attention_reference`` with ``causal=True`` (the context [0, min(cache_lens[n], capacity)) plus block
+    keys j <= i).
 
     Tree (``tree_depths`` [N, B] and ``tree_mask`` [N, B, ceil(B/64)] int64, both or neither): block row i is
     at position ``cache_lens[n] + tree_depths[n, i]`` (q and k rotated there) but still written at cache row
@@ -350,12 +354,12 @@ def rope_tables_cpu(lens, b, inv_freq, attention_scaling, dtype, depths=None):
 
 
 @functools.lru_cache(maxsize=4)
-def _block_mask_shared(c: int, b: int, keys: int, causal: bool, sliding_window, device,
+def _block_mask_shared(c: int, live: int, b: int, nb: int, causal: bool, sliding_window, device,
                        dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_block_mask`, built once for the layers of a forward (same lengths; only read by the callers), and
     as SDPA's additive mask in ``dtype`` (0 / -inf): CPU SDPA turns a bool mask into exactly that on every
     call (the same output bits, tested), a third of its time at 8 block rows."""
-    mask = _block_mask(c, b, keys, causal, sliding_window, device)
+    mask = _block_mask(c, live, b, nb, causal, sliding_window, device)
     return mask, _additive_mask(mask, dtype)
 
 
@@ -455,7 +459,7 @@ def _attention_cpu(q, k, v, k_cache, v_cache, cache_lens, q_norm_weight, k_norm_
         if tree_mask is not None:
             mask, sdpa_mask = tree_masks[r]
         elif not unmasked:
-            mask, sdpa_mask = _block_mask_shared(c, b, c + nb, causal, sliding_window, q.device, q.dtype)
+            mask, sdpa_mask = _block_mask_shared(int(lens[r]), c, b, nb, causal, sliding_window, q.device, q.dtype)
         o = F.scaled_dot_product_attention(qn[r].transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                            vals.transpose(0, 1)[None],
                                            attn_mask=None if mask is None else sdpa_mask[None, None], scale=scale,

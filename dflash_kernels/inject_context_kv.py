@@ -123,7 +123,8 @@ def _inject_kernel(
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < M
+    # k's rows at or past cu[N_REQ] (allowed: cu[N_REQ] <= M) belong to no request and are never written.
+    row_ok = (rows < M) & (rows < tl.load(cu_ptr + N_REQ))
     rows64 = rows.to(tl.int64)
     dh = tl.arange(0, BLOCK_HALF)
     dh_ok = dh < HALF

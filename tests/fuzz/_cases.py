@@ -131,7 +131,32 @@ def tree_depths(par: torch.Tensor) -> torch.Tensor:
 # the list of tensors to compare (the outputs, then every tensor written in place).
 # --------------------------------------------------------------------------------------------------
 
-class VerifyGreedy:
+class PositionalOp:
+    """An op whose public function, registered op and reference take the same inputs ``self.args`` (then the
+    backend; the reference none): ``dk.<OP>``, ``torch.ops.dflash.<OP>`` and ``REFERENCE``."""
+    OP: str
+    REFERENCE: staticmethod
+    args: tuple
+
+    def public(self, backend):
+        return outputs(getattr(dk, self.OP)(*self.args, backend=backend))
+
+    def registered(self, backend):
+        return outputs(getattr(torch.ops.dflash, self.OP)(*self.args, backend))
+
+    def reference(self):
+        return outputs(self.REFERENCE(*self.args))
+
+
+def outputs(result) -> list[torch.Tensor]:
+    """An op's result (one tensor or a tuple of them) as the list of tensors to compare."""
+    return [result] if isinstance(result, torch.Tensor) else list(result)
+
+
+class VerifyGreedy(PositionalOp):
+    OP = "verify_greedy"
+    REFERENCE = staticmethod(verify.verify_greedy_reference)
+
     def __init__(self, c: dict, b: Build):
         n, bs, v = c["n"], c["b"], c["v"]
         logits = b.floats((n, bs, v), layout=c["layout"])
@@ -141,39 +166,23 @@ class VerifyGreedy:
             b.mark("either")
         best = logits.argmax(-1)[:, :-1]
         draft = torch.where(torch.rand(best.shape, generator=b.gen) < 0.7, best, b.ints(best.shape, 0, v))
-        self.logits, self.draft = logits, b.index_mutation(draft, v, int32_ok=True)
+        self.args = (logits, b.index_mutation(draft, v, int32_ok=True))
         if b.case["mutation"] in ("negative", "past_end", "huge"):
             b.expect = "valid"  # a draft token outside the vocabulary is never the argmax: a plain rejection
 
-    def public(self, backend):
-        return list(dk.verify_greedy(self.logits, self.draft, backend=backend))
 
-    def registered(self, backend):
-        return list(torch.ops.dflash.verify_greedy(self.logits, self.draft, backend))
+class VerifyGreedyTokens(PositionalOp):
+    OP = "verify_greedy_tokens"
+    REFERENCE = staticmethod(verify.verify_greedy_tokens_reference)
 
-    def reference(self):
-        return list(verify.verify_greedy_reference(self.logits, self.draft))
-
-
-class VerifyGreedyTokens:
     def __init__(self, c: dict, b: Build):
         n, bs, v = c["n"], c["b"], c["v"]
         target = b.ints((n, bs), 0, v)
         draft = torch.where(torch.rand((n, bs - 1), generator=b.gen) < 0.7, target[:, :-1],
                             b.ints((n, bs - 1), 0, v))
-        self.target = b.index_mutation(target, 2**31 - 1, int32_ok=True)
-        self.draft = draft.to(INTS[c["draft_dtype"]])
+        self.args = (b.index_mutation(target, 2**31 - 1, int32_ok=True), draft.to(INTS[c["draft_dtype"]]))
         if b.expect == "invalid":
             b.expect = "unchecked"  # target tokens in [0, 2^31 - 1) are the caller's duty (README), not an index
-
-    def public(self, backend):
-        return list(dk.verify_greedy_tokens(self.target, self.draft, backend=backend))
-
-    def registered(self, backend):
-        return list(torch.ops.dflash.verify_greedy_tokens(self.target, self.draft, backend))
-
-    def reference(self):
-        return list(verify.verify_greedy_tokens_reference(self.target, self.draft))
 
 
 class AddRmsNorm:
@@ -206,23 +215,18 @@ class AddRmsNorm:
         return [out] + ([] if self.residual is None else [self.residual])
 
 
-class SiluMul:
+class SiluMul(PositionalOp):
+    OP = "silu_mul"
+    REFERENCE = staticmethod(layer_ops.silu_mul_reference)
+
     def __init__(self, c: dict, b: Build):
         cols = 2 * c["i"] + (1 if c["mutation"] == "past_end" else 0)
-        self.gate_up = b.floats((*c["lead"], cols), 2.0, layout=c["layout"])
+        gate_up = b.floats((*c["lead"], cols), 2.0, layout=c["layout"])
+        self.args = (gate_up,)
         if cols % 2:
-            b.mark("invalid", inert=self.gate_up.numel() == 0)
+            b.mark("invalid", inert=gate_up.numel() == 0)
         if c["layout"] == "transposed":
             b.mark("either")
-
-    def public(self, backend):
-        return [dk.silu_mul(self.gate_up, backend=backend)]
-
-    def registered(self, backend):
-        return [torch.ops.dflash.silu_mul(self.gate_up, backend)]
-
-    def reference(self):
-        return [layer_ops.silu_mul_reference(self.gate_up)]
 
 
 class BuildTree:
@@ -261,7 +265,10 @@ class BuildTree:
         return list(tree.build_tree_reference(self.logits, self.anchor, self.budget, vocab_ids=self.vocab_ids))
 
 
-class TreeAncestorMask:
+class TreeAncestorMask(PositionalOp):
+    OP = "tree_ancestor_mask"
+    REFERENCE = staticmethod(tree.tree_ancestor_mask_reference)
+
     def __init__(self, c: dict, b: Build):
         r, t = c["r"], c["t"]
         par = tree_parents(b, r, t)
@@ -276,16 +283,7 @@ class TreeAncestorMask:
             b.mark("either")
         if c["layout"] == "strided":
             par = torch.stack([par, par], 1)[:, 0]  # row stride 2T, last dim contiguous
-        self.parents = par
-
-    def public(self, backend):
-        return [dk.tree_ancestor_mask(self.parents, backend=backend)]
-
-    def registered(self, backend):
-        return [torch.ops.dflash.tree_ancestor_mask(self.parents, backend)]
-
-    def reference(self):
-        return [tree.tree_ancestor_mask_reference(self.parents)]
+        self.args = (par,)
 
 
 class TreeAcceptGreedyTokens:

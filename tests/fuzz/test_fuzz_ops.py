@@ -92,23 +92,7 @@ KNOBS["tree_accept_sample"] = (dict(_SAMPLING, block_size=_ints(0, 6)), ("triton
 EXAMPLES = {"triton": 8, "ext": 40, "cpu": 50, "torch": 20}
 
 # (op, path, backend, mutation group) -> the finding that still fails there (drop the entry when its fix lands).
-# None of the findings below is in issue 35's list; this harness found them.
-CACHE_LENS_PAST_CAPACITY = ("new finding: with cache_lens past the cache capacity (the README's live rows = "
-                            "min(cache_lens, capacity)) the torch references raise ({ref}) while the cpu/triton "
-                            "kernels return a clipped result")
-INJECT_ROWS_PAST_OFFSETS = ("new finding: inject_context_kv (triton) writes k/v rows past cu_ctx_lens[-1] into the "
-                            "cache (the validation allows cu_ctx_lens[-1] <= M; the reference and cpu ignore them)")
-_VERIFY_REF = "verify_attention_reference: torch.arange(c, min(c + B, capacity)) with c > capacity"
-_DRAFT_REF = "draft_attention_reference: IndexError indexing the cache rows past it"
-KNOWN: dict[tuple[str, str, str, str], str] = {
-    **{("inject_context_kv", path, "triton", group): INJECT_ROWS_PAST_OFFSETS
-       for path in ("public", "registered") for group in ("none", "int32")},
-    **{("verify_attention", path, backend, "bad_index"): CACHE_LENS_PAST_CAPACITY.format(ref=_VERIFY_REF)
-       for path in ("public", "registered") for backend in ("triton", "cpu", "torch")
-       if (path, backend) != ("registered", "torch")},
-    **{("draft_attention", path, "cpu", "bad_index"): CACHE_LENS_PAST_CAPACITY.format(ref=_DRAFT_REF)
-       for path in ("public", "registered")},
-}
+KNOWN: dict[tuple[str, str, str, str], str] = {}
 
 
 def _params():

@@ -73,6 +73,30 @@ def test_causal_override(backend, dtype, case, window, causal):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("window,causal", [(None, None), (None, True), (3, None), (20, False)])
+def test_cache_lens_past_the_capacity_read_up_to_it(backend, dtype, paged, window, causal):
+    """A length past the capacity reads the context up to the capacity (the block rows stay at positions
+    cache_lens + i, and a window counts from there), on every backend and in the reference alike."""
+    n, b, nh, kvh, d, lens = 4, 5, 4, 2, 16, [40, 33, 31, 50]
+    q, k, v, kc, vc, cl, qw, kw = _case(n, b, nh, kvh, d, lens, dtype)
+    cap = 32  # under three of the four lengths, one of them by less than the window
+    kc, vc = kc[:, :cap].contiguous(), vc[:, :cap].contiguous()
+    rope = dict(inv_freq=_inv_freq(d), attention_scaling=1.1, sliding_window=window, causal=causal)
+    where = {}
+    if paged:
+        table, num_pages = random_block_table(n, cap, 16)
+        where = dict(block_table=table)
+        kc_in, vc_in = to_paged(kc, table, num_pages, 16), to_paged(vc, table, num_pages, 16)
+    else:
+        kc_in, vc_in = kc, vc
+    out = draft_attention(q, k, v, kc_in, vc_in, cl, qw, kw, backend=backend, **where, **rope)
+    ref, lowp = _refs((q, k, v, kc, vc, cl, qw, kw), **rope)
+    assert_within_rule(out, ref, lowp, "draft_attention")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("window", [None, 5])
 def test_paged_equals_contiguous(backend, window):
     n, b, nh, kvh, d, lens = 3, 7, 4, 2, 16, [300, 0, 17]

@@ -55,7 +55,26 @@ def _check(kc, vc, refs):
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
 def test_matches_reference(backend, dtype, q_cols, kvh, d, new_rows, cached, layout):
     k, v, knw, cu, lens, cap = _case(q_cols, kvh, d, new_rows, cached, dtype)
-    n = len(new_rows)
+    _inject_and_check(backend, layout, (k, v, knw, cu, lens), cap)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("new_rows,cached", [([0, 1, 2], [0, 2, 0]), ([3, 0, 5, 19], [1, 4, 0, 2]), ([0, 7], [3, 0])])
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_rows_past_the_last_offset_are_not_written(backend, dtype, new_rows, cached, layout):
+    """k's rows at or past cu_ctx_lens[-1] (allowed: cu[-1] <= M) belong to no request: nothing of them reaches
+    the cache, on every backend (the last request's rows would otherwise run on past its segment)."""
+    k, v, knw, cu, lens, cap = _case(3, 2, 16, new_rows, cached, dtype)
+    assert int(cu[-2]) < k.shape[0]  # the last request's rows become rows past the offsets
+    _inject_and_check(backend, layout, (k, v, knw, cu[:-1], lens[:-1]), cap)
+
+
+def _inject_and_check(backend, layout, args, cap):
+    """Inject into NaN-filled caches (contiguous, or paged under a random block table) and compare with the
+    references: the same rows written, the values within the tolerance rule."""
+    k, v, knw, cu, lens = args
+    n, (_, kvh, d), dtype = lens.shape[0], k.shape, k.dtype
     rope = dict(inv_freq=_inv_freq(d), attention_scaling=0.9, eps=1e-6)
     if layout == "contiguous":
         kc = torch.full((n, cap, kvh, d), float("nan"), dtype=dtype)
@@ -67,7 +86,7 @@ def test_matches_reference(backend, dtype, q_cols, kvh, d, new_rows, cached, lay
         vp = kp.clone()
         inject_context_kv(k, v, knw, cu, lens, kp, vp, block_table=table, backend=backend, **rope)
         kc, vc = paged_view(kp, table, cap), paged_view(vp, table, cap)
-    _check(kc, vc, _references((k, v, knw, cu, lens), cap, n, (kvh, d), **rope))
+    _check(kc, vc, _references(args, cap, n, (kvh, d), **rope))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -189,12 +189,14 @@ def test_validation_errors():
 TREE_ATTN_CASES = [  # n, T nodes, nH, kvH, D, context lengths, capacity, paged
     (2, 9, 4, 2, 16, [130, 0], 160, False),     # MIN_CHUNK 64: 3 active splits and 1
     (3, 17, 6, 2, 16, [5, 70, 140], 160, True),  # paged, ragged
+    (2, 9, 4, 2, 16, [200, 155], 160, False),    # lengths past the capacity: the context read up to it
+    (3, 9, 4, 2, 16, [170, 158, 3], 160, True),  # the same, paged; 0, 2 and 9 rows written
 ]
 
 
 @pytest.mark.parametrize("backend", ["triton", pytest.param("cpu", marks=CPU_ONLY)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", TREE_ATTN_CASES, ids=["contiguous", "paged"])
+@pytest.mark.parametrize("case", TREE_ATTN_CASES, ids=["contiguous", "paged", "past_capacity", "past_capacity_paged"])
 def test_verify_attention_tree_kernel(monkeypatch, backend, dtype, case):
     """The Triton kernel (several context splits active) and the "cpu" backend (fp32 on a contiguous cache: its
     native kernel) with a tree against the fp64 reference (2x rule): outputs, K rows written at cache_lens + node

@@ -77,6 +77,8 @@ CASES = [  # n, b, nh, kvh, d, context lengths, capacity, cache layout
     (4, 1, 8, 2, 64, [5, 0, 130, 77], 144, "paged"),           # G = 4, B = 1
     (3, 16, 6, 2, 16, [50, 64, 10], 64, "contiguous"),         # near capacity: 14, 0 and 16 rows fit
     (2, 16, 6, 2, 16, [60, 41], 64, "paged"),                  # near capacity, paged (capacity = 4 pages)
+    (3, 4, 4, 2, 16, [70, 64, 62], 64, "batch_idx"),           # lengths past the capacity: context read up to it
+    (2, 16, 6, 2, 16, [100, 63], 64, "paged"),                 # past the capacity, paged: 0 and 1 rows fit
 ]
 
 

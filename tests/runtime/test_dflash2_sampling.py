@@ -7,21 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dflash.reference as reference_module
 from dflash.config import DFlash2Settings
 from dflash.sampling import SamplingParams, rejection_sample_candidates, sampling_probs
 
 from test_dflash2_model import make_dflash2
-from test_sampling import MODEL_SEED, continuation_chi2
-from tiny_models import make_target
+from test_sampling import assert_lossless, assert_wrong_rule_fails, peaked_target
 
 
 @pytest.fixture
 def dflash2_pair():
-    torch.manual_seed(MODEL_SEED)  # the same models on every run: the chi-square statistics are reproducible
-    target = make_target("qwen3", vocab=4, layers=2, hidden=16)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(8.0)  # far from uniform, yet every token stays likely
+    target = peaked_target()
     settings = DFlash2Settings(conv_kernel_size=2, conv_group_size=4, selector_rank=8, selector_top_k=2)
     draft = make_dflash2(target, block_size=4, settings=settings, layers=1, mask_token_id=3)
     return target, draft, torch.tensor([[1, 2, 0]])
@@ -38,17 +33,11 @@ def wrong_rejection_sample(logits, proposals, candidates, draft_q, sampling, gen
 
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.8, 0.9, 3)])
 def test_dflash2_sampling_is_lossless(dflash2_pair, temperature, top_p, top_k):
-    target, draft, ids = dflash2_pair
-    # 3 tokens: the second and third come from one verified block
-    rejects, stat, crit = continuation_chi2(target, draft, ids, 3, 1000, temperature, top_p, top_k)
-    assert not rejects, (stat, crit)
+    assert_lossless(dflash2_pair, temperature, top_p, top_k)
 
 
 def test_dflash2_wrong_rule_fails(dflash2_pair, monkeypatch):
-    target, draft, ids = dflash2_pair
-    monkeypatch.setattr(reference_module, "rejection_sample_candidates", wrong_rejection_sample)
-    rejects, stat, crit = continuation_chi2(target, draft, ids, 3, 1000, 1.0)
-    assert rejects, f"a wrong acceptance rule passed the losslessness test ({stat} <= {crit})"
+    assert_wrong_rule_fails(dflash2_pair, monkeypatch, "rejection_sample_candidates", wrong_rejection_sample, 1000)
 
 
 def test_rejection_over_candidates_exact_cases():

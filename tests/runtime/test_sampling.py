@@ -102,31 +102,49 @@ def continuation_chi2(target, draft, ids, steps, n, temperature, top_p=1.0, top_
     return chi2_rejects(counts, expected, n)
 
 
-@pytest.fixture
-def sampling_pair():
-    torch.manual_seed(MODEL_SEED)  # the same models on every run: the chi-square statistics are reproducible
+def peaked_target():
+    """The tiny 4-token target of the chi-square tests, seeded (the same models on every run, so the statistics
+    are reproducible; seed the draft's construction too by building it right after)."""
+    torch.manual_seed(MODEL_SEED)
     target = make_target("qwen3", vocab=4, layers=2, hidden=16)
     with torch.no_grad():
         target.lm_head.weight.mul_(8.0)  # far from uniform, yet every token stays likely
+    return target
+
+
+@pytest.fixture
+def sampling_pair():
+    target = peaked_target()
     draft = make_draft(target, layers=1, block_size=4, mask_token_id=3)
     ids = torch.tensor([[1, 2, 0]])
     return target, draft, ids
 
 
-@pytest.mark.parametrize("backend,temperature,top_p,top_k", [
-    ("reference", 1.0, 1.0, 0), ("reference", 0.8, 0.9, 3), ("fast", 0.8, 0.9, 3)])
-def test_speculative_sampling_is_lossless(sampling_pair, backend, temperature, top_p, top_k):
-    target, draft, ids = sampling_pair
-    steps, n = 3, 1000  # the second and third tokens come from one verified block
-    rejects, stat, crit = continuation_chi2(target, draft, ids, steps, n, temperature, top_p, top_k, backend)
+def assert_lossless(pair, temperature, top_p, top_k, backend="reference"):
+    """1000 continuations of 3 tokens (the second and third from one verified block) of a (target, draft,
+    ids) pair pass the chi-square test against the target's exact marginals."""
+    target, draft, ids = pair
+    rejects, stat, crit = continuation_chi2(target, draft, ids, 3, 1000, temperature, top_p, top_k, backend)
     assert not rejects, (stat, crit)
 
 
+def assert_wrong_rule_fails(pair, monkeypatch, name, wrong_rule, n):
+    """With ``dflash.reference.<name>`` replaced by a deliberately wrong rule, ``n`` continuations of 3 tokens at
+    temperature 1 fail the chi-square test (the control that the test can fail)."""
+    target, draft, ids = pair
+    monkeypatch.setattr(reference_module, name, wrong_rule)
+    rejects, stat, crit = continuation_chi2(target, draft, ids, 3, n, 1.0)
+    assert rejects, f"a wrong {name} passed the losslessness test ({stat} <= {crit})"
+
+
+@pytest.mark.parametrize("backend,temperature,top_p,top_k", [
+    ("reference", 1.0, 1.0, 0), ("reference", 0.8, 0.9, 3), ("fast", 0.8, 0.9, 3)])
+def test_speculative_sampling_is_lossless(sampling_pair, backend, temperature, top_p, top_k):
+    assert_lossless(sampling_pair, temperature, top_p, top_k, backend)
+
+
 def test_wrong_rule_fails_end_to_end(sampling_pair, monkeypatch):
-    target, draft, ids = sampling_pair
-    monkeypatch.setattr(reference_module, "verify_sample", wrong_verify_sample)
-    rejects, stat, crit = continuation_chi2(target, draft, ids, 3, 500, 1.0)
-    assert rejects, f"a wrong residual rule passed the losslessness test ({stat} <= {crit})"
+    assert_wrong_rule_fails(sampling_pair, monkeypatch, "verify_sample", wrong_verify_sample, 500)
 
 
 def test_same_seed_same_tokens(sampling_pair):

@@ -250,7 +250,7 @@ def test_inject_context_kv_native_not_taken(calls):
     assert kc[0, 2:6].abs().sum() > 0 and calls["inject"] == 0
     kc, vc = torch.zeros(1, 8, 1, d), torch.zeros(1, 8, 1, d)
     args = (k, v, torch.ones(d), torch.tensor([0, 6]), torch.tensor([0]), kc, vc, _inv_freq(d), 1.0, 1e-6, None, None,
-            "cpu")
+            None, "cpu")
     with pytest.raises(ValueError, match="cu_ctx_lens must start at 0, never decrease and end at most at M=4"):
         inject_context_kv(*args[:7], inv_freq=_inv_freq(d), backend="cpu")
     call_op(_inject_context_kv_op, *args, device=k.device, checked=True)

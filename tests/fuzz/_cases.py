@@ -511,7 +511,7 @@ class InjectContextKV:
 
     def registered(self, backend):
         torch.ops.dflash.inject_context_kv(self.k, self.v, self.kw, self.cu, self.cache_lens, self.k_cache,
-                                           self.v_cache, self.inv_freq, 1.0, 1e-6, None, self.rows, backend)
+                                           self.v_cache, self.inv_freq, 1.0, 1e-6, None, self.rows, None, backend)
         return self._writes()
 
     def reference(self):

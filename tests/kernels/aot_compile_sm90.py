@@ -34,6 +34,8 @@ ik = importlib.import_module("dflash_kernels.inject_context_kv")
 lo = importlib.import_module("dflash_kernels.layer_ops")
 vf = importlib.import_module("dflash_kernels.verify")
 tr = importlib.import_module("dflash_kernels.tree")
+dc = importlib.import_module("dflash_kernels.dynamic_conv")
+cs = importlib.import_module("dflash_kernels.candidate_select")
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -237,6 +239,19 @@ def configs():
     add("tree_compact", tr._tree_compact_kernel,
         dict(k_ptr=bf, v_ptr=bf, path_ptr="*i64", acc_ptr="*i64", start_ptr="*i64", bidx_ptr="*i64",
              stride_l="i64", stride_b="i64"), dict(HAS_BATCH_IDX=True, BLOCK_B=16, BLOCK_D=128))
+
+    # DFlash2 (Qwen3-8B width H 4096, 2 taps, the launcher's 1024-column tiles; the selector over a full Qwen3
+    # vocabulary in 1024-id tiles, top-k 16, rank 256), greedy and sampled.
+    add("grouped_dynamic_conv", dc._grouped_dynamic_conv_kernel,
+        dict(out_ptr=bf, x_ptr=bf, d_ptr=bf, base_ptr=bf, stride_xn="i64", stride_xt="i64", stride_dn="i64",
+             stride_dt="i64", stride_do="i64"), dict(TAPS=2, BLOCK_C=1024))
+    for sample in (False, True):
+        add(f"candidate_select sample={sample}", cs._candidate_select_kernel,
+            dict(path_ptr="*i64", cand_ptr="*i64", q_ptr=f32, logits_ptr=bf, proj_ptr=bf, pred_ptr=bf, succ_ptr=bf,
+                 anchor_ptr="*i64", temp_ptr=f32 if sample else bf, seed_ptr="*i64", offset_ptr="*i64",
+                 stride_ln="i64", stride_lp="i64", stride_pn="i64", stride_pp="i64", stride_pred="i64",
+                 stride_succ="i64", stride_anchor="i64", stride_temp="i64"),
+            dict(SAMPLE=sample, NO_ID=cs._NO_ID, BLOCK_V=1024, BLOCK_K=16, BLOCK_R=256))
     return out
 
 

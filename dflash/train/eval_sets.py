@@ -58,9 +58,6 @@ def eval_prompt_set(name: str, n: int, self_prompts_path: str | None = None) -> 
         from dflash.train.self_prompts import default_path, load_self_prompts
 
         path = self_prompts_path or default_path()
-        if not os.path.isfile(path):
-            raise ValueError(f"prompt set 'self': no prompts file at {path}; make one with `dflash train "
-                             f"self-prompts --out {path}` or pass its path")
         held_out = load_self_prompts(path, split="eval")
         return held_out[:_check_count(n, len(held_out), f"self ({path})")]
     raise ValueError(f"prompt set must be one of {', '.join(PROMPT_SETS)}, got {name!r}")

@@ -28,16 +28,17 @@ DEFAULT_PROMPT = ("Mia has 24 apples. She gives 9 of them to her friend and then
                   "How many apples does Mia have now? Explain step by step.")
 
 
-def hf_generate_kwargs(input_ids, max_new_tokens: int, stops: list[int], temperature: float = 0.0) -> dict:
+def hf_generate_kwargs(input_ids, max_new_tokens: int, stops: list[int], temperature: float = 0.0,
+                       top_p: float = 1.0) -> dict:
     """Keyword arguments of HF ``target.generate`` for the baseline DFlash is compared against (the demo's and the
-    benchmarks'): ``input_ids`` [1, P] unpadded, the same stop tokens, greedy at temperature 0, else plain sampling
-    at ``temperature`` (no top-k / top-p)."""
+    benchmarks'): ``input_ids`` [1, P] unpadded, the same stop tokens, greedy at temperature 0, else sampling at
+    ``temperature`` with nucleus ``top_p`` (no top-k)."""
     import torch
 
     kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, eos_token_id=list(stops),
                   pad_token_id=stops[0], do_sample=temperature > 0)
     if temperature > 0:
-        kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+        kwargs.update(temperature=temperature, top_k=0, top_p=top_p)
     return kwargs
 
 

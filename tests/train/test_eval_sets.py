@@ -68,3 +68,11 @@ def test_self_set_without_a_prompts_file_names_the_command(tmp_path):
     missing = str(tmp_path / "none.jsonl")
     with pytest.raises(ValueError, match="dflash train self-prompts --out"):
         eval_prompt_set("self", 4, self_prompts_path=missing)
+
+
+def test_demo_default_prompt_is_a_natural_one():
+    from dflash.demo import DEFAULT_PROMPT
+    from dflash.train.prompts import build_prompts
+
+    assert DEFAULT_PROMPT in natural_eval_prompts()
+    assert DEFAULT_PROMPT not in build_prompts(3000, "train", seed=0)

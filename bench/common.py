@@ -232,12 +232,14 @@ def l2_bytes(device: torch.device) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------- baselines
-def hf_greedy(target, input_ids: torch.Tensor, max_new_tokens: int, stops: Sequence[int]) -> tuple[torch.Tensor, float]:
-    """The target's own greedy ``generate`` (what users run without speculation) on ``input_ids`` [1, P]:
-    (sequences [1, P + n], wall seconds)."""
+def hf_greedy(target, input_ids: torch.Tensor, max_new_tokens: int, stops: Sequence[int], temperature: float = 0.0,
+              top_p: float = 1.0) -> tuple[torch.Tensor, float]:
+    """The target's own ``generate`` (what users run without speculation) on ``input_ids`` [1, P], greedy unless
+    ``temperature`` > 0 (then sampled with nucleus ``top_p``, from torch's global generator): (sequences [1, P + n],
+    wall seconds)."""
     from dflash.demo import hf_generate_kwargs
 
-    kwargs = hf_generate_kwargs(input_ids, max_new_tokens, list(stops))
+    kwargs = hf_generate_kwargs(input_ids, max_new_tokens, list(stops), temperature, top_p)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = target.generate(input_ids, **kwargs)

@@ -3,20 +3,25 @@ tokens/s, one run.
 
 Target SmolLM2-135M-Instruct and the shipped draft (dflash/assets/smollm2-135m-dflash, B = 8; ``--draft``
 another folder, or several: each runs the chain and every budget in the same rotation, to choose a draft by
-end-to-end speed), fp32, greedy, ``dflash.generate`` with the default backend (the engine); the baseline is the
-target's own greedy ``generate`` (what a user runs without speculation). Prompts: the held-out evaluation
-prompts of the generators that trained the draft (``dflash.train.prompts.eval_prompts``, the eval side
-of the hash split; the model card's τ is measured on them), chat template applied, the demo's stop tokens.
+end-to-end speed), fp32, greedy (or sampled: ``--temperature``, ``--top-p``), ``dflash.generate`` with the default backend (the
+engine); the baseline is the target's own ``generate`` (what a user runs without speculation). Prompts
+(``--prompt-set``, :func:`dflash.train.eval_sets.eval_prompt_set`): ``natural`` (default) the hand-written evaluation
+prompts no training generator shares, ``self`` the held-out slice of the target's self-generated prompts, ``template``
+the held-out prompts of the template generators that trained the shipped draft (the eval side of their hash split);
+chat template applied, the demo's stop tokens.
 
 Every configuration (HF ``generate``, then per draft the chain and ``tree_budget`` = each budget) decodes
 every prompt once per rep; per prompt the configurations run back to back in an order rotated by prompt and rep, so a slow spell
 of a shared machine hits all of them alike. Reported per configuration: τ pooled over the prompts
-(generated tokens / rounds; greedy, so the same in every rep), tokens/s end to end (prefill included)
+and reps (generated tokens / rounds; greedy, so the same in every rep), tokens/s end to end (prefill included)
 over all prompts, median and range over reps, its ratios to HF ``generate``'s and the chain's, the per-round
-draft and verify milliseconds (medians over reps), and whether every output equals HF ``generate``'s (it
-must: DFlash is lossless). One warm-up call per configuration first.
+draft and verify milliseconds (medians over reps), and whether every output equals HF ``generate``'s (greedy: it
+must, DFlash is lossless; sampled outputs differ by draw, their losslessness is the sampling tests' to show: "n/a").
+Sampled runs seed every call by its prompt and rep, so each configuration draws afresh. One warm-up call per
+configuration first.
 
-Usage: python bench/tree.py [--budgets 4,8,16,32,64] [--prompts 6] [--prompt TEXT] [--max-new-tokens 96]
+Usage: python bench/tree.py [--prompt-set natural|self|template] [--self-prompts FILE] [--budgets 4,8,16,32,64]
+       [--prompts 6] [--prompt TEXT] [--max-new-tokens 96] [--temperature 0.7 --top-p 0.9]
        [--reps 2] [--threads 2] [--draft DIR [--draft DIR2 ...]] [--without-native] [--without-amx] [--op-path]
        [--full-head] [--out FILE.md]
 (``dflash bench tree`` runs this file)
@@ -35,14 +40,23 @@ import common  # noqa: E402
 
 import torch  # noqa: E402
 
+from dflash.train.eval_sets import PROMPT_SETS, eval_prompt_set  # noqa: E402
+
 DRAFT = Path(__file__).resolve().parents[1] / "dflash" / "assets" / "smollm2-135m-dflash"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budgets", default="4,8,16,32,64", help="tree budgets, comma-separated")
-    ap.add_argument("--prompts", type=int, default=6, help="held-out prompts (eval_prompts(n))")
-    ap.add_argument("--prompt", action="append", default=[], help="an extra user prompt (after the held-out ones)")
+    ap.add_argument("--prompt-set", default="natural", choices=PROMPT_SETS,
+                    help="evaluation prompts: hand-written (natural), the held-out self-generated ones (self), or "
+                         "the held-out template prompts the shipped draft was trained beside (template)")
+    ap.add_argument("--self-prompts", default=None, help="prompts file of the self set (default: dflash train "
+                                                         "self-prompts' --out default)")
+    ap.add_argument("--prompts", type=int, default=6, help="the first N prompts of the set")
+    ap.add_argument("--prompt", action="append", default=[], help="an extra user prompt (after the set's)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus of sampled runs")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
@@ -66,8 +80,10 @@ def main(argv=None) -> int:
 
     from dflash import generate, smollm2
     from dflash.model import DFlashDraftModel
-    from dflash.train.prompts import eval_prompts
+    from dflash.sampling import SamplingParams
 
+    sampling = SamplingParams(args.temperature, args.top_p)
+    prompts = eval_prompt_set(args.prompt_set, args.prompts, args.self_prompts) + args.prompt
     if common.smollm2_unavailable("tree.py"):
         return 1
     torch.set_num_threads(args.threads)
@@ -78,7 +94,6 @@ def main(argv=None) -> int:
         raise SystemExit(f"bench/tree.py: --draft folders must have different names, got {labels}")
     drafts = {lab: DFlashDraftModel.from_pretrained(str(d), dtype=torch.float32) for lab, d in zip(labels, paths)}
     stops = smollm2.stop_token_ids(tok)
-    prompts = eval_prompts(args.prompts) + args.prompt
     inputs = [torch.tensor([tok(smollm2.chat_prompt(tok, p), add_special_tokens=False)["input_ids"]]) for p in prompts]
     HF = "hf"
     # a configuration: HF, or (draft label, tree budget or None for the chain, what is turned off: "" nothing,
@@ -96,16 +111,17 @@ def main(argv=None) -> int:
         mode = mode if len(labels) == 1 else f"{c[0]}: {mode}"
         return f"{mode} ({c[2]})" if c[2] else mode
 
-    def run(ids, config, max_new):
+    def run(ids, config, max_new, seed=0):
         if config == HF:
-            seqs, secs = common.hf_greedy(target, ids, max_new, stops)
+            torch.manual_seed(seed)
+            seqs, secs = common.hf_greedy(target, ids, max_new, stops, sampling.temperature, sampling.top_p)
             return SimpleNamespace(sequences=seqs, num_generated_tokens=seqs.shape[1] - ids.shape[1],
                                    acceptance_lengths=(), total_time=secs, draft_time=0.0, verify_time=0.0)
         lab, budget, off = config
         with common.cpu_kernels(native=off != "torch formulas", amx=off != "fp32 GEMM",
                                 native_forward=off != "op path", argmax_screen=off != "full LM head"):
             return generate(target, drafts[lab], ids, max_new, stop_token_ids=stops, block_size=args.block_size,
-                            tree_budget=budget)
+                            tree_budget=budget, temperature=sampling.temperature, top_p=sampling.top_p, seed=seed)
 
     for c in configs:  # warm-up: engine buffers, first-call costs
         run(inputs[0], c, 8)
@@ -117,7 +133,7 @@ def main(argv=None) -> int:
         for i, ids in enumerate(inputs):
             shift = (rep + i) % len(configs)
             for c in configs[shift:] + configs[:shift]:
-                res = run(ids, c, args.max_new_tokens)
+                res = run(ids, c, args.max_new_tokens, seed=1000 * rep + i)
                 s = stats[c][rep]
                 s[0] += res.num_generated_tokens
                 s[1] += len(res.acceptance_lengths)
@@ -125,7 +141,7 @@ def main(argv=None) -> int:
                 s[3] += res.draft_time
                 s[4] += res.verify_time
                 outputs.setdefault((c, i), res.sequences)
-                if not torch.equal(outputs[(c, i)], res.sequences):
+                if sampling.greedy and not torch.equal(outputs[(c, i)], res.sequences):
                     raise AssertionError(f"{name(c)}: prompt {i} decoded differently in rep {rep}")
             print(f"[tree bench] rep {rep + 1}/{args.reps} prompt {i + 1}/{len(inputs)} "
                   f"({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
@@ -135,28 +151,30 @@ def main(argv=None) -> int:
     for c in configs:
         reps = stats[c]
         tokens, rounds = reps[0][0], reps[0][1]
+        all_tokens, all_rounds = sum(r[0] for r in reps), sum(r[1] for r in reps)
         tps = [r[0] / r[2] for r in reps]
         identical = all(torch.equal(outputs[(c, i)], outputs[(HF, i)]) for i in range(len(inputs)))
         rows.append({
             "decoding": name(c), "tokens": tokens, "rounds": rounds if c != HF else "",
-            "tau": round(tokens / rounds, 3) if c != HF else "",
+            "tau": round(all_tokens / all_rounds, 3) if c != HF else "",
             "tok_s": f"{med_tps[c]:.2f} ({min(tps):.2f}-{max(tps):.2f})", "vs_hf": f"{med_tps[c] / med_tps[HF]:.2f}x",
             "vs_chain": f"{med_tps[c] / med_tps[(c[0], None, c[2])]:.2f}x" if c != HF else "",
             "draft_ms_round": round(statistics.median(1e3 * r[3] / r[1] for r in reps), 1) if c != HF else "",
             "verify_ms_round": round(statistics.median(1e3 * r[4] / r[1] for r in reps), 1) if c != HF else "",
-            "identical_to_hf": "yes" if identical else "NO",
+            "identical_to_hf": "n/a" if not sampling.greedy else "yes" if identical else "NO",
         })
     columns = ["decoding", "tokens", "rounds", "tau", "tok_s", "vs_hf", "vs_chain", "draft_ms_round",
                "verify_ms_round", "identical_to_hf"]
     env = common.environment(torch.device("cpu"))
     which = ", ".join(f"{lab} ({drafts[lab].config.num_hidden_layers} layers, B = "
                       f"{args.block_size or drafts[lab].config.block_size})" for lab in labels)
-    head = (f"SmolLM2-135M + {which}, greedy, "
-            f"{args.prompts} held-out prompts" + (f" + {len(args.prompt)} given" if args.prompt else "")
+    decoding = "greedy" if sampling.greedy else f"temperature {sampling.temperature}, top-p {sampling.top_p}"
+    head = (f"SmolLM2-135M + {which}, {decoding}, "
+            f"{args.prompts} {args.prompt_set}-set prompts" + (f" + {len(args.prompt)} given" if args.prompt else "")
             + f", max {args.max_new_tokens} new tokens, {args.reps} reps, "
             f"{args.threads} threads; {env['hardware']}, torch {env['torch']}, commit {env['commit']}, {env['date']}")
     common.report(head, rows, columns, args.out)
-    return 0 if all(r["identical_to_hf"] == "yes" for r in rows) else 3
+    return 0 if all(r["identical_to_hf"] != "NO" for r in rows) else 3
 
 
 def _label(path: Path) -> str:

@@ -24,20 +24,22 @@ DEFAULT_DRAFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets
 # Draft-tree nodes per round of the demo (DDTree verification of the draft's block; 0 = chain DFlash): the
 # fastest budget measured for the shipped pair on the project's 2-core CPU (see README, "Draft trees").
 DEFAULT_TREE_BUDGET = 7
-DEFAULT_PROMPT = ("Mia has 24 apples. She gives 9 of them to her friend and then buys 15 more. "
-                  "How many apples does Mia have now? Explain step by step.")
+# The demo's default request: one of the hand-written natural evaluation prompts (dflash.train.eval_sets), not an
+# instance of the templates the draft was trained on, so the demo shows what a user's own prompt gets.
+DEFAULT_PROMPT = "Give me some tips for writing clearer emails at work."
 
 
-def hf_generate_kwargs(input_ids, max_new_tokens: int, stops: list[int], temperature: float = 0.0) -> dict:
+def hf_generate_kwargs(input_ids, max_new_tokens: int, stops: list[int], temperature: float = 0.0,
+                       top_p: float = 1.0) -> dict:
     """Keyword arguments of HF ``target.generate`` for the baseline DFlash is compared against (the demo's and the
-    benchmarks'): ``input_ids`` [1, P] unpadded, the same stop tokens, greedy at temperature 0, else plain sampling
-    at ``temperature`` (no top-k / top-p)."""
+    benchmarks'): ``input_ids`` [1, P] unpadded, the same stop tokens, greedy at temperature 0, else sampling at
+    ``temperature`` with nucleus ``top_p`` (no top-k)."""
     import torch
 
     kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, eos_token_id=list(stops),
                   pad_token_id=stops[0], do_sample=temperature > 0)
     if temperature > 0:
-        kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+        kwargs.update(temperature=temperature, top_k=0, top_p=top_p)
     return kwargs
 
 
@@ -188,7 +190,8 @@ def main(argv=None) -> int:
 def _print_text(tok, prompt: str, res) -> None:
     text = tok.decode(res.sequences[0, res.num_prompt_tokens:], skip_special_tokens=True,
                       clean_up_tokenization_spaces=False)
-    print(f"\nPrompt: {prompt}\n")
+    source = " (the default: a prompt of the natural evaluation set)" if prompt == DEFAULT_PROMPT else ""
+    print(f"\nPrompt{source}: {prompt}\n")
     print(text.strip())
     print()
 

@@ -111,7 +111,7 @@ target embedding and LM head frozen. {steps} optimizer steps were run.{best_txt}
 ### Loss curve
 {loss_curve(history)}
 
-## Evaluation (temperature 0, `dflash.generate`, held-out prompts, max {m['max_new_tokens']} new tokens)
+## Evaluation (temperature 0, `dflash.generate`, {m.get('prompt_set', 'template')}-set prompts, max {m['max_new_tokens']} new tokens)
 **τ = {m['tau_pooled']:.2f}** (pooled: generated tokens / rounds; mean over prompts {m['tau_mean_over_prompts']:.2f})
 over {m['num_prompts']} prompts."""
     if "decode_speedup" in m:

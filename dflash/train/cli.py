@@ -31,6 +31,22 @@ def _cmd_data(args) -> int:
     return 0
 
 
+def _cmd_self_prompts(args) -> int:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from dflash import smollm2
+    from dflash.train.self_prompts import generate_self_prompts
+
+    model, tok = smollm2.load()
+    res = generate_self_prompts(model, tok, args.out, args.count, seed=args.seed, temperature=args.temperature,
+                                top_p=args.top_p, max_new_tokens=args.max_new_tokens)
+    print(f"[self-prompts] {args.out}: {res['samples']} samples {res['verdicts']}; this run {res['new_samples']} "
+          f"samples at {res['samples_per_min']:.1f}/min ({res['kept_per_min']:.1f} kept/min)", flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash train", description="Train a DFlash draft (paper recipe) on CPU or GPU.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -52,6 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="responses file (e.g. dflash/assets/smollm2-135m-responses.xz): its responses are checked "
                         "instead of generated, and new shards' responses are added to it")
     d.set_defaults(func=_cmd_data)
+
+    from dflash.train.self_prompts import default_path
+
+    s = sub.add_parser("self-prompts", help="the target writes user prompts itself (Magpie); resumable")
+    s.add_argument("--out", default=default_path(), help="prompts file, JSON lines (default: %(default)s)")
+    s.add_argument("--count", type=int, required=True, help="samples the file should hold (kept or dropped)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--temperature", type=float, default=1.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--max-new-tokens", type=int, default=96, help="longest user turn; longer samples are dropped")
+    s.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, i.e. all cores)")
+    s.set_defaults(func=_cmd_self_prompts)
 
     try:
         from dflash.train.trainer import add_fit_args, add_export_args, add_evaluate_args

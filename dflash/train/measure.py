@@ -1,10 +1,12 @@
 """Measure a SmolLM2 draft end to end with :func:`dflash.generate`: τ (mean acceptance
 length), decode tokens/s of DFlash vs autoregressive decoding through the same machinery
-(``block_size=1``), and greedy equality, on the held-out evaluation prompts. ``--against OTHER_DRAFT``
+(``block_size=1``), and greedy equality, on an evaluation prompt set (``--prompt-set``, hand-written natural
+prompts by default; :mod:`dflash.train.eval_sets`). ``--against OTHER_DRAFT``
 measures other drafts in the same run, each prompt's runs back to back (draft, others, autoregressive),
 so a new and an old draft see the same machine state.
 
-    python -m dflash.train.measure DRAFT_DIR [--against OLD_DIR] [--num-prompts 8] [--prompt TEXT]
+    python -m dflash.train.measure DRAFT_DIR [--against OLD_DIR] [--prompt-set natural|self|template]
+        [--num-prompts 8] [--prompt TEXT]
         [--max-new-tokens 128] [--json out.json]
 """
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+from dflash.train.eval_sets import PROMPT_SETS, eval_prompt_set
 
 
 def measure(draft_dir: str, prompts, *, max_new_tokens: int = 128, block_size: int | None = None,
@@ -74,8 +78,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash.train.measure")
     ap.add_argument("draft")
     ap.add_argument("--against", action="append", default=[], help="another draft folder to measure in the same run")
+    ap.add_argument("--prompt-set", default="natural", choices=PROMPT_SETS,
+                    help="evaluation prompts (dflash.train.eval_sets): hand-written (natural, default), held-out "
+                         "self-generated (self) or held-out template prompts (template)")
     ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--prompt", action="append", default=[], help="an extra user prompt (after the eval prompts)")
+    ap.add_argument("--prompt", action="append", default=[], help="an extra user prompt (after the set's)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--backend", default="auto")
@@ -85,13 +92,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from dflash.train.prompts import eval_prompts
-
+    prompts = eval_prompt_set(args.prompt_set, args.num_prompts) + args.prompt
     if args.threads:
         torch.set_num_threads(args.threads)
-    res = measure(args.draft, eval_prompts(args.num_prompts) + args.prompt, max_new_tokens=args.max_new_tokens,
+    res = measure(args.draft, prompts, max_new_tokens=args.max_new_tokens,
                   block_size=args.block_size, backend=args.backend, baseline=not args.no_baseline,
                   log=lambda m: print(m, file=sys.stderr, flush=True), against=args.against)
+    res["prompt_set"] = args.prompt_set
     summary = {k: v for k, v in res.items() if k not in ("rows", "against")}
     if args.against:
         summary["against"] = {d: {k: v for k, v in r.items() if k != "rows"} for d, r in res["against"].items()}

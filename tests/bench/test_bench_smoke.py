@@ -155,6 +155,32 @@ def test_tree_bench_smoke(tmp_path, capsys):
     assert "shipped draft" in text
 
 
+def test_tree_bench_prompt_sets_and_sampling(tmp_path):
+    """--prompt-set picks the prompts (natural by default) and the header names the set; sampled runs (temperature
+    0.7, top-p 0.9) report τ and speed with "n/a" for identity; a bad set or count is refused before any model
+    loads."""
+    import tree
+    from dflash.train.eval_sets import natural_eval_prompts
+    from dflash.train.prompts import eval_prompts
+
+    argv = ["--budgets", "2", "--prompts", "1", "--max-new-tokens", "5", "--reps", "1", "--threads", "1"]
+    text, header, table = _smollm2_bench_table("tree", argv + ["--temperature", "0.7", "--top-p", "0.9"],
+                                               tmp_path / "sampled.md")
+    assert "temperature 0.7, top-p 0.9, 1 natural-set prompts" in text
+    assert [r[header.index("identical_to_hf")] for r in table] == ["n/a"] * 3, text
+    assert all(float(r[header.index("tau")]) >= 1 for r in table[1:]), text
+    text, header, table = _smollm2_bench_table("tree", argv + ["--prompt-set", "template"], tmp_path / "t.md")
+    assert "greedy, 1 template-set prompts" in text
+    assert [r[header.index("identical_to_hf")] for r in table] == ["yes"] * 3, text
+    assert natural_eval_prompts(1) != eval_prompts(1)
+    n = len(natural_eval_prompts())
+    with pytest.raises(ValueError, match=f"number of prompts must be in 1..{n} for the natural set, got {n + 1}"):
+        tree.main(["--prompts", str(n + 1), "--out", str(tmp_path / "never.md")])
+    with pytest.raises(SystemExit):
+        tree.main(["--prompt-set", "wild"])
+    assert not (tmp_path / "never.md").exists()
+
+
 def test_tree_bench_compares_drafts(tmp_path):
     """Two drafts in one run: each gets its chain and budgets, labelled by folder, vs_chain against its own chain."""
     from dflash import smollm2

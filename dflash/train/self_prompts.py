@@ -138,7 +138,7 @@ def generate_self_prompts(model, tokenizer, path: str, count: int, *, seed: int 
     import torch
 
     from dflash.sampling import SamplingParams
-    from dflash.train.eval_sets import natural_eval_prompts
+    from dflash.train.natural_prompts import natural_eval_prompts
 
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"count must be an integer >= 1, got {count!r}")

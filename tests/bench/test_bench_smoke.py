@@ -160,7 +160,7 @@ def test_tree_bench_prompt_sets_and_sampling(tmp_path):
     0.7, top-p 0.9) report τ and speed with "n/a" for identity; a bad set or count is refused before any model
     loads."""
     import tree
-    from dflash.train.eval_sets import natural_eval_prompts
+    from dflash.train.natural_prompts import natural_eval_prompts
     from dflash.train.prompts import eval_prompts
 
     argv = ["--budgets", "2", "--prompts", "1", "--max-new-tokens", "5", "--reps", "1", "--threads", "1"]

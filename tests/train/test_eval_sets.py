@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from dflash.train.eval_sets import NATURAL_EVAL_PATH, eval_prompt_set, natural_eval_prompts, natural_eval_records
+from dflash.train.eval_sets import eval_prompt_set
+from dflash.train.natural_prompts import NATURAL_EVAL_PATH, natural_eval_prompts, natural_eval_records
 
 RESPONSES = os.path.join(os.path.dirname(NATURAL_EVAL_PATH), "smollm2-135m-responses.xz")
 

@@ -17,9 +17,12 @@ $PY -m pytest -q -p no:warnings tests/kernels/test_cpu_native.py tests/kernels/t
     tests/kernels/test_draft_attention.py tests/kernels/test_inject_context_kv.py tests/kernels/test_tree.py \
     tests/kernels/test_layer_ops.py tests/kernels/test_ops_registered.py tests/runtime/test_cpu_linear.py "$@" \
     || status=$?
+# Refused huge allocations (allocator_may_return_null: the MemoryError tests) only log a WARNING; errors fail.
 if compgen -G "$cache/asan*" > /dev/null; then
     cat "$cache"/asan*
-    echo "AddressSanitizer reported errors (above)"
-    exit 1
+    if grep -q "ERROR: AddressSanitizer" "$cache"/asan*; then
+        echo "AddressSanitizer reported errors (above)"
+        exit 1
+    fi
 fi
 exit $status

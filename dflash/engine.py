@@ -524,64 +524,53 @@ def target_lock(target_model):
             slot.holder = None
 
 
-class EngineCache:
-    """The one cached engine (at most one at a time, so a new one never coexists with the old one's buffers).
-
-    The engine is stored in its target model's :class:`TargetSlot`; this cache holds only a weak reference to
-    that slot, so dropping the target and draft frees them with their engine (a reference cycle: at the next
-    garbage collection). Read as a mapping with the one
-    key ``"engine"``; ``clear()`` drops the engine (the next call builds a fresh one)."""
-
-    def __init__(self) -> None:
-        self._slot = None  # weakref.ref to the TargetSlot holding the engine, or None
-
-    def _holding_slot(self) -> TargetSlot | None:
-        slot = self._slot() if self._slot is not None else None
-        return slot if slot is not None and slot.engine is not None else None
-
-    def lookup(self, target_model, draft: DraftModel, options: dict) -> DFlashEngine:
-        """The cached engine when it was built for these models and options, else a new one (cached)."""
-        key = (DFlashEngine, tuple(sorted(options.items())))
-        slot = target_slot(target_model)
-        with _SLOTS_LOCK:
-            if slot.engine is not None and slot.key == key and slot.engine.draft is draft:
-                return slot.engine
-            self._drop()  # drop the old engine's buffers before allocating the new ones
-            slot.engine = DFlashEngine(target_model, draft, **options)
-            slot.key = key
-            self._slot = weakref.ref(slot)
-            return slot.engine
-
-    def _drop(self) -> None:
-        slot = self._holding_slot()
-        if slot is not None:
-            slot.engine = slot.key = None
-        self._slot = None
-
-    def clear(self) -> None:
-        with _SLOTS_LOCK:
-            self._drop()
-
-    def __getitem__(self, name: str) -> DFlashEngine:
-        with _SLOTS_LOCK:
-            slot = self._holding_slot()
-            if name != "engine" or slot is None:
-                raise KeyError(name)
-            return slot.engine
-
-    def __contains__(self, name: str) -> bool:
-        with _SLOTS_LOCK:
-            return name == "engine" and self._holding_slot() is not None
+# A weak reference to the TargetSlot holding the one cached engine (at most one at a time, so a new engine never
+# coexists with the old one's buffers), or None. Only the slot holds the engine, so dropping the target and draft
+# frees them with it (a reference cycle: at the next garbage collection).
+_cached_slot: weakref.ref | None = None
 
 
-_ENGINE = EngineCache()
+def _holding_slot() -> TargetSlot | None:
+    """The slot holding the cached engine, if any (call under ``_SLOTS_LOCK``)."""
+    slot = _cached_slot() if _cached_slot is not None else None
+    return slot if slot is not None and slot.engine is not None else None
 
 
 def cached_engine(target_model, draft: DraftModel, **options) -> DFlashEngine:
     """The engine of the previous call when the models and options are the same (its buffers and captured steps
     are reused, so repeated calls neither reallocate nor recapture), else a new one. Call and use it inside
     :func:`target_lock` of ``target_model``: the engine's state is one call's at a time."""
-    return _ENGINE.lookup(target_model, draft, options)
+    global _cached_slot
+    key = (DFlashEngine, tuple(sorted(options.items())))
+    slot = target_slot(target_model)
+    with _SLOTS_LOCK:
+        if slot.engine is not None and slot.key == key and slot.engine.draft is draft:
+            return slot.engine
+        _drop_cached_engine()  # drop the old engine's buffers before allocating the new ones
+        slot.engine, slot.key = DFlashEngine(target_model, draft, **options), key
+        _cached_slot = weakref.ref(slot)
+        return slot.engine
+
+
+def _drop_cached_engine() -> None:
+    global _cached_slot
+    slot = _holding_slot()
+    if slot is not None:
+        slot.engine = slot.key = None
+    _cached_slot = None
+
+
+def current_engine() -> DFlashEngine | None:
+    """The cached engine, or None."""
+    with _SLOTS_LOCK:
+        slot = _holding_slot()
+        return None if slot is None else slot.engine
+
+
+def clear_engine_cache() -> None:
+    """Drop the cached engine: the next call builds a fresh one."""
+    with _SLOTS_LOCK:
+        _drop_cached_engine()
 
 
 def unsupported_reason(target, draft: DraftModel, sampling: SamplingParams | None = None) -> str | None:

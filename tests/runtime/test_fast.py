@@ -191,18 +191,18 @@ def test_engine_reused_and_weights_refreshed():
     draft = make_draft(target, layers=2, block_size=4)
     ids = torch.randint(0, 48, (5,))
     first = fast(target, draft, ids, 8).sequences
-    engine = engine_module._ENGINE["engine"]
+    engine = engine_module.current_engine()
     assert torch.equal(fast(target, draft, ids, 8).sequences, first)
-    assert engine_module._ENGINE["engine"] is engine
+    assert engine_module.current_engine() is engine
     with torch.no_grad():
         draft.layers[1].self_attn.k_proj.weight.mul_(-1.5)
     changed = fast(target, draft, ids, 8).sequences
-    assert engine_module._ENGINE["engine"] is engine
-    engine_module._ENGINE.clear()  # a fresh engine sees the changed weights: the reused one must too
+    assert engine_module.current_engine() is engine
+    engine_module.clear_engine_cache()  # a fresh engine sees the changed weights: the reused one must too
     assert torch.equal(fast(target, draft, ids, 8).sequences, changed)
-    engine = engine_module._ENGINE["engine"]
+    engine = engine_module.current_engine()
     fast(target, draft, ids, 8, block_size=2)
-    assert engine_module._ENGINE["engine"] is not engine
+    assert engine_module.current_engine() is not engine
 
 
 def test_chunked_prefill_equals_one_pass():

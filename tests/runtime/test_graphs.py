@@ -209,20 +209,20 @@ def _run(target, draft, prompts, max_new, stops, settings, graphs):
 def test_engine_reused_across_settings_equals_fresh_engine(graphs):
     torch.manual_seed(0)
     target, draft = _pair()
-    engine_module._ENGINE.clear()
+    engine_module.clear_engine_cache()
     prompt_sets = [[torch.randint(0, 48, (n,)) for n in lengths] for lengths, *_ in CALLS]
     reused, engine = [], None
     for prompts, (_, max_new, stops, settings) in zip(prompt_sets, CALLS):
         reused.append(_run(target, draft, prompts, max_new, stops, settings, graphs))
-        engine = engine or engine_module._ENGINE["engine"]
-        assert engine_module._ENGINE["engine"] is engine, "the calls must share one engine"
+        engine = engine or engine_module.current_engine()
+        assert engine_module.current_engine() is engine, "the calls must share one engine"
     if graphs:
         # one draft graph; one verify graph per (greedy, filtered, stop-table width) the calls used
         assert sorted(engine.graphs) == [("draft",), ("verify", False, True, 1), ("verify", False, True, 3),
                                          ("verify", True, False, 0), ("verify", True, False, 1),
                                          ("verify", True, False, 2)]
     for i, (prompts, (_, max_new, stops, settings)) in enumerate(zip(prompt_sets, CALLS)):
-        engine_module._ENGINE.clear()
+        engine_module.clear_engine_cache()
         fresh = _run(target, draft, prompts, max_new, stops, settings, graphs)
         assert [s.tolist() for s in reused[i].sequences] == [s.tolist() for s in fresh.sequences], i
         assert reused[i].acceptance_lengths == fresh.acceptance_lengths, i
@@ -235,10 +235,10 @@ def test_engine_reused_across_settings_equals_fresh_engine(graphs):
 
 def _reuse_differs_from_fresh(target, draft, graphs, prompts, first, second):
     """Run call ``first`` then ``second`` on one engine; return whether ``second`` differs from a fresh engine."""
-    engine_module._ENGINE.clear()
+    engine_module.clear_engine_cache()
     _run(target, draft, prompts, 14, *first, graphs)
     reused = _run(target, draft, prompts, 14, *second, graphs)
-    engine_module._ENGINE.clear()
+    engine_module.clear_engine_cache()
     fresh = _run(target, draft, prompts, 14, *second, graphs)
     return [s.tolist() for s in reused.sequences] != [s.tolist() for s in fresh.sequences]
 
@@ -317,13 +317,13 @@ def torch_backend_engine():
     """An engine on kernel_backend="torch" after a greedy call with emulated graphs (equal to eager)."""
     torch.manual_seed(3)
     target, draft = _pair()
-    engine_module._ENGINE.clear()
+    engine_module.clear_engine_cache()
     prompts = [torch.randint(0, 48, (n,)) for n in (5, 9)]
     runs = [generate(target, draft, prompts, 10, backend="fast", max_length=64, kernel_backend="torch",
                      use_cuda_graphs=graphs) for graphs in (False, "emulate")]
     assert [s.tolist() for s in runs[0].sequences] == [s.tolist() for s in runs[1].sequences]
-    engine = engine_module._ENGINE["engine"]
-    engine_module._ENGINE.clear()
+    engine = engine_module.current_engine()
+    engine_module.clear_engine_cache()
     return engine
 
 

@@ -85,13 +85,13 @@ def test_dropped_models_are_freed():
     target = make_target("qwen3")
     draft = make_draft(target, layers=1, block_size=4)
     generate(target, draft, torch.randint(0, 48, (5,)), 6, backend="fast")
-    assert engine_module._ENGINE["engine"].draft is draft  # the cache holds this pair's engine
+    assert engine_module.current_engine().draft is draft  # the cache holds this pair's engine
     copy.deepcopy(target)  # the model's lock and engine stay behind: a copy gets an empty slot
     dead_target, dead_draft = weakref.ref(target), weakref.ref(draft)
     del target, draft
     gc.collect()
     assert dead_target() is None and dead_draft() is None
-    assert "engine" not in engine_module._ENGINE
+    assert engine_module.current_engine() is None
 
 
 def test_call_from_on_tokens_on_the_same_target_raises():

@@ -62,9 +62,9 @@ from dflash.reference import finite_tree_logits_
 from dflash.results import GenerateResult, device_clock
 from dflash.sampling import GREEDY_EPS, SamplingParams, sample
 from dflash_kernels import (
-    add_rms_norm, build_tree, candidate_select, commit_round, draft_attention, draft_round_setup, first_token_done, fused_context,
-    grouped_dynamic_conv, inject_context_kv, tree_accept_greedy, tree_accept_greedy_tokens, tree_accept_sample, tree_ancestor_mask,
-    tree_compact, verify_greedy, verify_greedy_tokens, verify_sample,
+    add_rms_norm, build_tree, candidate_select, commit_round, draft_attention, draft_round_setup, first_token_done,
+    fused_context, grouped_dynamic_conv, inject_context_kv, tree_accept_greedy, tree_accept_greedy_tokens,
+    tree_accept_sample, tree_ancestor_mask, tree_compact, verify_greedy, verify_greedy_tokens, verify_sample,
 )
 
 

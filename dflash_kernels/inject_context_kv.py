@@ -242,8 +242,9 @@ def _inject_context_kv_op(k: torch.Tensor, v: torch.Tensor, k_norm_weight: torch
                           slot_mapping: Optional[torch.Tensor], backend: str) -> None:
     """``torch.ops.dflash.inject_context_kv``: :func:`inject_context_kv` after validation (writes k_cache, v_cache)."""
     chosen = resolve_backend(OP, backend, k.device, available=_BACKENDS)
-    if chosen == "cpu" and slot_mapping is None and _inject_cpu(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq,
-                                       attention_scaling, eps, block_table, cache_batch_idx):
+    if chosen == "cpu" and slot_mapping is None and _inject_cpu(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache,
+                                                                v_cache, inv_freq, attention_scaling, eps, block_table,
+                                                                cache_batch_idx):
         return
     if chosen in ("torch", "cpu"):
         inject_context_kv_reference(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq=inv_freq,

@@ -29,12 +29,12 @@ if str(ROOT) not in sys.path:  # run as a plain script (python bench/x.py) from 
 @contextlib.contextmanager
 def cpu_kernels(*, native: bool = True, amx: bool = True, native_forward: bool = True, argmax_screen: bool = True):
     """For the calls inside: the "cpu" backend's native kernels (``DFLASH_CPU_NATIVE``), ``cpu_linear``'s AMX path,
-    the lean target's native forward (``dflash.native_forward``; off: its op path) and ``cpu_linear.linear_argmax``'s
+    the lean target's native forward (``dflash_kernels.cpu.forward``; off: its op path) and ``cpu_linear.linear_argmax``'s
     screen (off: a greedy verify's whole LM head, then its argmax) on or off (A/B runs in one process); the settings
     restored after."""
-    from dflash import cpu_linear
-    from dflash import native_forward as nf
-    from dflash_kernels import cpu_native
+    from dflash_kernels.cpu import linear as cpu_linear
+    from dflash_kernels.cpu import forward as nf
+    from dflash_kernels.cpu import native as cpu_native
 
     before = os.environ.get(cpu_native.ENV)
     os.environ[cpu_native.ENV] = "1" if native else "0"

@@ -45,8 +45,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     args = ap.parse_args(argv)
 
-    from dflash import cpu_linear, lean_target, smollm2
-    from dflash_kernels import cpu_native
+    from dflash import lean_target, smollm2
+
+    from dflash_kernels.cpu import linear as cpu_linear
+    from dflash_kernels.cpu import native as cpu_native
 
     if common.smollm2_unavailable("cpu_forward.py"):
         return 1

@@ -10,14 +10,14 @@ Each round also times a 256 MiB copy; floor = weight bytes / that copy's GB/s (r
 Candidates: F.linear; torch.mm with a pre-transposed weight; one GEMV per row; oneDNN-prepacked
 (mkldnn._reorder_linear_weight + _linear_pointwise); MKL-packed (mkl._mkl_reorder_linear_weight +
 _mkl_linear, what inductor emits for an fp32 linear under freezing); torch.compile with freezing of a
-module holding all the copies; dflash.cpu_linear.linear with its AMX path (where the CPU has AMX-BF16) and
+module holding all the copies; dflash_kernels.cpu.linear.linear with its AMX path (where the CPU has AMX-BF16) and
 with its fp32 kernel (AMX off), and the fp32 kernel's AVX2 build. The weights are random values rounded to bf16
 (as SmolLM2's are: the AMX path takes only such weights; the others do not care). Each is checked against fp64
 with the 2x rule of tests/kernels/_tol.py (ok column; err_x = its max error / F.linear's).
 
 e2e: SmolLM2 fp32: HF generate's greedy per-token time ((64 new tokens - 1 new token) / 63, 30-token
 prompt), and a forward of 1 and 8 new rows on a DynamicCache holding the prompt, with F.linear, with
-every nn.Linear routed through dflash.cpu_linear.linear, and with every projection skipped (an empty
+every nn.Linear routed through dflash_kernels.cpu.linear.linear, and with every projection skipped (an empty
 output: the time of everything else); B8/B1 for each.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ from common import ROOT, cpu_kernels, environment, fmt, out_dir, parse_ints, tab
 sys.path.insert(0, str(ROOT / "tests" / "kernels"))
 from _tol import assert_within_rule  # noqa: E402
 
-from dflash import cpu_linear  # noqa: E402
+from dflash_kernels.cpu import linear as cpu_linear  # noqa: E402
 
 H, I, V, HD = 576, 1536, 49152, 64
 SHAPES = {  # name: (K, N)

@@ -9,7 +9,7 @@ draft step, plus τ and whether every output equals HF's. ``--backends torch`` i
 with ``F.linear`` (the CPU path before the ``"cpu"`` backend); ``cpu`` is the default on CPU now;
 ``cpu-no-native`` is ``cpu`` with its native kernels off (``DFLASH_CPU_NATIVE=0``: the torch formulas);
 ``cpu-no-amx`` is ``cpu`` with ``cpu_linear``'s AMX path off (its fp32 kernel); ``cpu-op-path`` is ``cpu`` with the
-lean target's native forward off (``dflash.native_forward``: the forward through the ops, one Python call each).
+lean target's native forward off (``dflash_kernels.cpu.forward``: the forward through the ops, one Python call each).
 
 Usage: python bench/cpu_steps.py [--reps 5] [--threads 2] [--max-new 128] [--backends torch,cpu,cpu-no-amx,cpu-op-path]
        [--out FILE]
@@ -28,10 +28,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (puts the repository root on sys.path)
 
-from dflash import cpu_linear, generate, smollm2  # noqa: E402
+from dflash import generate, smollm2  # noqa: E402
+
+from dflash_kernels.cpu import linear as cpu_linear  # noqa: E402
 from dflash.demo import DEFAULT_DRAFT, DEFAULT_PROMPT  # noqa: E402
 from dflash.model import DFlashDraftModel  # noqa: E402
-from dflash_kernels import cpu_native  # noqa: E402
+from dflash_kernels.cpu import native as cpu_native  # noqa: E402
 
 NO_NATIVE = "-no-native"
 NO_AMX = "-no-amx"

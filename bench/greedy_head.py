@@ -35,7 +35,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     args = ap.parse_args(argv)
 
-    from dflash import cpu_linear, smollm2
+    from dflash import smollm2
+
+    from dflash_kernels.cpu import linear as cpu_linear
     from dflash.lean_target import LeanTarget
     from dflash.train.prompts import eval_prompts
     from dflash_kernels._triton_utils import argmax_cpu

@@ -13,7 +13,7 @@ memory floor, so each layer is seven kernels on the GPU:
 On the "cpu" backend the projections take ``cpu_linear`` (q/k/v and gate/up as row blocks of one call, with no
 merged copy) and the activation stays a ``silu_mul`` after the gate/up GEMM (``gate_up_act``); a forward of up to
 64 rows a request runs as one loop of those native calls with prepared arguments where it can
-(``dflash.native_forward``: the same kernels and bits, without the ops' per-call Python), else through the ops.
+(``dflash_kernels.cpu.forward``: the same kernels and bits, without the ops' per-call Python), else through the ops.
 
 The residual add of each sub-block is fused into the next norm; off the "cpu" backend ``merged_weight``
 re-points the HF modules' q/k/v and gate/up parameters at views of one buffer per layer, so the model itself keeps
@@ -26,8 +26,8 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-from dflash import cpu_linear
-from dflash.native_forward import MAX_ROWS as NATIVE_MAX_ROWS, NativeForward
+from dflash_kernels.cpu import linear as cpu_linear
+from dflash_kernels.cpu.forward import MAX_ROWS as NATIVE_MAX_ROWS, NativeForward
 from dflash.merged_linear import merged_weight, row_blocks
 from dflash.target import check_target
 from dflash_kernels import add_rms_norm, gate_up_silu, silu_mul, verify_attention

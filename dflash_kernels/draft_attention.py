@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dflash_kernels import cpu_native
+from dflash_kernels.cpu import native as cpu_native
 from dflash_kernels._dispatch import call_op, checked_by, lean_version_bump, resolve_backend, unobserved_eager
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_cache_index_values, check_cache_pair, check_index_values, check_last_dim_contiguous,

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_kernels import cpu_native
+from dflash_kernels.cpu import native as cpu_native
 from dflash_kernels._dispatch import call_op, checked_by, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_cache_index_values, check_cache_pair, check_index_values, check_last_dim_contiguous,

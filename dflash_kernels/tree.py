@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_kernels import cpu_native
+from dflash_kernels.cpu import native as cpu_native
 from dflash_kernels._dispatch import call_op, checked_by, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, argmax_cpu, check_last_dim_contiguous, check_tensor, interpreting, next_pow2,
@@ -635,7 +635,7 @@ def tree_accept_greedy_tokens(target_tokens: torch.Tensor, tree_tokens: torch.Te
                               block_size: int, backend: str = "auto"
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`tree_accept_greedy` given the target's argmax token at each node instead of its logits (one launch,
-    no host sync): for a verify whose LM head returns the argmax itself (``dflash.cpu_linear.linear_argmax`` on
+    no host sync): for a verify whose LM head returns the argmax itself (``dflash_kernels.cpu.linear.linear_argmax`` on
     the CPU), so the logits are never written.
 
     Args:

@@ -254,7 +254,7 @@ def verify_greedy_tokens_reference(target_tokens: torch.Tensor, draft_tokens: to
 def verify_greedy_tokens(target_tokens: torch.Tensor, draft_tokens: torch.Tensor, *, backend: str = "auto"
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`verify_greedy` given the target's argmax tokens instead of its logits (one launch, no host sync):
-    for a verify whose LM head returns the argmax itself (``dflash.cpu_linear.linear_argmax`` on the CPU), so the
+    for a verify whose LM head returns the argmax itself (``dflash_kernels.cpu.linear.linear_argmax`` on the CPU), so the
     logits are never written.
 
     Args:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The native CPU kernels (dflash_kernels.cpu_native, dflash.cpu_linear) built with AddressSanitizer and run over
+# The native CPU kernels (dflash_kernels.cpu.native, dflash_kernels.cpu.linear) built with AddressSanitizer and run over
 # the op tests that reach them; fails on any ASan report. Run from the repository root:
 #   PY=.venv/bin/python bash csrc/tests/asan_cpu.sh [extra pytest args]
 # The builds go to a fresh private cache folder; libasan (and libstdc++, so that ASan intercepts the C++

@@ -147,7 +147,7 @@ def test_tree_bench_smoke(tmp_path, capsys):
     assert set(rows) == {"HF generate", "chain", "tree 3", "chain (torch formulas)", "tree 3 (torch formulas)",
                          "chain (fp32 GEMM)", "tree 3 (fp32 GEMM)"}, text
     assert os.environ.get("DFLASH_CPU_NATIVE") is None, "the bench must restore the environment"
-    from dflash import cpu_linear
+    from dflash_kernels.cpu import linear as cpu_linear
 
     assert cpu_linear.set_amx(True) is True, "the bench must restore the AMX setting"
     for r in rows.values():
@@ -212,7 +212,7 @@ def test_cpu_forward_bench_smoke(tmp_path):
     # a 16 MiB read: the suite's process must stay small (test_traffic bounds its peak memory)
     text, header, rows = _smollm2_bench_table(
         "cpu_forward", ["--rows", "1", "--reps", "1", "--threads", "1", "--read-mib", "16"], tmp_path / "forward.md")
-    from dflash import cpu_linear
+    from dflash_kernels.cpu import linear as cpu_linear
 
     amx = ["native + AMX"] if cpu_linear.amx_active() else []
     assert [r[header.index("cpu kernels")] for r in rows] == amx + ["native, fp32 GEMM", "torch formulas"], text

@@ -1,4 +1,4 @@
-"""The native fp32 kernels behind backend="cpu" (dflash_kernels.cpu_native): they build on this machine, the ops
+"""The native fp32 kernels behind backend="cpu" (dflash_kernels.cpu.native): they build on this machine, the ops
 take them where they apply (and not where they do not), and their results hold the 2x rule against fp64 at the
 shapes the runtime uses (one row, a verify block, a prefill chunk) and at odd ones (a head dim with a tail)."""
 import os
@@ -6,7 +6,9 @@ import os
 import pytest
 import torch
 
-from dflash_kernels import add_rms_norm, cpu_native, draft_attention, verify_attention
+from dflash_kernels import add_rms_norm, draft_attention, verify_attention
+
+from dflash_kernels.cpu import native as cpu_native
 from dflash_kernels.draft_attention import draft_attention_reference, verify_attention_reference
 from dflash_kernels.layer_ops import add_rms_norm_reference
 from dflash_kernels.tree import tree_ancestor_mask_reference

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from dflash_kernels import cpu_native
+from dflash_kernels.cpu import native as cpu_native
 from dflash_kernels._triton_utils import rope_cos_sin_reference
 from dflash_kernels.draft_attention import draft_attention, draft_attention_reference
 from _caches import random_block_table, to_paged

@@ -308,7 +308,7 @@ def test_build_tree_kernel_equals_reference(case):
 def test_build_tree_cpu_equals_reference(budget):
     """The "cpu" backend (C, cpu_native) at the demo draft's shapes (B - 1 = 7 positions, 4,096 draft ids) and with
     ties, bit for bit; a +inf logit (log p NaN) leaves the decision to the reference."""
-    from dflash_kernels import cpu_native
+    from dflash_kernels.cpu import native as cpu_native
     r, p, v = 3, 7, 4096
     logits = torch.randn(r, p, v) * 3
     logits[1] = torch.randint(-2, 3, (p, v)).float()     # many exactly tied scores: the tie rule decides

@@ -4,7 +4,9 @@ unchanged bit for bit, splits sized from the live length."""
 import pytest
 import torch
 
-from dflash_kernels import cpu_native, verify_attention
+from dflash_kernels import verify_attention
+
+from dflash_kernels.cpu import native as cpu_native
 from dflash_kernels._triton_utils import rope_cos_sin_reference
 from _caches import random_block_table, to_paged
 from _splits import assert_slots, da, nan_partials

@@ -1,4 +1,4 @@
-"""dflash.cpu_linear.linear: F.linear's result (the 2x error rule vs fp64) on the fast path, F.linear elsewhere."""
+"""dflash_kernels.cpu.linear.linear: F.linear's result (the 2x error rule vs fp64) on the fast path, F.linear elsewhere."""
 from __future__ import annotations
 
 import functools
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 from _tol import assert_within_rule  # noqa: E402
 
-from dflash import cpu_linear  # noqa: E402
+from dflash_kernels.cpu import linear as cpu_linear  # noqa: E402
 
 FAST = cpu_linear.available()
 needs_fast = pytest.mark.skipif(not FAST, reason=f"{cpu_linear.unavailable_reason()}")

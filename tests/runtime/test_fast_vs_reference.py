@@ -82,8 +82,8 @@ def test_cpu_kernel_backend_equals_reference(monkeypatch, block, tree_budget, bf
     requests, chains and trees; the native attention, norm and SwiGLU kernels are seen to run. ``bf16_values``:
     every weight rounded to a bf16 value (as SmolLM2's are), so the projections take cpu_linear's AMX path and the
     greedy verify its argmax screen (the LM head's argmax without most logits)."""
-    from dflash import cpu_linear
-    from dflash_kernels import cpu_native
+    from dflash_kernels.cpu import linear as cpu_linear
+    from dflash_kernels.cpu import native as cpu_native
 
     assert cpu_native.unavailable_reason() is None
     if bf16_values and not cpu_linear.amx_active():

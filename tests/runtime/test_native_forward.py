@@ -1,12 +1,13 @@
-"""``dflash.native_forward``: the lean target's "cpu" forward as one loop of native calls equals the op path bit for
+"""``dflash_kernels.cpu.forward``: the lean target's "cpu" forward as one loop of native calls equals the op path bit for
 bit (logits, tapped features, both caches), and steps aside wherever the op path must run."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash import cpu_linear, native_forward
+from dflash_kernels.cpu import forward as native_forward, linear as cpu_linear
 from dflash.lean_target import LeanTarget
-from dflash_kernels import build_tree, cpu_native, tree_ancestor_mask
+from dflash_kernels import build_tree, tree_ancestor_mask
+from dflash_kernels.cpu import native as cpu_native
 
 from tiny_models import make_target
 

@@ -26,8 +26,8 @@ import os
 
 import torch
 
-from dflash import cpu_linear
-from dflash_kernels import cpu_native
+from dflash_kernels.cpu import linear as cpu_linear
+from dflash_kernels.cpu import native as cpu_native
 from dflash_kernels._dispatch import unobserved_eager
 from dflash_kernels.draft_attention import rope_tables_cpu
 

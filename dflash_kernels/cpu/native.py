@@ -1,6 +1,6 @@
 """Native fp32 CPU kernels behind the ``"cpu"`` backend of ``verify_attention``, ``draft_attention``,
 ``add_rms_norm``, ``silu_mul``, ``build_tree`` and ``tree_ancestor_mask``, and the on-first-use C++ build they
-share with ``dflash.cpu_linear``.
+share with ``dflash_kernels.cpu.linear``.
 
 Why: on a CPU the small ops of a decoder layer cost more in dispatch than in arithmetic. Measured on SmolLM2-135M
 (2 threads, one lean target forward): the torch formulas of attention (q/k norm, RoPE, cache write, SDPA, per
@@ -756,7 +756,7 @@ def _load():
                 lib.dflash_cpu_tree_ancestor_mask.argtypes = [p, n, n, n, n, p]
                 _lib = lib
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                _reason = f"dflash_kernels.cpu_native: unavailable ({e}); the \"cpu\" backend uses torch formulas"
+                _reason = f"dflash_kernels.cpu.native: unavailable ({e}); the \"cpu\" backend uses torch formulas"
                 warnings.warn(_reason, RuntimeWarning, stacklevel=3)
             _tried = True
     return _lib
@@ -769,7 +769,7 @@ def enabled() -> bool:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernels' library when they run (:func:`enabled`), else None: for a caller that has checked its
-    arguments once and calls the entry points directly (``dflash.native_forward``); their contracts are the
+    arguments once and calls the entry points directly (``dflash_kernels.cpu.forward``); their contracts are the
     comments above each ``extern "C"`` function of the source."""
     return _lib if enabled() else None
 

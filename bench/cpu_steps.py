@@ -28,11 +28,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (puts the repository root on sys.path)
 
-from dflash import generate, smollm2  # noqa: E402
+from dflash import generate  # noqa: E402
+from dflash_apps import smollm2  # noqa: E402
 
 from dflash_kernels.cpu import linear as cpu_linear  # noqa: E402
-from dflash.demo import DEFAULT_DRAFT, DEFAULT_PROMPT  # noqa: E402
 from dflash.model import DFlashDraftModel  # noqa: E402
+from dflash_apps.demo import DEFAULT_DRAFT, DEFAULT_PROMPT  # noqa: E402
 from dflash_kernels.cpu import native as cpu_native  # noqa: E402
 
 NO_NATIVE = "-no-native"

@@ -12,7 +12,7 @@ Pairs:
               proposals are replaced on the device by the target's own greedy continuation, correct
               for the first a-1 tokens and wrong after, so each round accepts a tokens (τ ≈ a). The
               draft and verify work is real; only the proposals are fake. Use: the cost side.
-  smollm2     SmolLM2-135M-Instruct + the trained draft in dflash/assets/smollm2-135m-dflash, real
+  smollm2     SmolLM2-135M-Instruct + the trained draft in dflash_apps/assets/smollm2-135m-dflash, real
               prompts, when both are installed (otherwise the output says why it is missing).
 
 Per-round costs of the fast runtime are medians over rounds with the first round excluded (it
@@ -49,7 +49,7 @@ TARGETS = {
     "smoke": dict(hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, inter=128, vocab=256,
                   draft_layers=1, draft_inter=128),
 }
-SMOLLM2_DRAFT = Path(__file__).resolve().parents[1] / "dflash" / "assets" / "smollm2-135m-dflash"
+SMOLLM2_DRAFT = Path(__file__).resolve().parents[1] / "dflash_apps" / "assets" / "smollm2-135m-dflash"
 SMOLLM2_PROMPTS = [
     "Explain why the sky is blue in three sentences.",
     "Write a short Python function that reverses a string, with a docstring.",
@@ -382,7 +382,7 @@ def main(argv=None) -> int:
 
 def smollm2_rows(block, max_new, device, runtimes, notes, rows: common.RowLog) -> None:
     """The trained SmolLM2 pair's rows into ``rows``, or a note saying why it is unavailable."""
-    from dflash import smollm2
+    from dflash_apps import smollm2
 
     why = smollm2.unavailable_reason()
     draft_path = Path(os.environ.get("DFLASH_SMOLLM2_DRAFT", SMOLLM2_DRAFT))

@@ -32,9 +32,10 @@ MARK = "first-call-result: "
 
 def child(mode: str, tree_budget: int | None, max_new: int, threads: int) -> int:
     torch.set_num_threads(threads)
-    from dflash import generate, smollm2
-    from dflash.demo import DEFAULT_DRAFT, DEFAULT_PROMPT
+    from dflash import generate
     from dflash.model import DFlashDraftModel
+    from dflash_apps import smollm2
+    from dflash_apps.demo import DEFAULT_DRAFT, DEFAULT_PROMPT
 
     target, tok = smollm2.load(verbose=False)
     draft = DFlashDraftModel.from_pretrained(DEFAULT_DRAFT, dtype=torch.float32) if mode == "dflash" else None
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.child:
         return child(args.child, args.tree_budget, args.max_new_tokens, args.threads)
-    from dflash import smollm2
+    from dflash_apps import smollm2
 
     if common.smollm2_unavailable("first_call.py"):
         return 1

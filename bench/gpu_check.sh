@@ -13,10 +13,10 @@
 #   prewarm       every later step's workload at one repetition, all at once in parallel processes: compiles every
 #                 Triton specialisation (and inductor graph) the later steps use into the shared on-disk caches,
 #                 so no timed step pays a compile; reports its wall time and one row per job
-#   graphs_e2e    correctness: bench/gpu_tests.py's graph/runtime tests (capture + replay of both steps ==
+#   graphs_e2e    correctness: tests/gpu/test_gpu.py's graph/runtime tests (capture + replay of both steps ==
 #                 target greedy == eager, fast == reference, sampling graph == eager, bf16 draft step)
 #   ext_gpu       correctness: tests/ext -m gpu (CUDA ops vs references, torch.compile, graph capture)
-#   kernels_real  correctness: bench/gpu_tests.py's kernels at Qwen3-8B shapes, lean target vs HF in bf16
+#   kernels_real  correctness: tests/gpu/test_gpu.py's kernels at Qwen3-8B shapes, lean target vs HF in bf16
 #   step_latency  draft and verify step times (qwen3-8b, eager and graph, batch 1/8, ctx 2k/32k) next to
 #                 bench/traffic.py's H200 prediction
 #   draft_latency draft step times (qwen3-8b, batch 1, ctx 2k/32k, blocks 1/16)
@@ -189,8 +189,8 @@ $PY -c "import torch, dflash_kernels as d; dev = 'cuda' if torch.cuda.is_availab
 prewarm() {
   local t=$1 job pids=()
   local -A JOBS=(
-    [tests_graphs]="${PYTEST[*]} bench/gpu_tests.py ${GRAPH_SEL[*]@Q}"
-    [tests_kernels]="${PYTEST[*]} bench/gpu_tests.py ${KERNEL_SEL[*]@Q}"
+    [tests_graphs]="${PYTEST[*]} tests/gpu/test_gpu.py ${GRAPH_SEL[*]@Q}"
+    [tests_kernels]="${PYTEST[*]} tests/gpu/test_gpu.py ${KERNEL_SEL[*]@Q}"
     [tests_ext]="${PYTEST[*]} ${EXT_SEL[*]@Q}"
     [step_latency]="$PY bench/step_latency.py ${SL[*]} ${ONCE[*]} --out $WORK --tag step_latency-warm"
     [draft_latency]="$PY bench/draft_latency.py ${DL[*]} ${ONCE[*]} --out $WORK --tag draft_latency-warm"
@@ -231,9 +231,9 @@ else
 fi
 
 # 4. correctness at real shapes
-test_step graphs_e2e bench/gpu_tests.py "${GRAPH_SEL[@]}"
+test_step graphs_e2e tests/gpu/test_gpu.py "${GRAPH_SEL[@]}"
 test_step ext_gpu "${EXT_SEL[@]}"
-test_step kernels_real bench/gpu_tests.py "${KERNEL_SEL[@]}"
+test_step kernels_real tests/gpu/test_gpu.py "${KERNEL_SEL[@]}"
 
 # 5. draft/verify step times, then end to end, then the sweeps
 step step_latency step_latency-gpu_check.partial.csv \

@@ -35,11 +35,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     args = ap.parse_args(argv)
 
-    from dflash import smollm2
+    from dflash_apps import smollm2
 
     from dflash_kernels.cpu import linear as cpu_linear
     from dflash.lean_target import LeanTarget
-    from dflash.train.prompts import eval_prompts
+    from dflash_apps.train.prompts import eval_prompts
     from dflash_kernels._triton_utils import argmax_cpu
 
     if common.smollm2_unavailable("greedy_head.py"):

@@ -1,10 +1,10 @@
 """HF ``generate`` vs chain vs tree DFlash on the SmolLM2 demo pair: τ and tokens/s, one run.
 
-Target SmolLM2-135M-Instruct and the shipped draft (dflash/assets/smollm2-135m-dflash, B = 8; ``--draft``
+Target SmolLM2-135M-Instruct and the shipped draft (dflash_apps/assets/smollm2-135m-dflash, B = 8; ``--draft``
 another folder, or several: each runs the chain and every budget in the same rotation, to choose a draft by
 end-to-end speed), fp32, greedy (or sampled: ``--temperature``, ``--top-p``), ``dflash.generate`` with the default backend (the
 engine); the baseline is the target's own ``generate`` (what a user runs without speculation). Prompts
-(``--prompt-set``, :func:`dflash.train.eval_sets.eval_prompt_set`): ``natural`` (default) the hand-written evaluation
+(``--prompt-set``, :func:`dflash_apps.train.eval_sets.eval_prompt_set`): ``natural`` (default) the hand-written evaluation
 prompts no training generator shares, ``self`` the held-out slice of the target's self-generated prompts, ``template``
 the held-out prompts of the template generators that trained the shipped draft (the eval side of their hash split);
 chat template applied, the demo's stop tokens.
@@ -39,9 +39,9 @@ import common  # noqa: E402
 
 import torch  # noqa: E402
 
-from dflash.train.eval_sets import PROMPT_SETS, eval_prompt_set  # noqa: E402
+from dflash_apps.train.eval_sets import PROMPT_SETS, eval_prompt_set  # noqa: E402
 
-DRAFT = Path(__file__).resolve().parents[1] / "dflash" / "assets" / "smollm2-135m-dflash"
+DRAFT = Path(__file__).resolve().parents[1] / "dflash_apps" / "assets" / "smollm2-135m-dflash"
 
 
 def main(argv=None) -> int:
@@ -77,9 +77,10 @@ def main(argv=None) -> int:
                          "argmax screen off), in the same rotation")
     args = ap.parse_args(argv)
 
-    from dflash import generate, smollm2
+    from dflash import generate
     from dflash.model import DFlashDraftModel
     from dflash.sampling import SamplingParams
+    from dflash_apps import smollm2
 
     sampling = SamplingParams(args.temperature, args.top_p)
     prompts = eval_prompt_set(args.prompt_set, args.prompts, args.self_prompts) + args.prompt

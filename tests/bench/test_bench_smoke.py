@@ -41,7 +41,7 @@ def test_draft_latency_smoke(tmp_path, capsys):
 
 
 def test_kernels_smoke_through_cli(tmp_path, capsys):
-    from dflash import cli
+    from dflash_apps import cli
 
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["bench", "kernels", "--device", "cpu", "--size", "tiny", "--ops", "verify_greedy,commit_round,"
@@ -78,7 +78,7 @@ def test_e2e_smoke(tmp_path):
 
 def test_draft_latency_through_cli_writes_csv_and_png(tmp_path):
     """matplotlib is a declared dependency: the PNG is always written next to the CSV."""
-    from dflash import cli
+    from dflash_apps import cli
 
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["bench", "draft-latency", "--device", "cpu", "--models", "tiny", "--contexts", "48", "--blocks",
@@ -94,7 +94,7 @@ def test_step_latency_through_cli(tmp_path):
     same configuration; graph rows say they are unavailable on CPU but still carry the prediction."""
     import traffic
 
-    from dflash import cli
+    from dflash_apps import cli
 
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["bench", "step-latency", "--device", "cpu", "--batch", "1", "--contexts", "48", "--warmup", "1",
@@ -126,7 +126,7 @@ def _markdown_cells(text: str) -> list[list[str]]:
 def _smollm2_bench_table(script: str, argv: list[str], out) -> tuple[str, list[str], list[list[str]]]:
     """Run ``bench/<script>.py``'s main on the SmolLM2 pair (skip without it) writing its table to ``out``; it must
     exit 0. Returns the file's text, the table's header and its rows."""
-    from dflash import smollm2
+    from dflash_apps import smollm2
 
     if smollm2.unavailable_reason():
         pytest.skip(smollm2.unavailable_reason())
@@ -160,8 +160,8 @@ def test_tree_bench_prompt_sets_and_sampling(tmp_path):
     0.7, top-p 0.9) report τ and speed with "n/a" for identity; a bad set or count is refused before any model
     loads."""
     import tree
-    from dflash.train.natural_prompts import natural_eval_prompts
-    from dflash.train.prompts import eval_prompts
+    from dflash_apps.train.natural_prompts import natural_eval_prompts
+    from dflash_apps.train.prompts import eval_prompts
 
     argv = ["--budgets", "2", "--prompts", "1", "--max-new-tokens", "5", "--reps", "1", "--threads", "1"]
     text, header, table = _smollm2_bench_table("tree", argv + ["--temperature", "0.7", "--top-p", "0.9"],
@@ -183,7 +183,7 @@ def test_tree_bench_prompt_sets_and_sampling(tmp_path):
 
 def test_tree_bench_compares_drafts(tmp_path):
     """Two drafts in one run: each gets its chain and budgets, labelled by folder, vs_chain against its own chain."""
-    from dflash import smollm2
+    from dflash_apps import smollm2
 
     if smollm2.unavailable_reason():
         pytest.skip(smollm2.unavailable_reason())

@@ -81,6 +81,7 @@ def test_dry_run(tmp_path):
     with open(tmp_path / "tests.csv", newline="") as f:
         tests = list(csv.DictReader(f))
     assert {t["step"] for t in tests} == {"graphs_e2e", "ext_gpu", "kernels_real"}
+    assert all(t["test"].startswith("tests/gpu/test_gpu.py::") for t in tests if t["step"] != "ext_gpu"), tests
     assert all(t["outcome"] in ("passed", "skipped") for t in tests)
     with open(tmp_path / "kernels-gpu_check.csv", newline="") as f:
         assert {r["commit"] for r in csv.DictReader(f)} == {"feedbeef"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash import cli
+from dflash_apps import cli
 
 
 @pytest.mark.parametrize("name", sorted(cli.BENCHMARKS))

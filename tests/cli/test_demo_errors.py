@@ -2,7 +2,7 @@
 target is loaded."""
 from __future__ import annotations
 
-from dflash import cli, zlab_cli
+from dflash_apps import cli, zlab_cli
 
 
 def test_demo_refuses_a_missing_or_corrupt_draft(capsys, tmp_path):

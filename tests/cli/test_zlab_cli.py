@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from dflash import cli, smollm2, zlab_cli
+from dflash_apps import cli, smollm2, zlab_cli
 
 needs_smollm2 = pytest.mark.skipif(not smollm2.is_available(), reason=smollm2.unavailable_reason() or "")
 PROMPT = "What is 2 + 3?"

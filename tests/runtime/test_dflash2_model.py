@@ -10,10 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, cli, generate, smollm2, zlab_cli
+from dflash import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, generate
 from dflash.config import DFlash2Settings
 from dflash.dflash2 import GroupedDynamicCausalConv
 from dflash.draft import RMSNorm
+from dflash_apps import cli, smollm2, zlab_cli
 
 from test_speculators import write_speculators
 from tiny_models import VOCAB, make_draft, make_target

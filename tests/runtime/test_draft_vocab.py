@@ -230,7 +230,7 @@ def test_checkpoint_with_both_vocabulary_forms_is_refused(tmp_path):
 
 def test_export_vllm_rewrites_an_old_form_draft(tmp_path):
     """``dflash export vllm`` turns a draft_token_ids checkpoint into the vLLM form with the target's head rows."""
-    from dflash.cli import main
+    from dflash_apps.cli import main
 
     torch.manual_seed(SEED)
     target = make_target("llama")

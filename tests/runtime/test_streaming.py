@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash import generate
-from dflash.zlab_cli import TextStreamer
+from dflash_apps.zlab_cli import TextStreamer
 from tiny_models import make_draft, make_target
 
 

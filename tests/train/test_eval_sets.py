@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from dflash.train.eval_sets import eval_prompt_set
-from dflash.train.natural_prompts import NATURAL_EVAL_PATH, natural_eval_prompts, natural_eval_records
+from dflash_apps.train.eval_sets import eval_prompt_set
+from dflash_apps.train.natural_prompts import NATURAL_EVAL_PATH, natural_eval_prompts, natural_eval_records
 
 RESPONSES = os.path.join(os.path.dirname(NATURAL_EVAL_PATH), "smollm2-135m-responses.xz")
 
@@ -32,8 +32,8 @@ def test_natural_set_is_large_varied_and_distinct():
 def test_natural_set_is_in_no_training_source():
     """No natural prompt is a template prompt (either split of the generators that trained the shipped draft) nor
     a prompt of the shipped draft's training responses file."""
-    from dflash.train.prompts import build_prompts
-    from dflash.train.responses import load_responses, prompt_key
+    from dflash_apps.train.prompts import build_prompts
+    from dflash_apps.train.responses import load_responses, prompt_key
 
     natural = {_normalized(p) for p in natural_eval_prompts()}
     for split in ("train", "eval"):
@@ -53,7 +53,7 @@ def test_natural_loader_refuses_a_malformed_line(tmp_path):
 
 
 def test_eval_prompt_set_by_name():
-    from dflash.train.prompts import eval_prompts
+    from dflash_apps.train.prompts import eval_prompts
 
     assert eval_prompt_set("natural", 3) == natural_eval_prompts(3)
     assert eval_prompt_set("template", 2) == eval_prompts(2)
@@ -72,8 +72,8 @@ def test_self_set_without_a_prompts_file_names_the_command(tmp_path):
 
 
 def test_demo_default_prompt_is_a_natural_one():
-    from dflash.demo import DEFAULT_PROMPT
-    from dflash.train.prompts import build_prompts
+    from dflash_apps.demo import DEFAULT_PROMPT
+    from dflash_apps.train.prompts import build_prompts
 
     assert DEFAULT_PROMPT in natural_eval_prompts()
     assert DEFAULT_PROMPT not in build_prompts(3000, "train", seed=0)

@@ -5,9 +5,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash.train.natural_prompts import natural_eval_prompts
-from dflash.train.prompts import split_of
-from dflash.train.self_prompts import (EVAL_FRACTION, FORMAT, SYSTEM_PROMPTS, dedup_key, filter_verdict,
+from dflash_apps.train.natural_prompts import natural_eval_prompts
+from dflash_apps.train.prompts import split_of
+from dflash_apps.train.self_prompts import (EVAL_FRACTION, FORMAT, SYSTEM_PROMPTS, dedup_key, filter_verdict,
                                        generate_self_prompts, load_self_prompts, user_turn_prefix)
 
 from test_train_blocks import V, tiny_target

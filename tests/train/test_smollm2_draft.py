@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from dflash import smollm2
-from dflash.demo import DEFAULT_DRAFT, DEFAULT_TREE_BUDGET
+from dflash_apps import smollm2
+from dflash_apps.demo import DEFAULT_DRAFT, DEFAULT_TREE_BUDGET
 
 _reason = smollm2.unavailable_reason()
 needs_smollm2 = pytest.mark.skipif(_reason is not None, reason=_reason or "")
@@ -37,8 +37,8 @@ def test_shipped_draft_config_and_size():
 @pytest.fixture(scope="module")
 def shipped_tau(smol):
     """Pooled τ of the shipped draft at temperature 0 on held-out prompts (deterministic: greedy)."""
-    from dflash.train.measure import measure
-    from dflash.train.prompts import build_prompts, eval_prompts
+    from dflash_apps.train.measure import measure
+    from dflash_apps.train.prompts import build_prompts, eval_prompts
 
     target, tok = smol
     prompts = eval_prompts(3)
@@ -60,7 +60,7 @@ def test_shipped_draft_accepts_on_eval_prompts(shipped_tau):
 @needs_smollm2
 @needs_asset
 def test_demo_end_to_end(capsys):
-    from dflash.demo import main
+    from dflash_apps.demo import main
 
     rc = main(["--max-new-tokens", "12", "--prompt", "What is 7 times 8?", "--backend", "reference", "--reps", "2"])
     out = capsys.readouterr().out
@@ -80,7 +80,7 @@ def test_missing_package_error_names_install_command(monkeypatch):
 
 
 def test_demo_warns_on_a_busy_machine(monkeypatch):
-    from dflash import demo
+    from dflash_apps import demo
 
     monkeypatch.setattr(demo.os, "cpu_count", lambda: 2)
     monkeypatch.setattr(demo.os, "getloadavg", lambda: (3.5, 1.0, 1.0))
@@ -92,9 +92,9 @@ def test_demo_warns_on_a_busy_machine(monkeypatch):
 @needs_smollm2
 @needs_asset
 def test_measure_names_its_prompt_set(tmp_path, capsys):
-    """``python -m dflash.train.measure`` measures the natural set by default and records which set it measured (the
-    model card's evaluation heading names it); a bad count is refused before any work."""
-    from dflash.train.measure import main
+    """``python -m dflash_apps.train.measure`` measures the natural set by default and records which set it measured
+    (the model card's evaluation heading names it); a bad count is refused before any work."""
+    from dflash_apps.train.measure import main
 
     out = tmp_path / "m.json"
     assert main([DEFAULT_DRAFT, "--num-prompts", "1", "--max-new-tokens", "4", "--no-baseline", "--threads", "1",

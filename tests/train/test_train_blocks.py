@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dflash.model import DFlashDraftModel
-from dflash.train.blocks import (
+from dflash_apps.train.blocks import (
     build_block_mask,
     default_gamma,
     draft_forward_dense,
@@ -15,8 +15,8 @@ from dflash.train.blocks import (
     sample_anchors,
     weighted_block_loss,
 )
-from dflash.train.data import compute_features
-from dflash.train.trainer import Trainer, lr_at, make_draft_config
+from dflash_apps.train.data import compute_features
+from dflash_apps.train.trainer import Trainer, lr_at, make_draft_config
 
 V, H = 96, 64
 MASK = 3
@@ -188,7 +188,7 @@ def test_training_overfits_tiny_batch_and_freezes_target():
 def test_evaluate_a_draft_with_a_vocabulary_subset():
     """A subset draft is evaluated over its own ids (as at inference): with every id, permuted, it scores exactly
     like the full draft; with none of the labels' ids it never matches (τ estimate 1)."""
-    from dflash.train.vocab import with_draft_vocab
+    from dflash_apps.train.vocab import with_draft_vocab
 
     torch.manual_seed(4)
     target = tiny_target()
@@ -209,7 +209,7 @@ def test_init_from_draft_copies_weights_and_drops_vocab_subset(tmp_path):
     dropped) load into a fresh draft of the same shape; a draft of another shape is refused."""
     from safetensors.torch import load_file, save_file
 
-    from dflash.train.trainer import init_from_draft
+    from dflash_apps.train.trainer import init_from_draft
 
     target = tiny_target()
     torch.manual_seed(1)
@@ -241,7 +241,7 @@ def test_tree_acceptance_lengths_walk_the_target_path(with_vocab_ids):
     """Per full block: 1 + the deepest node of the tree (build_tree's definition, a heap) on the labels' path, by a
     brute-force walk; blocks with a missing label are left out; a larger budget never accepts less; budget 1 is
     the chain's first token."""
-    from dflash.train.blocks import acceptance_lengths, tree_acceptance_lengths
+    from dflash_apps.train.blocks import acceptance_lengths, tree_acceptance_lengths
     from dflash_kernels.tree import build_tree_reference
 
     g = torch.Generator().manual_seed(7)
@@ -304,7 +304,7 @@ def test_evaluate_reports_tree_estimates():
 
 
 def test_tree_budgets_argument_is_checked():
-    from dflash.train.trainer import _budgets
+    from dflash_apps.train.trainer import _budgets
 
     assert _budgets("") == [] and _budgets("7, 15") == [7, 15]
     for bad in ("7,x", "0", "3,-1"):

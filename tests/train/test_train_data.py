@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.train.data import compute_features, generate_batch, load_dataset, load_plain
+from dflash_apps.train.data import compute_features, generate_batch, load_dataset, load_plain
 
 from test_train_blocks import V, tiny_target
 
@@ -43,7 +43,7 @@ def test_generate_batch_known_equals_greedy_with_wrong_known_responses():
     are completed by plain greedy decoding)."""
     import copy
 
-    from dflash.train.data import generate_batch_known
+    from dflash_apps.train.data import generate_batch_known
 
     torch.manual_seed(3)
     target = tiny_target(layers=4)
@@ -141,8 +141,8 @@ def test_fit_resumed_one_step_at_a_time_equals_uninterrupted(tmp_path):
     """`dflash train fit` stopped after every step (``--max-minutes 0``) and resumed each time ends with
     the same weights, bit for bit, as one uninterrupted run: model, optimizer, RNGs and the epoch's
     remaining visit order are all in the checkpoint. Needs SmolLM2 (its embedding and LM head)."""
-    from dflash import smollm2
-    from dflash.train.cli import main
+    from dflash_apps import smollm2
+    from dflash_apps.train.cli import main
 
     if smollm2.unavailable_reason():
         pytest.skip(smollm2.unavailable_reason())
@@ -165,8 +165,8 @@ def test_fit_resumed_one_step_at_a_time_equals_uninterrupted(tmp_path):
 def test_crafted_checkpoint_is_refused_on_resume_and_export(tmp_path, capsys):
     """`fit` resuming from, and `export` reading, a last.pt with a payload refuse it (exit 2, one line, no
     traceback); the payload never runs. Needs SmolLM2 (fit loads it before resuming)."""
-    from dflash import smollm2
-    from dflash.train.cli import main
+    from dflash_apps import smollm2
+    from dflash_apps.train.cli import main
 
     if smollm2.unavailable_reason():
         pytest.skip(smollm2.unavailable_reason())
@@ -186,7 +186,7 @@ def test_crafted_checkpoint_is_refused_on_resume_and_export(tmp_path, capsys):
 
 
 def test_fit_refuses_a_bad_device_before_any_work(tmp_path, capsys):
-    from dflash.train.cli import main
+    from dflash_apps.train.cli import main
 
     assert main(["fit", "--device", "foo", "--out", str(tmp_path / "run")]) == 2
     assert capsys.readouterr().err == ("dflash train fit: error: --device 'foo' is not a device: pass cpu, cuda, "
@@ -197,8 +197,8 @@ def test_fit_refuses_a_bad_device_before_any_work(tmp_path, capsys):
 def test_fit_logs_tree_estimates(tmp_path, capsys):
     """`fit --eval-tree-budgets 2,5`: every eval also logs the teacher-forced τ estimates of draft trees of those
     budgets (history and log line); best/ is still chosen by the chain's estimate. Needs SmolLM2."""
-    from dflash import smollm2
-    from dflash.train.cli import main
+    from dflash_apps import smollm2
+    from dflash_apps.train.cli import main
 
     if smollm2.unavailable_reason():
         pytest.skip(smollm2.unavailable_reason())
@@ -237,7 +237,7 @@ class _CharTokenizer:
 
 def test_generate_dataset_max_shards_then_resume(tmp_path):
     """--max-shards stops after the first shards; a later call writes the rest and leaves those alone."""
-    from dflash.train.data import generate_dataset
+    from dflash_apps.train.data import generate_dataset
 
     target = tiny_target(layers=2)
     prompts = [f"q{i}" for i in range(5)]
@@ -256,8 +256,8 @@ def test_responses_file_round_trip_and_reuse(tmp_path):
     """`generate_dataset(responses_path=...)` records every response in the file; a second run from the
     file (one of its responses deliberately corrupted) checks instead of generating and writes the same
     data, and the corrupted response is corrected in the file."""
-    from dflash.train.data import generate_dataset
-    from dflash.train.responses import load_responses, prompt_key, save_responses
+    from dflash_apps.train.data import generate_dataset
+    from dflash_apps.train.responses import load_responses, prompt_key, save_responses
 
     torch.manual_seed(4)
     target = tiny_target(layers=2)
@@ -295,7 +295,7 @@ def test_responses_file_limits(tmp_path):
     contents are read into memory; a file at the record-length limit still loads."""
     import struct
 
-    from dflash.train.responses import FORMAT, MAX_BYTES, MAX_RESPONSE_TOKENS, MAX_RESPONSES, load_responses
+    from dflash_apps.train.responses import FORMAT, MAX_BYTES, MAX_RESPONSE_TOKENS, MAX_RESPONSES, load_responses
 
     path = str(tmp_path / "r.xz")
     head = {"format": FORMAT, "count": 1, "tokens": MAX_RESPONSE_TOKENS + 1}

@@ -1,12 +1,12 @@
-"""dflash.train.vocab: the draft vocabulary chosen from response-token frequencies."""
+"""dflash_apps.train.vocab: the draft vocabulary chosen from response-token frequencies."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from dflash.model import DFlashDraftModel
-from dflash.train import main as train_main
-from dflash.train.vocab import choose_subset, coverage_of, response_token_counts, with_draft_vocab
+from dflash_apps.train import main as train_main
+from dflash_apps.train.vocab import choose_subset, coverage_of, response_token_counts, with_draft_vocab
 from tests.runtime.tiny_models import make_draft, make_target
 
 

@@ -21,7 +21,7 @@ PROMPTS = [
 
 def chat_ids(tokenizer, text: str) -> list[int]:
     """Token ids of ``text`` as one chat-formatted user turn."""
-    from dflash import smollm2
+    from dflash_apps import smollm2
 
     return tokenizer.encode(smollm2.chat_prompt(tokenizer, text))
 
@@ -30,8 +30,8 @@ def new_llm(*, dflash: bool = True):
     """A vLLM engine serving SmolLM2 in fp32, with the shipped draft (k = block size - 1) unless ``dflash`` is false."""
     from vllm import LLM
 
-    from dflash import smollm2
-    from dflash.demo import DEFAULT_DRAFT
+    from dflash_apps import smollm2
+    from dflash_apps.demo import DEFAULT_DRAFT
 
     spec = {"method": "dflash", "model": DEFAULT_DRAFT, "num_speculative_tokens": 7} if dflash else None
     return LLM(model=smollm2.converted_dir(), dtype="float32", enforce_eager=True, max_model_len=1024, seed=0,
@@ -43,9 +43,9 @@ def ours():
     """(target, tokenizer, draft) of this project's engine, fp32."""
     import torch
 
-    from dflash import smollm2
-    from dflash.demo import DEFAULT_DRAFT
     from dflash.draft import DraftModel
+    from dflash_apps import smollm2
+    from dflash_apps.demo import DEFAULT_DRAFT
 
     target, tokenizer = smollm2.load(dtype=torch.float32)
     return target, tokenizer, DraftModel.from_pretrained(DEFAULT_DRAFT, dtype=torch.float32)
@@ -55,7 +55,8 @@ def our_tokens(ours, prompt: str, max_new_tokens: int) -> list[int]:
     """The tokens our engine generates greedily after the chat-formatted ``prompt`` (stop token kept)."""
     import torch
 
-    from dflash import generate, smollm2
+    from dflash import generate
+    from dflash_apps import smollm2
 
     target, tokenizer, draft = ours
     ids = torch.tensor([chat_ids(tokenizer, prompt)])

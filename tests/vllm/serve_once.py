@@ -12,7 +12,7 @@ from conftest import new_llm
 def main() -> None:
     from vllm import SamplingParams
 
-    from dflash import smollm2
+    from dflash_apps import smollm2
     from dflash_kernels.integrations import vllm as plugin
 
     job = json.load(sys.stdin)

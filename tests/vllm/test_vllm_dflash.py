@@ -30,8 +30,8 @@ def llm(ours):  # after ours: loading SmolLM2 converts its GGUF to the folder vL
 def greedy(max_tokens: int):
     from vllm import SamplingParams
 
-    from dflash import smollm2
-    from dflash.smollm2 import converted_dir
+    from dflash_apps import smollm2
+    from dflash_apps.smollm2 import converted_dir
     from transformers import AutoTokenizer
 
     stops = smollm2.stop_token_ids(AutoTokenizer.from_pretrained(converted_dir()))

@@ -78,7 +78,7 @@ def test_a_target_without_a_dflash_draft_is_untouched(ours):
     """Plain decoding with the plugin loaded: the target's own greedy tokens, and none of our ops ran."""
     import torch
 
-    from dflash import smollm2
+    from dflash_apps import smollm2
 
     plain = serve(ours, dflash=False, plugins=True)
     target, tokenizer, _ = ours

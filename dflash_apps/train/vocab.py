@@ -1,5 +1,5 @@
 """Draft vocabulary from the training data: the most frequent response tokens, as few as cover a
-target share of all response-token occurrences (issue 13: the draft's LM head is most of its CPU cost).
+target share of all response-token occurrences: the draft's LM head is most of its CPU cost.
 
 Proposals outside the subset are impossible, never wrong: verification keeps the output exactly the
 target's, a token the draft cannot propose only ends that round's accepted prefix. The share of
@@ -68,7 +68,7 @@ def with_draft_vocab(draft: DFlashDraftModel, ids: torch.Tensor) -> DFlashDraftM
 
 
 def vocab_main(args) -> int:
-    from dflash.train.data import load_dataset
+    from dflash_apps.train.data import load_dataset
 
     draft = DFlashDraftModel.from_pretrained(args.draft, dtype=torch.float32)
     vocab = args.vocab or draft.config.vocab_size
@@ -89,7 +89,7 @@ def vocab_main(args) -> int:
 
 
 def add_vocab_args(sub) -> None:
-    from dflash.smollm2 import cache_path
+    from dflash_apps.smollm2 import cache_path
 
     v = sub.add_parser("vocab", help="give a full-vocabulary draft a vocabulary subset chosen from the data")
     v.add_argument("draft", help="full-vocabulary draft folder")

@@ -78,8 +78,8 @@ def _check_numbers(args) -> None:
 
 
 def _device(name: str):
-    """``--device`` (:func:`dflash.cli.device_arg`); a bad value is a usage error."""
-    from dflash.cli import device_arg
+    """``--device`` (:func:`dflash_apps.cli.device_arg`); a bad value is a usage error."""
+    from dflash_apps.cli import device_arg
 
     try:
         return device_arg(name)
@@ -111,9 +111,9 @@ def _load(model: str, draft_path: str, device, *, system: str | None):
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash import smollm2
     from dflash.draft import UnreadableWeightsError
     from dflash.model import DFlashDraftModel
+    from dflash_apps import smollm2
 
     device = torch.device(device)
     dtype = torch.bfloat16 if device.type == "cuda" and model != EMBEDDED else torch.float32  # the target's
@@ -167,7 +167,7 @@ def _summary(n: int, rounds: list[int], decode_s: float, total_s: float, runtime
 
 def _run(prog: str, command, argv: list[str]) -> int:
     """Usage errors exit 2, errors of the models or checkpoints exit 1: one line on stderr, no traceback."""
-    from dflash.smollm2 import SmolLM2NotInstalled
+    from dflash_apps.smollm2 import SmolLM2NotInstalled
 
     try:
         return command(argv)
@@ -291,7 +291,7 @@ def benchmark_main(argv: list[str]) -> int:
 def _benchmark(argv: list[str]) -> int:
     _backend_or_error("dflash benchmark", argv)
     p = _common_parser("dflash benchmark", "z-lab's benchmark on small prompt sets shipped in the package "
-                       "(offline stand-ins for the named datasets, see dflash/assets/prompts/README.md): every "
+                       "(offline stand-ins for the named datasets, see dflash_apps/assets/prompts/README.md): every "
                        "prompt is decoded autoregressively (block size 1, same machinery) and with DFlash; "
                        "prints time per output token, speedup, tau and the acceptance histogram.")
     p.add_argument("--dataset", required=True, choices=DATASETS)

@@ -1,7 +1,7 @@
 """DFlash draft training (paper §4.2 / app. A.1): data from the target's own responses, packed
 anchor blocks with a block mask, position-weighted cross-entropy, AdamW + cosine schedule.
 
-Entry point ``main(argv)`` (also ``dflash train …`` and ``python -m dflash.train …``):
+Entry point ``main(argv)`` (also ``dflash train …`` and ``python -m dflash_apps.train …``):
 
 * ``data``  — build the offline prompt set and generate the target's greedy responses + features
   (``--responses FILE``: check responses kept in the repository instead of generating them, record new ones)
@@ -16,6 +16,6 @@ from __future__ import annotations
 
 
 def main(argv=None) -> int:
-    from dflash.train.cli import main as _main
+    from dflash_apps.train.cli import main as _main
 
     return _main(argv)

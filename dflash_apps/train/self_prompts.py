@@ -7,7 +7,7 @@ chat-template markup) and deduplicated (case, punctuation and spacing ignored; p
 evaluation set are dropped too). The ``index``-th sample depends only on the seed, the index, the settings and
 the model's probabilities (one ``torch.Generator`` seeded from ``(seed, index)``), so a run resumes where its
 prompts file ends and a longer run extends a shorter one. The held-out slice is the eval side of the hash split
-(:func:`dflash.train.prompts.split_of` at :data:`EVAL_FRACTION`): :func:`load_self_prompts` with ``split="eval"``,
+(:func:`dflash_apps.train.prompts.split_of` at :data:`EVAL_FRACTION`): :func:`load_self_prompts` with ``split="eval"``,
 the ``self`` evaluation set; ``split="train"`` is the training side.
 
 Prompts file (JSON lines): a header ``{"format": "dflash-self-prompts-v1", "seed", "temperature", "top_p",
@@ -50,7 +50,7 @@ _MARKER = "\x00user turn\x00"
 
 
 def default_path() -> str:
-    from dflash.smollm2 import cache_path
+    from dflash_apps.smollm2 import cache_path
 
     return cache_path("data", "smollm2-self-prompts.jsonl")
 
@@ -138,7 +138,7 @@ def generate_self_prompts(model, tokenizer, path: str, count: int, *, seed: int 
     import torch
 
     from dflash.sampling import SamplingParams
-    from dflash.train.natural_prompts import natural_eval_prompts
+    from dflash_apps.train.natural_prompts import natural_eval_prompts
 
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"count must be an integer >= 1, got {count!r}")
@@ -154,7 +154,7 @@ def generate_self_prompts(model, tokenizer, path: str, count: int, *, seed: int 
         raise ValueError(f"{path} was made with {old_header}, not {header}: pass the same settings to resume, or "
                          f"another --out")
     if stop_token_ids is None:
-        from dflash.smollm2 import stop_token_ids as smollm2_stops
+        from dflash_apps.smollm2 import stop_token_ids as smollm2_stops
 
         stop_token_ids = smollm2_stops(tokenizer)
     seen = {dedup_key(p) for p in natural_eval_prompts()}
@@ -193,7 +193,7 @@ def generate_self_prompts(model, tokenizer, path: str, count: int, *, seed: int 
 def load_self_prompts(path: str, split: str | None = None) -> list[str]:
     """The kept prompts of a prompts file in sample order; ``split`` "train" or "eval" keeps that side of the
     hash split only (the eval side is never for training)."""
-    from dflash.train.prompts import split_of
+    from dflash_apps.train.prompts import split_of
 
     if split not in (None, "train", "eval"):
         raise ValueError(f"split must be 'train', 'eval' or None, got {split!r}")

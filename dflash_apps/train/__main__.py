@@ -1,5 +1,5 @@
 import sys
 
-from dflash.train import main
+from dflash_apps.train import main
 
 sys.exit(main(sys.argv[1:]))

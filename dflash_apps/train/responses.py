@@ -2,7 +2,7 @@
 SmolLM2-135M-Instruct (fp32) to the offline prompts, keyed by the prompt text.
 
 Generating responses is the slow part of ``dflash train data``; with a responses file, a later run
-hands the known responses to :func:`dflash.train.data.generate_batch_known`, so a prompt already
+hands the known responses to :func:`dflash_apps.train.data.generate_batch_known`, so a prompt already
 answered costs one teacher-forced pass (which also recomputes the features and checks every stored
 token against the target's own greedy choice: a stale or wrong response is corrected, never trusted).
 ``dflash train data --responses FILE`` reads the file and adds every new shard's responses to it.

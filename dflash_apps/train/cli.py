@@ -1,11 +1,11 @@
-"""Argument parsing for ``dflash train`` (see :mod:`dflash.train`)."""
+"""Argument parsing for ``dflash train`` (see :mod:`dflash_apps.train`)."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 
-from dflash.smollm2 import cache_path
+from dflash_apps.smollm2 import cache_path
 
 
 def _cmd_data(args) -> int:
@@ -13,9 +13,9 @@ def _cmd_data(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from dflash import smollm2
-    from dflash.train.data import generate_dataset
-    from dflash.train.prompts import build_prompts
+    from dflash_apps import smollm2
+    from dflash_apps.train.data import generate_dataset
+    from dflash_apps.train.prompts import build_prompts
 
     model, tok = smollm2.load()
     log = lambda m: print(m, flush=True)  # noqa: E731
@@ -36,8 +36,8 @@ def _cmd_self_prompts(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from dflash import smollm2
-    from dflash.train.self_prompts import generate_self_prompts
+    from dflash_apps import smollm2
+    from dflash_apps.train.self_prompts import generate_self_prompts
 
     model, tok = smollm2.load()
     res = generate_self_prompts(model, tok, args.out, args.count, seed=args.seed, temperature=args.temperature,
@@ -65,11 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start at this train shard (e.g. new prompts first; earlier shards can be generated later)")
     d.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, i.e. all cores)")
     d.add_argument("--responses", default=None,
-                   help="responses file (e.g. dflash/assets/smollm2-135m-responses.xz): its responses are checked "
+                   help="responses file (e.g. dflash_apps/assets/smollm2-135m-responses.xz): its responses are checked "
                         "instead of generated, and new shards' responses are added to it")
     d.set_defaults(func=_cmd_data)
 
-    from dflash.train.self_prompts import default_path
+    from dflash_apps.train.self_prompts import default_path
 
     s = sub.add_parser("self-prompts", help="the target writes user prompts itself (Magpie); resumable")
     s.add_argument("--out", default=default_path(), help="prompts file, JSON lines (default: %(default)s)")
@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_self_prompts)
 
     try:
-        from dflash.train.trainer import add_fit_args, add_export_args, add_evaluate_args
-        from dflash.train.vocab import add_vocab_args
+        from dflash_apps.train.trainer import add_fit_args, add_export_args, add_evaluate_args
+        from dflash_apps.train.vocab import add_vocab_args
     except ImportError:  # pragma: no cover - during bootstrap
         pass
     else:

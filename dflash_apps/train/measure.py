@@ -1,11 +1,11 @@
 """Measure a SmolLM2 draft end to end with :func:`dflash.generate`: τ (mean acceptance
 length), decode tokens/s of DFlash vs autoregressive decoding through the same machinery
 (``block_size=1``), and greedy equality, on an evaluation prompt set (``--prompt-set``, hand-written natural
-prompts by default; :mod:`dflash.train.eval_sets`). ``--against OTHER_DRAFT``
+prompts by default; :mod:`dflash_apps.train.eval_sets`). ``--against OTHER_DRAFT``
 measures other drafts in the same run, each prompt's runs back to back (draft, others, autoregressive),
 so a new and an old draft see the same machine state.
 
-    python -m dflash.train.measure DRAFT_DIR [--against OLD_DIR] [--prompt-set natural|self|template]
+    python -m dflash_apps.train.measure DRAFT_DIR [--against OLD_DIR] [--prompt-set natural|self|template]
         [--num-prompts 8] [--prompt TEXT]
         [--max-new-tokens 128] [--json out.json]
 """
@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from dflash.train.eval_sets import PROMPT_SETS, eval_prompt_set
+from dflash_apps.train.eval_sets import PROMPT_SETS, eval_prompt_set
 
 
 def measure(draft_dir: str, prompts, *, max_new_tokens: int = 128, block_size: int | None = None,
@@ -25,9 +25,9 @@ def measure(draft_dir: str, prompts, *, max_new_tokens: int = 128, block_size: i
     ``out["against"][folder]``, the same summary for each, measured prompt by prompt in the same loop."""
     import torch
 
-    from dflash import smollm2
     from dflash import generate
     from dflash.model import DFlashDraftModel
+    from dflash_apps import smollm2
 
     if target is None:
         target, tokenizer = smollm2.load(verbose=False)
@@ -75,11 +75,11 @@ def _summary(draft_dir: str, rows: list[dict], max_new_tokens: int, baseline: bo
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dflash.train.measure")
+    ap = argparse.ArgumentParser(prog="python -m dflash_apps.train.measure")
     ap.add_argument("draft")
     ap.add_argument("--against", action="append", default=[], help="another draft folder to measure in the same run")
     ap.add_argument("--prompt-set", default="natural", choices=PROMPT_SETS,
-                    help="evaluation prompts (dflash.train.eval_sets): hand-written (natural, default), held-out "
+                    help="evaluation prompts (dflash_apps.train.eval_sets): hand-written (natural, default), held-out "
                          "self-generated (self) or held-out template prompts (template)")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--prompt", action="append", default=[], help="an extra user prompt (after the set's)")

@@ -1,5 +1,5 @@
 """``dflash`` command line: z-lab's ``dflash generate`` and ``dflash benchmark``, and this project's
-``dflash demo``, ``dflash train``, ``dflash bench <name>``."""
+``dflash demo``, ``dflash train``, ``dflash export``, ``dflash bench <name>``."""
 from __future__ import annotations
 
 import argparse
@@ -19,12 +19,12 @@ BENCHMARKS = {
 }
 # name -> ("module:function" taking the remaining arguments, help)
 SUBCOMMANDS = {
-    "generate": ("dflash.zlab_cli:generate_main", "z-lab's generate: dflash generate transformers --model M --draft D "
-                 "PROMPT (M, D local folders or 'smollm2')"),
-    "benchmark": ("dflash.zlab_cli:benchmark_main", "z-lab's benchmark on prompt sets shipped in the package"),
-    "demo": ("dflash.demo:main", "run the embedded SmolLM2-135M + DFlash draft demo (offline)"),
-    "train": ("dflash.train:main", "train a DFlash draft for a target model"),
-    "export": ("dflash.cli:export_main", "dflash export vllm DRAFT OUT [--target T]: re-save a draft in the form "
+    "generate": ("dflash_apps.zlab_cli:generate_main", "z-lab's generate: dflash generate transformers --model M "
+                 "--draft D PROMPT (M, D local folders or 'smollm2')"),
+    "benchmark": ("dflash_apps.zlab_cli:benchmark_main", "z-lab's benchmark on prompt sets shipped in the package"),
+    "demo": ("dflash_apps.demo:main", "run the embedded SmolLM2-135M + DFlash draft demo (offline)"),
+    "train": ("dflash_apps.train:main", "train a DFlash draft for a target model"),
+    "export": ("dflash_apps.cli:export_main", "dflash export vllm DRAFT OUT [--target T]: re-save a draft in the form "
                "vLLM serves (a vocabulary subset as the draft's own lm_head rows + d2t)"),
 }
 
@@ -81,7 +81,7 @@ def export_main(argv: list[str]) -> int:
             parser.error(f"{args.draft} has a draft vocabulary subset ({draft.config.draft_vocab_size} ids): pass "
                          "--target (smollm2 or the target's model folder) so its LM head rows can be written")
         if args.target == "smollm2":
-            from dflash import smollm2
+            from dflash_apps import smollm2
 
             target, _ = smollm2.load(dtype=draft.fc.weight.dtype)
         else:

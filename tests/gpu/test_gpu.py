@@ -1,4 +1,5 @@
-"""GPU checks run by bench/gpu_check.sh (pytest; needs CUDA; not part of `pytest tests`).
+"""GPU checks at real shapes (marked ``gpu``: collected by ``pytest tests`` and skipped there without CUDA; run on
+a GPU by bench/gpu_check.sh).
 
   * every op's compiled backends (triton, ext) vs its reference at the real Qwen3-8B-DFlash-b16
     shapes (verify_attention, add_rms_norm, silu_mul: the Qwen3-8B target's), on CUDA, with the
@@ -9,7 +10,7 @@
     greedy output == the eager fast runtime == the reference runtime, and sampling graph == eager;
   * the kernel-backed draft step proposes what the reference draft proposes.
 
-Run: python -m pytest -q -rs bench/gpu_tests.py
+Run: python -m pytest -q -rs tests/gpu/test_gpu.py
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 for sub in ("bench", "tests/kernels", "tests/runtime"):
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
@@ -30,7 +31,8 @@ from functools import partial  # noqa: E402
 # DFLASH_GPU_TESTS_DEVICE=cpu dry-runs the logic on CPU (no graphs, torch/ext backends only).
 DEV = os.environ.get("DFLASH_GPU_TESTS_DEVICE", "cuda")
 GRAPHS = DEV == "cuda"
-pytestmark = pytest.mark.skipif(DEV == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(DEV == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 import dflash_kernels as dk  # noqa: E402
 from dflash_kernels._dispatch import backend_status  # noqa: E402

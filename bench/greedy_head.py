@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     from dflash_kernels.cpu import linear as cpu_linear
     from dflash.lean_target import LeanTarget
     from dflash_apps.train.prompts import eval_prompts
-    from dflash_kernels._triton_utils import argmax_cpu
+    from dflash_kernels.cpu.argmax import argmax_cpu
 
     if common.smollm2_unavailable("greedy_head.py"):
         return 1

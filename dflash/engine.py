@@ -26,8 +26,8 @@ write):
                attention: eight kernels per draft layer. A DFlash2 draft also convolves each request's block
                rows around attention and around the MLP (the kernel projections by the steps' GEMM, the four
                convolutions of a layer by ``grouped_dynamic_conv``) and proposes the
-               candidate selector's greedy walk from the anchor (``candidate_select``; on the "cpu" backend the
-               official module's walk, whose tie order is torch's CPU topk); sampling with one is left to the
+               candidate selector's greedy walk from the anchor (``candidate_select``; on a host-eager backend
+               the official module's walk, whose tie order is torch's CPU topk); sampling with one is left to the
                reference.
   verify step  lean target forward over [anchor, proposals] at positions[r] (verify_attention writes
                the block's K/V into the target cache; taps into a buffer), verify_greedy /
@@ -62,19 +62,11 @@ from dflash.reference import finite_tree_logits_
 from dflash.results import GenerateResult, device_clock
 from dflash.sampling import GREEDY_EPS, SamplingParams, sample
 from dflash_kernels import (
-    add_rms_norm, build_tree, candidate_select, commit_round, draft_attention, draft_round_setup, first_token_done,
-    fused_context, grouped_dynamic_conv, inject_context_kv, tree_accept_greedy, tree_accept_greedy_tokens,
-    tree_accept_sample, tree_ancestor_mask, tree_compact, verify_greedy, verify_greedy_tokens, verify_sample,
+    add_rms_norm, backend_traits, build_tree, candidate_select, commit_round, default_backend, draft_attention,
+    draft_round_setup, first_token_done, fused_context, grouped_dynamic_conv, inject_context_kv, tree_accept_greedy,
+    tree_accept_greedy_tokens, tree_accept_sample, tree_ancestor_mask, tree_compact, verify_greedy,
+    verify_greedy_tokens, verify_sample,
 )
-
-
-def default_kernel_backend(device: torch.device) -> str:
-    """``"auto"`` on GPU; on CPU the ops' eager CPU implementations (``"cpu"``: an op without one runs its
-    reference), never the Triton interpreter, which is for tests only; elsewhere (meta tensors: the traffic
-    accountant, which models the GPU steps) the references."""
-    if device.type == "cuda":
-        return "auto"
-    return "cpu" if device.type == "cpu" else "torch"
 
 
 def graph_mode_for(use_cuda_graphs, device: torch.device) -> str | None:
@@ -109,7 +101,8 @@ class DFlashEngine:
         self.prefill_chunk = prefill_chunk
         device = target_model.lm_head.weight.device
         self.device = device
-        self.backend = kernel_backend or default_kernel_backend(device)
+        self.backend = kernel_backend or default_backend(device)
+        self.traits = backend_traits(self.backend)  # the steps choose their paths by these, not by its name
         self.linear = linear_for(self.backend)
         # commit_round has no Triton kernel: with "triton" it takes the compiled op or its reference.
         self.commit_backend = "auto" if self.backend == "triton" else self.backend
@@ -246,12 +239,12 @@ class DFlashEngine:
 
     def _context_rows(self, features: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The draft's context rows ``hidden_norm(fc(features))`` of target feature rows ``[M, taps*H]``:
-        ``fused_context``; on the "cpu" backend its GEMM by the steps' ``linear`` (``cpu_linear``: AMX tiles for
-        bf16-valued weights), then ``add_rms_norm``, since the op's CPU path is its reference's fp32 GEMM (~0.9 ms
-        of a SmolLM2 draft step here, against ~0.2)."""
+        ``fused_context``; where the backend's own linear kernel beats the fused ops' GEMM (not ``fused_gemm``: the
+        CPU's ``cpu_linear``, whose fused_context path is its reference's fp32 GEMM, ~0.9 ms of a SmolLM2 draft step
+        against ~0.2), its GEMM by the steps' ``linear``, then ``add_rms_norm``."""
         draft = self.draft
         eps = draft.config.rms_norm_eps
-        if self.backend == "cpu":
+        if not self.traits.fused_gemm:
             return add_rms_norm(self.linear(features, draft.fc.weight), draft.hidden_norm.weight, eps, out=out,
                                 backend=self.backend)
         return fused_context(features, draft.fc.weight, draft.hidden_norm.weight, eps, out=out, backend=self.backend)
@@ -324,7 +317,7 @@ class DFlashEngine:
             if dflash2:
                 delta = grouped_dynamic_conv(delta, kernel, layer.mlp_conv.base_kernel[1], backend=self.backend)
         x = add_rms_norm(delta, draft.norm.weight, draft.norm.eps, residual=h, backend=self.backend)
-        if dflash2 and self.backend == "cpu":
+        if dflash2 and self.traits.host_eager:
             # The official walk itself: its candidates come in torch.topk(sorted=False) order, which the walk
             # depends on where scores tie (equal logits) and which only torch's CPU topk reproduces.
             self.proposals.copy_(draft.select_block(x, self.target_model.lm_head, self.anchor, linear=self.linear)[0])
@@ -346,9 +339,9 @@ class DFlashEngine:
         sample_args = dict(temperature=self.temperature, top_k=self.top_k if filtered else 0,
                            top_p=self.top_p if filtered else 1.0, seed=self.seed, offset=self.offset,
                            backend=self.backend)
-        # Greedy on the CPU: the target's LM head returns its argmax (cpu_linear.linear_argmax screens most of the
-        # vocabulary instead of computing it), acceptance on those tokens.
-        tokens_only = self.sampling.greedy and self.backend == "cpu"  # head: the logits, or their argmax
+        # Greedy with an argmax head (the CPU's cpu_linear.linear_argmax screens most of the vocabulary instead of
+        # computing it): the target's LM head returns its argmax, acceptance on those tokens.
+        tokens_only = self.sampling.greedy and self.traits.argmax_head  # head: the logits, or their argmax
         if self.tree_budget is None:
             block = torch.cat([self.anchor[:, None], self.proposals], dim=1)
             head, feats = self.target.forward(block, self.positions, self.kv_bound, argmax=tokens_only)

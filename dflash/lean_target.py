@@ -30,8 +30,7 @@ from dflash_kernels.cpu import linear as cpu_linear
 from dflash_kernels.cpu.forward import MAX_ROWS as NATIVE_MAX_ROWS, NativeForward
 from dflash.merged_linear import merged_weight, row_blocks
 from dflash.target import check_target
-from dflash_kernels import add_rms_norm, gate_up_silu, silu_mul, verify_attention
-from dflash_kernels._dispatch import unobserved_eager
+from dflash_kernels import add_rms_norm, gate_up_silu, silu_mul, unobserved_eager, verify_attention
 
 LEAN_MODEL_TYPES = ("llama", "qwen3")
 # Blocks of more rows (prefill chunks) take the attention reference on the Triton backend: the kernel's tile holds

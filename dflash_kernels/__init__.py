@@ -1,7 +1,8 @@
 """dflash_kernels: Triton and C++/CUDA kernels for DFlash speculative decoding.
 
 Every op has a pure-PyTorch reference (its definition), a Triton kernel and, where the
-extension provides one, a compiled op; the public function takes ``backend=``. Importing the
+extension provides one, a compiled op; the public function takes ``backend=``. The CPU wing
+(``dflash_kernels.cpu``) registers the ops' CPU bodies (backend ``"cpu"``) when the package is imported. Importing the
 package registers each op as ``torch.ops.dflash.<op>`` (a ``torch.library`` custom op with a fake
 kernel); the public functions validate and then make exactly one such call. The compiled extension
 (``torch.ops.dflash_ext.*``) is optional and loaded on first use, never here.
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from dflash_kernels._dispatch import BACKENDS, backend_status
+from dflash_kernels._dispatch import (
+    BACKENDS, BackendTraits, backend_status, backend_traits, default_backend, unobserved_eager,
+)
 
-__all__ = ["BACKENDS", "available_backends"]
+__all__ = ["BACKENDS", "BackendTraits", "available_backends", "backend_traits", "default_backend", "unobserved_eager"]
 
 
 def available_backends(device: str | torch.device = "cpu") -> dict[str, tuple[bool, str]]:
@@ -45,3 +48,9 @@ from dflash_kernels.tree import (  # noqa: E402
 
 __all__ += ["build_tree", "distinct_prefixes", "tree_ancestor_mask", "tree_accept_greedy", "tree_accept_greedy_tokens",
             "tree_accept_sample", "tree_compact"]
+
+# The CPU wing registers its op bodies and the "cpu" backend's traits (after the ops it implements).
+from dflash_kernels.cpu import (  # noqa: E402,F401
+    attention as _cpu_attention, backend as _cpu_backend, commit as _cpu_commit,
+    inject_context_kv as _cpu_inject_context_kv, layer_ops as _cpu_layer_ops, tree as _cpu_tree, verify as _cpu_verify,
+)

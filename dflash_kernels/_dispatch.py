@@ -5,15 +5,22 @@ backend that can run on the given tensors. ``DFLASH_KERNELS_BACKEND`` (auto|trit
 overrides the ``backend=`` argument of every op process-wide; like ``TRITON_INTERPRET`` it is read once, when
 ``dflash_kernels`` is imported.
 
-``"cpu"`` is the eager CPU path: an op's CPU implementation (the same definition as its reference, with
-the per-call Python work cut: batched over requests, one RoPE table per call) where it has one, else
-its reference, which is already what runs on a CPU. It runs on CPU tensors only.
+``"cpu"`` is the eager CPU path: an op's CPU body (the same definition as its reference, with the per-call
+Python work cut: batched over requests, one RoPE table per call; native kernels where they apply) where the CPU
+wing (``dflash_kernels.cpu``) registered one, else its reference, which is already what runs on a CPU. It runs
+on CPU tensors only.
+
+A backend's wing registers its bodies here (:func:`register`, keyed by op and backend) instead of each op
+branching on the backend: an op lists the backends it implements itself, the registered ones join them just
+before ``"torch"``, and the op's body runs ``registered(op, chosen)`` when there is one. The runtime reads what a
+backend offers its steps from :func:`backend_traits`, never from the backend's name.
 """
 from __future__ import annotations
 
 import functools
 import inspect
 import os
+from typing import Callable, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -48,10 +55,35 @@ _FORCED = os.environ.get(ENV_VAR)
 _resolved: dict[tuple, str] = {}
 
 
+# (op, backend) -> the body a backend's wing registered for the op: the op's arguments in schema order, the
+# backend left out; it returns what the op returns.
+_bodies: dict[tuple[str, str], Callable] = {}
+
+
+def register(op: str, backend: str):
+    """Decorator: the function is ``op``'s body on ``backend`` (a wing's implementation, e.g. the CPU wing's).
+    Registration happens when ``dflash_kernels`` is imported, before any backend is resolved."""
+    if backend not in BACKENDS or backend == "auto":
+        raise ValueError(f"register: backend={backend!r} is not one of {BACKENDS[1:]}")
+
+    def add(body: Callable) -> Callable:
+        if (op, backend) in _bodies:
+            raise ValueError(f"register: {op!r} already has a {backend!r} body ({_bodies[op, backend].__module__})")
+        _bodies[op, backend] = body
+        return body
+    return add
+
+
+def registered(op: str, backend: str) -> Callable | None:
+    """The body a wing registered for ``op`` on ``backend``, or None (the op runs its own code for it)."""
+    return _bodies.get((op, backend))
+
+
 def resolve_backend(op: str, backend: str, device: torch.device, available: tuple[str, ...]) -> str:
     """Return the backend ``op`` will run with.
 
-    ``available`` lists the backends the op implements, fastest first (``"torch"`` last).
+    ``available`` lists the backends the op implements itself, fastest first (``"torch"`` last); the backends
+    with a registered body for ``op`` join them just before ``"torch"``.
     """
     key = (op, backend, device.type, available)
     chosen = _resolved.get(key)
@@ -61,6 +93,8 @@ def resolve_backend(op: str, backend: str, device: torch.device, available: tupl
 
 
 def _resolve(op: str, backend: str, device: torch.device, available: tuple[str, ...]) -> str:
+    wings = tuple(b for b in BACKENDS if (op, b) in _bodies and b not in available)
+    available = available[:-1] + wings + available[-1:]  # the registered ones before "torch"
     forced = _FORCED
     if forced:
         if forced not in BACKENDS:
@@ -78,8 +112,49 @@ def _resolve(op: str, backend: str, device: torch.device, available: tuple[str, 
     ok, why = backend_status(backend, device)
     if not ok:
         raise RuntimeError(f"{op}: backend={backend!r} cannot run on {device.type} tensors: {why}")
-    # "cpu" on an op without a separate CPU implementation: its reference is that op's CPU path.
+    # "cpu" on an op without a CPU body: its reference is that op's CPU path.
     return backend if backend in available else "torch"
+
+
+class BackendTraits(NamedTuple):
+    """What a kernel backend offers the runtime's steps, so that they pick their path by capability, not by the
+    backend's name."""
+    # The ops that fuse a GEMM with its epilogue (fused_context, gate_up_silu) are the fast path. False: the
+    # backend's own linear kernel is faster than those ops' GEMM; run it, then the epilogue op (add_rms_norm,
+    # silu_mul).
+    fused_gemm: bool = True
+    # The LM head can return its argmax without computing most logits, so greedy acceptance takes tokens.
+    argmax_head: bool = False
+    # The steps run eagerly on host tensors: reading a value there is free, and torch's CPU ops (their tie
+    # orders) are the ones the reference modules compute with.
+    host_eager: bool = False
+
+
+# backend -> the traits its wing registered; a backend without an entry has the defaults.
+_traits: dict[str, BackendTraits] = {}
+
+
+def register_traits(backend: str, traits: BackendTraits) -> None:
+    """Declare what ``backend`` (its wing, at import) offers the runtime's steps."""
+    if backend not in BACKENDS:
+        raise ValueError(f"register_traits: backend={backend!r} is not one of {BACKENDS}")
+    _traits[backend] = traits
+
+
+def backend_traits(backend: str) -> BackendTraits:
+    """What the kernel backend ``backend`` (as a model's steps pass it to every op) offers those steps."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend_traits: backend={backend!r} is not one of {BACKENDS}")
+    return _traits.get(backend, BackendTraits())
+
+
+def default_backend(device: torch.device) -> str:
+    """The kernel backend a model's steps take on ``device``: ``"auto"`` on GPU; on CPU the ops' eager CPU bodies
+    (``"cpu"``), never the Triton interpreter, which is for tests only; elsewhere (meta tensors: the traffic
+    accountant, which models the GPU steps) the references."""
+    if device.type == "cuda":
+        return "auto"
+    return "cpu" if device.type == "cpu" else "torch"
 
 
 def backend_status(backend: str, device: torch.device) -> tuple[bool, str]:
@@ -104,7 +179,7 @@ def lean_version_bump(op) -> None:
     Eager calls of a mutating custom op pass through that kernel, which bumps the version counters of the
     written arguments. torch's (``torch/_library/custom_ops.py``) first calls ``fill_defaults``, which rebuilds
     the schema's argument list for every argument: quadratic in the argument count, about 140 us of a
-    ``verify_attention`` call (17 arguments) on the project's CPU, against 140 us for the attention itself.
+    ``verify_attention`` call (17 arguments) on a 2-core CPU, against 140 us for the attention itself.
     This kernel does the same work (bump the written tensors, found once from the schema; redispatch past the
     key with torch's own keyset) without that. Under ``torch.compile`` and FakeTensor nothing changes.
     """
@@ -171,7 +246,7 @@ def call_op(op, *args, device: torch.device, checked: bool = False):
 
     On CPU tensors with nothing watching (:func:`unobserved_eager`) the op's Python body runs directly: the
     dispatcher's round trip (schema parsing, the ADInplaceOrView kernel of a mutating op, the Python kernel
-    call) costs 20-70 us per call on the project's CPU, against 8-130 us of work for the ~120 op calls of a
+    call) costs 20-70 us per call on a 2-core CPU, against 8-130 us of work for the ~120 op calls of a
     SmolLM2 decoding step. Everywhere else (GPU, capture, compile, fake tensors) the call goes through
     ``torch.ops.dflash``, so those see one op as before.
 

@@ -18,16 +18,6 @@ def next_pow2(x: int) -> int:
     return triton.next_power_of_2(max(1, int(x)))
 
 
-def argmax_cpu(x: torch.Tensor) -> torch.Tensor:
-    """``torch.argmax(x, dim=-1)`` of a CPU tensor, computed by NumPy: the same rule (first index among ties, the
-    first NaN counts as the maximum; bf16 compared through an exact fp32 copy), but a vectorised scan. torch's CPU
-    argmax over 8 rows of a 49,152-token vocabulary took ~1 ms on one thread of the project's CPU (NumPy: 40 us),
-    and with two threads on a busy machine each of its parallel regions can cost a scheduler quantum (8 ms)."""
-    if x.dtype == torch.bfloat16:
-        x = x.float()
-    return torch.as_tensor(x.detach().numpy().argmax(-1), dtype=torch.int64)  # a 1-D x gives a NumPy scalar
-
-
 def check_tensor(op: str, name: str, t, *, ndim=None, dtypes=None, device=None) -> None:
     """Raise TypeError/ValueError naming ``name`` before any work is done."""
     if not isinstance(t, torch.Tensor):
@@ -60,7 +50,7 @@ def check_index_values(op: str, name: str, t, low: int, high: int | None = None,
     end) and the Triton interpreter use them as addresses; on a GPU the kernels read them (no host sync)."""
     if t is None or t.device.type != "cpu" or t.numel() == 0:
         return
-    if t.numel() <= 256:  # a list's min and max: ~1 us here, against ~5 us for torch.aminmax
+    if t.numel() <= 256:  # a list's min and max: ~1 us, against ~5 us for torch.aminmax
         values = t.reshape(-1).tolist()
         lo, hi = min(values), max(values)
     else:

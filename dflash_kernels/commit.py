@@ -42,14 +42,14 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_kernels._dispatch import call_op, checked_by, resolve_backend
+from dflash_kernels._dispatch import call_op, checked_by, registered, resolve_backend
 from dflash_kernels._triton_utils import check_tensor, next_pow2
 
 __all__ = ["commit_round", "commit_round_reference", "CommitRoundInputError", "draft_round_setup",
            "draft_round_setup_reference", "first_token_done"]
 
 _OP = "commit_round"
-_BACKENDS = ("ext", "cpu", "torch")  # "cpu": the extension's CPU kernel if built, else the reference
+_BACKENDS = ("ext", "torch")  # and the wings' registered bodies (dflash_kernels.cpu)
 
 
 class CommitRoundInputError(RuntimeError, ValueError, TypeError):
@@ -233,19 +233,23 @@ def _commit_round_op(draft_tokens: torch.Tensor, accepted: torch.Tensor, bonus: 
     """``torch.ops.dflash.commit_round``: :func:`commit_round` after its shape and dtype checks (no value checks
     here: every backend finishes a request with values out of range untouched)."""
     chosen = resolve_backend(_OP, backend, draft_tokens.device, available=_BACKENDS)
-    if chosen == "cpu":  # the extension's CPU kernel where it is built (~70 us vs ~250 us), else the reference
-        from dflash_kernels import _ext
+    body = registered(_OP, chosen)
+    if body is not None:
+        return body(draft_tokens, accepted, bonus, out_tokens, lengths, positions, anchor, done, max_lengths,
+                    stop_tokens)
+    run = commit_round_ext if chosen == "ext" else commit_round_reference
+    return run(draft_tokens, accepted, bonus, out_tokens, lengths, positions, anchor, done, max_lengths, stop_tokens)
 
-        chosen = "ext" if _ext.status(draft_tokens.device)[0] else "torch"
-    if chosen == "ext":
-        from dflash_kernels import _ext
 
-        if stop_tokens is None:
-            stop_tokens = torch.empty(0, dtype=torch.int64, device=draft_tokens.device)
-        return _ext.commit_round(draft_tokens, accepted, bonus, stop_tokens, max_lengths,
-                                 out_tokens, lengths, positions, anchor, done)
-    return commit_round_reference(draft_tokens, accepted, bonus, out_tokens, lengths, positions,
-                                  anchor, done, max_lengths, stop_tokens)
+def commit_round_ext(draft_tokens, accepted, bonus, out_tokens, lengths, positions, anchor, done, max_lengths,
+                     stop_tokens) -> torch.Tensor:
+    """``commit_round`` by the compiled extension's op (its C++ kernel on CPU, its CUDA kernel on GPU)."""
+    from dflash_kernels import _ext
+
+    if stop_tokens is None:
+        stop_tokens = torch.empty(0, dtype=torch.int64, device=draft_tokens.device)
+    return _ext.commit_round(draft_tokens, accepted, bonus, stop_tokens, max_lengths,
+                             out_tokens, lengths, positions, anchor, done)
 
 
 @_commit_round_op.register_fake

@@ -7,17 +7,16 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_kernels.cpu import native as cpu_native
-from dflash_kernels._dispatch import call_op, checked_by, resolve_backend
+from dflash_kernels._dispatch import call_op, checked_by, registered, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_cache_index_values, check_cache_pair, check_index_values, check_last_dim_contiguous,
     check_tensor, next_pow2, norm_rope_halves, page_table, rms_norm_reference, rope_cos_sin, rope_cos_sin_reference,
     rotate_half,
 )
-from dflash_kernels.draft_attention import rope_tables_cpu, write_cache_rows_reference
+from dflash_kernels.draft_attention import write_cache_rows_reference
 
 OP = "inject_context_kv"
-_BACKENDS = ("triton", "cpu", "torch")
+_BACKENDS = ("triton", "torch")  # and the wings' registered bodies (dflash_kernels.cpu)
 
 
 def _validate(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq, block_table, cache_batch_idx,
@@ -93,23 +92,6 @@ def inject_context_kv_reference(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_
     placed = t < capacity if slot_mapping is None else slot_mapping >= 0
     write_cache_rows_reference(k_cache, v_cache, req, t, (rows < cu[-1]) & placed, kk, v, block_table,
                                cache_batch_idx, slot_mapping)
-
-
-def _inject_cpu(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq, attention_scaling, eps,
-                block_table, cache_batch_idx) -> bool:
-    """The ``"cpu"`` backend: ``cpu_native.inject_context_kv`` (the rows' RoPE tables from ``rope_tables_cpu``,
-    shared with the draft step's attention) for fp32 rows into a contiguous cache; False where it does not apply
-    (the reference then runs)."""
-    if block_table is not None:
-        return False
-    cu = cu_ctx_lens.tolist()
-    counts = [b - a for a, b in zip(cu, cu[1:])]
-    if not counts or min(counts) < 0 or cu[0] != 0:
-        return False
-    lens = cache_lens.tolist()
-    rows = cache_batch_idx.tolist() if cache_batch_idx is not None else None
-    cos, sin_signed = rope_tables_cpu(lens, counts, inv_freq, attention_scaling, torch.float32)
-    return cpu_native.inject_context_kv(k, v, k_norm_weight, eps, cu, lens, rows, cos, sin_signed, k_cache, v_cache)
 
 
 @triton.jit
@@ -242,11 +224,12 @@ def _inject_context_kv_op(k: torch.Tensor, v: torch.Tensor, k_norm_weight: torch
                           slot_mapping: Optional[torch.Tensor], backend: str) -> None:
     """``torch.ops.dflash.inject_context_kv``: :func:`inject_context_kv` after validation (writes k_cache, v_cache)."""
     chosen = resolve_backend(OP, backend, k.device, available=_BACKENDS)
-    if chosen == "cpu" and slot_mapping is None and _inject_cpu(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache,
-                                                                v_cache, inv_freq, attention_scaling, eps, block_table,
-                                                                cache_batch_idx):
+    body = registered(OP, chosen)
+    if body is not None:
+        body(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq, attention_scaling, eps,
+             block_table, cache_batch_idx, slot_mapping)
         return
-    if chosen in ("torch", "cpu"):
+    if chosen == "torch":
         inject_context_kv_reference(k, v, k_norm_weight, cu_ctx_lens, cache_lens, k_cache, v_cache, inv_freq=inv_freq,
                                     attention_scaling=attention_scaling, eps=eps, block_table=block_table,
                                     cache_batch_idx=cache_batch_idx, slot_mapping=slot_mapping)

@@ -22,13 +22,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dflash_kernels.cpu import native as cpu_native
-from dflash_kernels._dispatch import call_op, checked_by, lean_version_bump, resolve_backend
+from dflash_kernels._dispatch import call_op, checked_by, lean_version_bump, registered, resolve_backend
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, rms_norm_reference,
 )
 
-_BACKENDS = ("triton", "cpu", "torch")
+_BACKENDS = ("triton", "torch")  # and the wings' registered bodies (dflash_kernels.cpu)
 
 
 @triton.jit
@@ -57,16 +56,6 @@ def add_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1
     if residual is not None:
         x = residual.add_(x)
     return rms_norm_reference(x, weight, eps)
-
-
-def _add_rms_norm_cpu(x, weight, eps, residual, out) -> None:
-    """The ``"cpu"`` backend: ``cpu_native.add_rms_norm`` for fp32 rows, else the reference's rounding steps with
-    torch's fused RMSNorm (fp32 statistics, the normalised value rounded to the dtype, then the weight multiply,
-    written into ``out``): fewer ops per call."""
-    if cpu_native.add_rms_norm(x, weight, eps, residual, out):
-        return
-    s = x if residual is None else residual.add_(x)
-    torch.mul(weight.to(s.dtype), F.rms_norm(s, (s.shape[-1],), eps=eps), out=out)
 
 
 @triton.jit
@@ -168,11 +157,12 @@ def _add_rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
                      out: torch.Tensor, backend: str) -> None:
     """``torch.ops.dflash.add_rms_norm``: :func:`add_rms_norm` after validation (writes residual and out)."""
     chosen = resolve_backend(ADD_RMS_NORM, backend, x.device, available=_BACKENDS)
+    body = registered(ADD_RMS_NORM, chosen)
+    if body is not None:
+        body(x, weight, eps, residual, out)
+        return
     if chosen == "torch":
         out.copy_(add_rms_norm_reference(x, weight, eps, residual=residual))
-        return
-    if chosen == "cpu":
-        _add_rms_norm_cpu(x, weight, eps, residual, out)
         return
     _add_rms_norm_triton(x, weight, eps, residual, out)
 
@@ -255,11 +245,10 @@ def _check_silu_mul(gate_up, backend):
 def _silu_mul_op(gate_up: torch.Tensor, backend: str) -> torch.Tensor:
     """``torch.ops.dflash.silu_mul``: :func:`silu_mul` after validation."""
     chosen = resolve_backend(SILU_MUL, backend, gate_up.device, available=_BACKENDS)
-    if chosen == "cpu":
-        out = gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
-        if cpu_native.silu_mul(gate_up, out):
-            return out
-    if chosen in ("torch", "cpu"):
+    body = registered(SILU_MUL, chosen)
+    if body is not None:
+        return body(gate_up)
+    if chosen == "torch":
         return silu_mul_reference(gate_up).contiguous()
     return _silu_mul_triton(gate_up)
 

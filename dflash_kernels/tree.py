@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 
 from dflash_kernels.cpu import native as cpu_native
-from dflash_kernels._dispatch import call_op, checked_by, resolve_backend
+from dflash_kernels._dispatch import call_op, checked_by, registered, resolve_backend
 from dflash_kernels._triton_utils import (
-    FLOAT_DTYPES, argmax_cpu, check_last_dim_contiguous, check_tensor, interpreting, next_pow2,
+    FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2,
 )
 from dflash_kernels.verify import (
     _argmax_partial_kernel, _filter_threshold, _merge_argmax, _rng_for, _rows_per_program, _sample_partial_kernel,
@@ -32,10 +32,7 @@ from dflash_kernels.verify import (
 )
 
 _INDEX_DTYPES = (torch.int64,)
-_BACKENDS = ("triton", "torch")
-# "cpu": build_tree, tree_ancestor_mask, tree_accept_greedy_tokens' walk and tree_compact in C (cpu_native),
-# tree_accept_greedy's argmax by NumPy
-_HOST_BACKENDS = ("triton", "cpu", "torch")
+_BACKENDS = ("triton", "torch")  # and the wings' registered bodies (dflash_kernels.cpu)
 MASK_WORD_BITS = 64
 
 
@@ -298,7 +295,7 @@ def build_tree(draft_logits: torch.Tensor, anchor: torch.Tensor, budget: int, *,
         ``(tree_tokens, tree_parents, tree_depths)``, int64 ``[R, T]`` each, nodes in selection order (best
         first; node 0 the root). Scores, order and tie rule: :func:`build_tree_reference`.
     """
-    chosen = resolve_backend("build_tree", backend, draft_logits.device, available=_HOST_BACKENDS)
+    chosen = resolve_backend("build_tree", backend, draft_logits.device, available=_BACKENDS)
     return call_op(_build_tree_op, draft_logits, anchor, budget, vocab_ids, chosen, device=draft_logits.device)
 
 
@@ -312,12 +309,11 @@ def _check_build(draft_logits, anchor, budget, vocab_ids, backend):
 def _build_tree_op(draft_logits: torch.Tensor, anchor: torch.Tensor, budget: int, vocab_ids: Optional[torch.Tensor],
                    backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.dflash.build_tree``: :func:`build_tree` after validation."""
-    chosen = resolve_backend("build_tree", backend, draft_logits.device, available=_HOST_BACKENDS)
-    if chosen == "cpu":
-        trees = cpu_native.build_tree(draft_logits, draft_log_normalizer(draft_logits), anchor, budget, vocab_ids)
-        if trees is not None:
-            return trees
-    if chosen != "triton":
+    chosen = resolve_backend("build_tree", backend, draft_logits.device, available=_BACKENDS)
+    body = registered("build_tree", chosen)
+    if body is not None:
+        return body(draft_logits, anchor, budget, vocab_ids)
+    if chosen == "torch":
         return build_tree_reference(draft_logits, anchor, budget, vocab_ids=vocab_ids)
     return _build_tree_triton(draft_logits, anchor, budget, vocab_ids)
 
@@ -389,7 +385,7 @@ def tree_ancestor_mask(tree_parents: torch.Tensor, *, backend: str = "auto") -> 
         ``[R, T, ceil(T / 64)]`` int64: bit ``j % 64`` of word ``j // 64`` of row i is set iff node j is node i
         or an ancestor of it.
     """
-    chosen = resolve_backend("tree_ancestor_mask", backend, tree_parents.device, available=_HOST_BACKENDS)
+    chosen = resolve_backend("tree_ancestor_mask", backend, tree_parents.device, available=_BACKENDS)
     return call_op(_tree_ancestor_mask_op, tree_parents, chosen, device=tree_parents.device)
 
 
@@ -410,15 +406,14 @@ def _check_ancestor_mask(tree_parents, backend):
 @checked_by(_check_ancestor_mask)
 def _tree_ancestor_mask_op(tree_parents: torch.Tensor, backend: str) -> torch.Tensor:
     """``torch.ops.dflash.tree_ancestor_mask``: :func:`tree_ancestor_mask` after validation."""
-    chosen = resolve_backend("tree_ancestor_mask", backend, tree_parents.device, available=_HOST_BACKENDS)
+    chosen = resolve_backend("tree_ancestor_mask", backend, tree_parents.device, available=_BACKENDS)
+    body = registered("tree_ancestor_mask", chosen)
+    if body is not None:
+        return body(tree_parents)
+    if chosen == "torch":
+        return tree_ancestor_mask_reference(tree_parents)
     r, t = tree_parents.shape
     words = mask_words(t)
-    if chosen == "cpu":
-        mask = cpu_native.tree_ancestor_mask(tree_parents, words)
-        if mask is not None:
-            return mask
-    if chosen != "triton":
-        return tree_ancestor_mask_reference(tree_parents)
     mask = torch.empty((r, t, words), dtype=torch.int64, device=tree_parents.device)
     if r:
         _ancestor_mask_kernel[(r,)](par_ptr=tree_parents, mask_ptr=mask, T=t, W=words,
@@ -603,7 +598,7 @@ def tree_accept_greedy(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_par
         path (``path[r, 0] = 0``; -1 after ``accepted[r]``), ``accepted`` the accepted non-root nodes, ``bonus``
         the target's token after the path.
     """
-    chosen = resolve_backend("tree_accept_greedy", backend, logits.device, available=_HOST_BACKENDS)
+    chosen = resolve_backend("tree_accept_greedy", backend, logits.device, available=_BACKENDS)
     return call_op(_tree_accept_greedy_op, logits, tree_tokens, tree_parents, block_size, chosen, device=logits.device)
 
 
@@ -617,12 +612,12 @@ def _check_accept_greedy(logits, tree_tokens, tree_parents, block_size, backend)
 def _tree_accept_greedy_op(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_parents: torch.Tensor,
                            block_size: int, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.dflash.tree_accept_greedy``: :func:`tree_accept_greedy` after validation."""
-    chosen = resolve_backend("tree_accept_greedy", backend, logits.device, available=_HOST_BACKENDS)
+    chosen = resolve_backend("tree_accept_greedy", backend, logits.device, available=_BACKENDS)
+    body = registered("tree_accept_greedy", chosen)
+    if body is not None:
+        return body(logits, tree_tokens, tree_parents, block_size)
     if chosen == "torch":
         return tree_accept_greedy_reference(logits, tree_tokens, tree_parents, block_size=block_size)
-    if chosen == "cpu":
-        return _walk_reference(lambda req, node: int(argmax_cpu(logits[req, node])), tree_tokens, tree_parents,
-                               block_size)
     return _tree_accept_greedy_triton(logits, tree_tokens, tree_parents, block_size)
 
 
@@ -647,7 +642,7 @@ def tree_accept_greedy_tokens(target_tokens: torch.Tensor, tree_tokens: torch.Te
     Returns:
         ``(path [R, B], accepted [R], bonus [R])``: :func:`tree_accept_greedy`'s for logits with these argmaxes.
     """
-    chosen = resolve_backend("tree_accept_greedy_tokens", backend, target_tokens.device, available=_HOST_BACKENDS)
+    chosen = resolve_backend("tree_accept_greedy_tokens", backend, target_tokens.device, available=_BACKENDS)
     return call_op(_tree_accept_greedy_tokens_op, target_tokens, tree_tokens, tree_parents, block_size, chosen,
                    device=target_tokens.device)
 
@@ -668,12 +663,11 @@ def _check_accept_greedy_tokens(target_tokens, tree_tokens, tree_parents, block_
 def _tree_accept_greedy_tokens_op(target_tokens: torch.Tensor, tree_tokens: torch.Tensor, tree_parents: torch.Tensor,
                                   block_size: int, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.dflash.tree_accept_greedy_tokens``: :func:`tree_accept_greedy_tokens` after validation."""
-    chosen = resolve_backend("tree_accept_greedy_tokens", backend, target_tokens.device, available=_HOST_BACKENDS)
-    if chosen == "cpu":
-        walked = cpu_native.tree_walk_tokens(target_tokens, tree_tokens, tree_parents, block_size)
-        if walked is not None:
-            return walked
-    if chosen != "triton":
+    chosen = resolve_backend("tree_accept_greedy_tokens", backend, target_tokens.device, available=_BACKENDS)
+    body = registered("tree_accept_greedy_tokens", chosen)
+    if body is not None:
+        return body(target_tokens, tree_tokens, tree_parents, block_size)
+    if chosen == "torch":
         return tree_accept_greedy_tokens_reference(target_tokens, tree_tokens, tree_parents, block_size=block_size)
     rows = target_tokens.numel()  # the tokens as argmax partials of one split (a token's partial is never NaN)
     pidx = target_tokens.reshape(rows, 1).to(torch.int32)
@@ -874,7 +868,7 @@ def tree_compact(k_cache: torch.Tensor, v_cache: torch.Tensor, path: torch.Tenso
         backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"``: the moves by ``memcpy`` in C for a walk's
             path on contiguous caches, else the reference).
     """
-    chosen = resolve_backend("tree_compact", backend, k_cache.device, available=_HOST_BACKENDS)
+    chosen = resolve_backend("tree_compact", backend, k_cache.device, available=_BACKENDS)
     call_op(_tree_compact_op, k_cache, v_cache, path, accepted, start, cache_batch_idx, chosen, device=k_cache.device)
 
 
@@ -895,10 +889,12 @@ def _check_compact(k_cache, v_cache, path, accepted, start, cache_batch_idx, bac
 def _tree_compact_op(k_cache: torch.Tensor, v_cache: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor,
                      start: torch.Tensor, cache_batch_idx: Optional[torch.Tensor], backend: str) -> None:
     """``torch.ops.dflash.tree_compact``: :func:`tree_compact` after validation (writes k_cache, v_cache)."""
-    chosen = resolve_backend("tree_compact", backend, k_cache.device, available=_HOST_BACKENDS)
-    if chosen == "cpu" and cpu_native.tree_compact(k_cache, v_cache, path, accepted, start, cache_batch_idx):
+    chosen = resolve_backend("tree_compact", backend, k_cache.device, available=_BACKENDS)
+    body = registered("tree_compact", chosen)
+    if body is not None:
+        body(k_cache, v_cache, path, accepted, start, cache_batch_idx)
         return
-    if chosen != "triton":
+    if chosen == "torch":
         tree_compact_reference(k_cache, v_cache, path, accepted, start, cache_batch_idx=cache_batch_idx)
         return
     layers, _, rows, kvh, d = k_cache.shape

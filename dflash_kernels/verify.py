@@ -13,14 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_kernels._dispatch import call_op, checked_by, resolve_backend
+from dflash_kernels._dispatch import call_op, checked_by, registered, resolve_backend
 from dflash_kernels._triton_utils import (
-    FLOAT_DTYPES, argmax_cpu, as_index_tensor, check_tensor, interpreting, next_pow2,
+    FLOAT_DTYPES, as_index_tensor, check_tensor, interpreting, next_pow2,
 )
 
 _BIG = 2**31 - 1
-_GREEDY_BACKENDS = ("ext", "triton", "cpu", "torch")
-_TOKENS_BACKENDS = ("triton", "cpu", "torch")  # "cpu": the reference's few integer ops
+# Each op's own backends; the wings' registered bodies (dflash_kernels.cpu) join them.
+_GREEDY_BACKENDS = ("ext", "triton", "torch")
+_TOKENS_BACKENDS = ("triton", "torch")
 _SAMPLE_BACKENDS = ("triton", "torch")
 
 
@@ -216,14 +217,15 @@ def _verify_greedy_op(logits: torch.Tensor, draft_tokens: torch.Tensor, backend:
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.dflash.verify_greedy``: :func:`verify_greedy` after validation (``backend`` may be "auto")."""
     chosen = resolve_backend("verify_greedy", backend, logits.device, available=_GREEDY_BACKENDS)
+    body = registered("verify_greedy", chosen)
+    if body is not None:
+        return body(logits, draft_tokens)
     if chosen == "ext":
         from dflash_kernels import _ext
 
         return _ext.verify_greedy(logits, draft_tokens)
     if chosen == "torch":
         return verify_greedy_reference(logits, draft_tokens)
-    if chosen == "cpu":
-        return _accept_greedy(argmax_cpu(logits), draft_tokens)
     return _verify_greedy_triton(logits, draft_tokens)
 
 

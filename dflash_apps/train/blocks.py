@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from dflash.engine import default_kernel_backend
+from dflash_kernels import default_backend as default_kernel_backend
 from dflash_kernels.tree import build_tree, tree_accept_greedy_tokens
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}

@@ -29,7 +29,7 @@ import torch
 from dflash_kernels.cpu import linear as cpu_linear
 from dflash_kernels.cpu import native as cpu_native
 from dflash_kernels._dispatch import unobserved_eager
-from dflash_kernels.draft_attention import rope_tables_cpu
+from dflash_kernels.cpu.rope import rope_tables_cpu
 
 ENV = "DFLASH_NATIVE_FORWARD"
 MAX_ROWS = 64

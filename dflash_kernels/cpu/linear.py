@@ -73,7 +73,7 @@ import torch.nn.functional as F
 
 from dflash_kernels.cpu import native as cpu_native
 from dflash_kernels._dispatch import unobserved_eager
-from dflash_kernels._triton_utils import argmax_cpu
+from dflash_kernels.cpu.argmax import argmax_cpu
 
 MIN_ROWS = 2
 MAX_ROWS = 16

@@ -190,15 +190,18 @@ def test_opcheck(backend):
 
 
 def test_cpu_backend_resolution():
-    """"cpu": an op's CPU implementation, else its reference (the op's CPU path); CPU tensors only; "auto" on
-    CPU tensors takes it unless the Triton interpreter is on."""
-    from dflash_kernels._dispatch import resolve_backend
+    """"cpu": the CPU body the wing registered for the op, else its reference (the op's CPU path); CPU tensors
+    only; "auto" on CPU tensors takes it unless the Triton interpreter is on. The op lists only its own backends:
+    a registered body is what makes "cpu" resolve to "cpu"."""
+    from dflash_kernels._dispatch import registered, resolve_backend
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_backend("add_rms_norm", "cpu", cpu, ("triton", "cpu", "torch")) == "cpu"
-    assert resolve_backend("silu_mul", "cpu", cpu, ("triton", "torch")) == "torch"
+    assert registered("add_rms_norm", "cpu") is not None
+    assert resolve_backend("add_rms_norm", "cpu", cpu, ("triton", "torch")) == "cpu"
+    assert registered("an_op_without_a_cpu_body", "cpu") is None
+    assert resolve_backend("an_op_without_a_cpu_body", "cpu", cpu, ("triton", "torch")) == "torch"
     with pytest.raises(RuntimeError, match="need CPU tensors"):
-        resolve_backend("silu_mul", "cpu", cuda, ("triton", "torch"))
+        resolve_backend("an_op_without_a_cpu_body", "cpu", cuda, ("triton", "torch"))
     with pytest.raises(RuntimeError, match="need CPU tensors"):
-        resolve_backend("add_rms_norm", "cpu", cuda, ("triton", "cpu", "torch"))
-    auto = resolve_backend("add_rms_norm", "auto", cpu, ("triton", "cpu", "torch"))
+        resolve_backend("add_rms_norm", "cpu", cuda, ("triton", "torch"))
+    auto = resolve_backend("add_rms_norm", "auto", cpu, ("triton", "torch"))
     assert auto == ("triton" if os.environ.get("TRITON_INTERPRET") == "1" else "cpu")

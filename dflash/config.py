@@ -13,6 +13,7 @@ import os
 from typing import Any, Sequence
 
 from dflash import speculators
+from dflash_kernels.rope import rope_parameters
 
 CONFIG_NAME = "config.json"
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
@@ -305,7 +306,7 @@ class DFlashConfig:
             if "sliding_attention" not in (values["layer_types"] or []):
                 values["sliding_window"] = None
         values["dflash2"] = dflash2
-        values["rope_parameters"] = _resolve_rope(raw)
+        values["rope_parameters"] = rope_parameters(raw)
         values["extra"] = {"dflash_config": dflash_cfg, **raw} if dflash_cfg else raw
         try:
             return cls(**values)
@@ -377,20 +378,3 @@ def _pop_dflash2(raw: dict[str, Any], dflash_cfg: dict[str, Any], source: str) -
         raise ValueError(f"{source}: a {DFLASH2_ARCHITECTURE} config needs dflash_config keys {list(DFLASH2_KEYS)}; "
                          f"missing {absent}")
     return DFlash2Settings(**values)
-
-
-def _resolve_rope(raw: dict[str, Any]) -> dict[str, Any]:
-    """``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (4.x)."""
-    params = raw.pop("rope_parameters", None)
-    theta = raw.pop("rope_theta", None)
-    scaling = raw.pop("rope_scaling", None)
-    if params is None:
-        params = dict(scaling or {})
-        if "type" in params and "rope_type" not in params:
-            params["rope_type"] = params.pop("type")
-    else:
-        params = dict(params)
-    params.setdefault("rope_type", "default")
-    if "rope_theta" not in params:
-        params["rope_theta"] = float(theta) if theta is not None else 10000.0
-    return params

@@ -19,6 +19,7 @@ from torch import nn
 
 from dflash import speculators
 from dflash.config import CONFIG_NAME, DRAFT_TOKEN_IDS, DFlashConfig, read_config_json
+from dflash_kernels.rope import rope_inv_freq as kernel_rope_inv_freq
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -46,28 +47,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: DFlashConfig) -> tuple[torch.Tensor, float]:
-    """``(inv_freq [D/2] fp32, attention_scaling)`` for the config's rope type, computed by
-    transformers' own initialisers so every scaling type (linear, llama3, yarn, ...) matches it."""
-    from transformers import Qwen3Config
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    params = dict(config.rope_parameters)
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
-        base = float(params["rope_theta"])
-        dim = config.head_dim
-        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)), 1.0
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"config: rope_type {rope_type!r} is not supported; known: {sorted(ROPE_INIT_FUNCTIONS)}")
-    hf_config = Qwen3Config(
-        hidden_size=config.hidden_size,
-        num_attention_heads=config.num_attention_heads,
-        head_dim=config.head_dim,
-        max_position_embeddings=config.max_position_embeddings,
-        rope_parameters=params,
-    )
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
-    return inv_freq.float(), float(scaling)
+    """``(inv_freq [D/2] fp32, attention_scaling)`` of the config's RoPE (:func:`dflash_kernels.rope.rope_inv_freq`)."""
+    return kernel_rope_inv_freq(config.rope_parameters, head_dim=config.head_dim, hidden_size=config.hidden_size,
+                                num_attention_heads=config.num_attention_heads,
+                                max_position_embeddings=config.max_position_embeddings)
 
 
 class RotaryEmbedding(nn.Module):

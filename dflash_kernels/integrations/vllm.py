@@ -90,9 +90,8 @@ def draft_model_class():
     importing this module needs no vLLM)."""
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 
-    from dflash.config import DFlashConfig
-    from dflash.draft import rope_inv_freq
     from dflash_kernels import add_rms_norm, inject_context_kv
+    from dflash_kernels.rope import rope_inv_freq, rope_parameters
 
     class DFlashKernelsDraftModel(DFlashQwen3ForCausalLM):
         """vLLM's DFlash Qwen3 draft with :func:`dflash_kernels.inject_context_kv` writing its context K/V."""
@@ -109,7 +108,11 @@ def draft_model_class():
         @functools.cached_property
         def rope(self) -> tuple[torch.Tensor, float]:
             """(inv_freq, attention_scaling) of the draft's RoPE, by this library's rule."""
-            return rope_inv_freq(DFlashConfig.from_dict(self.config.to_dict(), source="vLLM draft config"))
+            cfg = self.config.to_dict()
+            heads = cfg["num_attention_heads"]
+            return rope_inv_freq(rope_parameters(cfg), head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                                 hidden_size=cfg["hidden_size"], num_attention_heads=heads,
+                                 max_position_embeddings=cfg["max_position_embeddings"])
 
         def precompute_and_store_context_kv(self, context_states, context_positions, context_slot_mapping=None):
             if not self.our_path_applies(context_states, context_slot_mapping):

@@ -95,15 +95,15 @@ class NativeForward:
 
     @staticmethod
     def _kernel_args(blocks) -> tuple | None:
-        """``dflash_amx_linear3``'s (tiles, rows, bias) arguments of its three blocks (none past the given ones), or
-        None if a block's weight is not bf16-exact (no tiles)."""
-        args: list = []
+        """``amx_linear``'s (tiles, rows, biases) arguments of a projection's blocks, or None if a block's weight
+        is not bf16-exact (no tiles)."""
+        tiles = []
         for w, b in blocks:
             t = cpu_linear.bf16_tiles(w)
             if t is None or (b is not None and not (b.dtype == torch.float32 and b.is_contiguous())):
                 return None
-            args += [t.data_ptr(), w.shape[0], None if b is None else b.data_ptr()]
-        return tuple(args) + (None, 0, None) * (3 - len(blocks))
+            tiles.append(t)
+        return tiles, [w.shape[0] for w, _ in blocks], [b for _, b in blocks]
 
     def forward(self, lt, input_ids: torch.Tensor, start: torch.Tensor, rows: torch.Tensor | None,
                 tree: tuple[torch.Tensor, torch.Tensor] | None, last_logits_only: bool, argmax: bool = False):
@@ -111,8 +111,8 @@ class NativeForward:
         does not apply (nothing written then)."""
         n, q = self.n, self.q
         m, hid = n * q, self.hidden
-        nlib, amx = cpu_native.library(), cpu_linear.amx_library()
-        if nlib is None or amx is None or not unobserved_eager():
+        ops, amx = cpu_native.library(), cpu_linear.amx_library()
+        if ops is None or amx is None or not unobserved_eager():
             return None
         if not (start.dtype == torch.int64 and start.is_contiguous() and start.numel() == n
                 and input_ids.shape == (n, q)):
@@ -134,70 +134,54 @@ class NativeForward:
         head = self._kernel_args(self.head)
         if head is None or any(t is None for layer in plan for t in layer):
             return None
-        words, mask_ptr, depths = 0, None, None
+        mask, depths = None, None
         if tree is not None:
             depths, mask = tree
             mask = mask.contiguous()
             if (mask.shape[:2] != (n, q) or mask.shape[2] * 64 < q or mask.dtype != torch.int64
                     or depths.shape != (n, q)):
                 return None
-            words, mask_ptr = mask.shape[2], mask.data_ptr()
         cos, sin = rope_tables_cpu(lens, q, lt.inv_freq, lt.attention_scaling, torch.float32, depths)
         cos, sin = cos.contiguous(), sin.contiguous()
         if cos.shape != (n * q, self.d) or sin.shape != cos.shape:  # the kernel reads a row per block row
             return None
 
-        threads = torch.get_num_threads()
         model = lt.model
         torch.index_select(model.model.embed_tokens.weight, 0, input_ids.reshape(-1), out=self.h)
         features = self.h.new_empty((n, q, len(lt.layer_ids) * hid)) if lt.layer_ids else None
         h_view = self.h.view(n, q, hid)  # the residual stream as the taps copy it
-        h, x, delta, qkv, attn, gu, act = (t.data_ptr() for t in (self.h, self.x, self.delta, self.qkv, self.attn,
-                                                                    self.gu, self.act))
-        nh, kvh, d, inter = self.nh, self.kvh, self.d, self.inter
-        width = (nh + 2 * kvh) * d
-        norm, silu, attention = (nlib.dflash_cpu_add_rms_norm_f32, nlib.dflash_cpu_silu_mul_f32,
-                                 nlib.dflash_cpu_block_attention_f32)
-        linear3 = amx.dflash_amx_linear3
+        nh, kvh, d = self.nh, self.kvh, self.d
+        qkv = self.qkv.view(n, q, -1)
+        q_heads = qkv[..., :nh * d].unflatten(-1, (nh, d))
+        k_heads = qkv[..., nh * d:(nh + kvh) * d].unflatten(-1, (kvh, d))
+        v_heads = qkv[..., (nh + kvh) * d:].unflatten(-1, (kvh, d))
+        attn = self.attn.view(n, q, nh, d)
 
-        def project(x_ptr, ldx, rows_, k, args, y_ptr):
-            if linear3(x_ptr, ldx, rows_, k, *args, y_ptr, threads):
-                raise MemoryError(f"native_forward: no memory for the split input rows ({rows_} x {k})")
+        def project(x, args, y):
+            if amx.amx_linear(x, *args, y):
+                raise MemoryError(f"native_forward: no memory for the split input rows ({x.shape[0]} x {x.shape[1]})")
 
-        rows_ptr = None if rows_t is None else rows_t.data_ptr()
-        k_stride = lt.k_cache.stride(0) * 4  # bytes between layers' caches
-        kc0, vc0 = lt.k_cache.data_ptr(), lt.v_cache.data_ptr()
         for li, p in enumerate(lt.layers):
             qkv_t, o_t, gu_t, down_t = plan[li]
-            if li == 0:
-                norm(h, hid, None, p.input_norm.data_ptr(), x, m, hid, p.input_eps, threads)
-            else:
-                norm(delta, hid, h, p.input_norm.data_ptr(), x, m, hid, p.input_eps, threads)
+            ops.add_rms_norm(self.h if li == 0 else self.delta, None if li == 0 else self.h, p.input_norm, self.x,
+                             p.input_eps)
             lt.copy_taps(features, lt.taps, li - 1, h_view)
-            project(x, hid, m, hid, qkv_t, qkv)
-            if attention(qkv, q * width, width, qkv + 4 * nh * d, q * width, width, qkv + 4 * (nh + kvh) * d,
-                         q * width, width, kc0 + li * k_stride, vc0 + li * k_stride, cap, start_t.data_ptr(), rows_ptr,
-                         None, None if p.q_norm is None else p.q_norm.data_ptr(),
-                         None if p.k_norm is None else p.k_norm.data_ptr(), p.qk_norm_eps, cos.data_ptr(),
-                         sin.data_ptr(), mask_ptr, words, 1, 1, attn, n, q, nh, kvh, d,
-                         d ** -0.5 if p.scale is None else p.scale, threads):
+            project(self.x, qkv_t, self.qkv)
+            if ops.block_attention(q_heads, k_heads, v_heads, lt.k_cache[li], lt.v_cache[li], start_t, rows_t, None,
+                                   p.q_norm, p.k_norm, p.qk_norm_eps, cos, sin, mask, True, True,
+                                   d ** -0.5 if p.scale is None else p.scale, attn):
                 raise MemoryError(f"native_forward: no memory for the attention's scratch ({n} x {q} rows)")
-            project(attn, nh * d, m, nh * d, o_t, delta)
-            norm(delta, hid, h, p.post_norm.data_ptr(), x, m, hid, p.post_eps, threads)
-            project(x, hid, m, hid, gu_t, gu)
-            silu(gu, 2 * inter, act, m, inter, threads)
-            project(act, inter, m, inter, down_t, delta)
+            project(self.attn, o_t, self.delta)
+            ops.add_rms_norm(self.delta, self.h, p.post_norm, self.x, p.post_eps)
+            project(self.x, gu_t, self.gu)
+            ops.silu_mul(self.gu, self.act)
+            project(self.act, down_t, self.delta)
         final = model.model.norm
-        norm(delta, hid, h, final.weight.data_ptr(), x, m, hid, final.variance_epsilon, threads)
+        ops.add_rms_norm(self.delta, self.h, final.weight, self.x, final.variance_epsilon)
         lt.copy_taps(features, lt.taps, len(lt.layers) - 1, h_view)
+        x_rows = self.x.view(n, q, hid)[:, -1] if last_logits_only else self.x
         if argmax:  # the screened argmax (one Python call: its few checks are nothing next to the head's work)
-            x_rows = self.x.view(n, q, hid)[:, -1] if last_logits_only else self.x
             return lt.head(x_rows, True).view(n, -1), features
-        vocab = model.lm_head.weight.shape[0]
-        if last_logits_only:
-            logits = self.h.new_empty((n, 1, vocab))
-            project(x + 4 * (q - 1) * hid, q * hid, n, hid, head, logits.data_ptr())
-        else:
-            logits = self.h.new_empty((n, q, vocab))
-            project(x, hid, m, hid, head, logits.data_ptr())
+        logits = self.h.new_empty((n, 1 if last_logits_only else q, model.lm_head.weight.shape[0]))
+        project(x_rows, head, logits)
         return logits, features

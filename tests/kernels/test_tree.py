@@ -243,7 +243,9 @@ def test_verify_attention_tree_cpu_torch_formulas_are_the_reference_bit_for_bit(
     """backend="cpu" without its native kernel, with a tree (positions from the depths, the block mask from the
     ancestor bits; two trees in a row, the second written into the first's tensors, so the memoised RoPE tables
     and masks must follow the values): output and caches identical to the reference's."""
-    monkeypatch.setenv(dk.cpu_native.ENV, "0")
+    from dflash_kernels.cpu import native as cpu_native
+
+    monkeypatch.setenv(cpu_native.ENV, "0")
     n, t, nh, kvh, d, lens, cap = 3, 9, 4, 2, 16, [0, 5, 70], 96
     q, k, v, kc, vc, cl, qw, kw, inv = _attn_inputs(n, t, nh, kvh, d, lens, cap, dtype)
     depths = mask = None

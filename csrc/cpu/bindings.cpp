@@ -9,6 +9,8 @@
 // DFLASH_CPU_LINEAR_ISA.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/linear.h>
 #include <c10/util/Exception.h>
 #include <cpuid.h>
 #include <torch/library.h>
@@ -206,6 +208,81 @@ int64_t amx_argmax(const Tensor& x, const Tensor& tiles, const OptTensor& bias, 
                                  ptr<float>(bias), ptr<double>(norms), ptr<int64_t>(ids), at::get_num_threads()});
 }
 
+// LinearFallback: torch's linear of each block (F.linear's arithmetic) into its columns of y.
+int linear_fallback(const float* x, long M, long K, const dflash_cpu::LinearBlock* blocks, int nblocks, float* y) {
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  long N = 0;
+  for (int i = 0; i < nblocks; ++i) N += blocks[i].n;
+  const Tensor xt = at::from_blob(const_cast<float*>(x), {M, K}, f32);
+  Tensor yt = at::from_blob(y, {M, N}, f32);
+  long col = 0;
+  for (int i = 0; i < nblocks; ++i) {
+    const dflash_cpu::LinearBlock& b = blocks[i];
+    const Tensor w = at::from_blob(const_cast<float*>(b.w), {b.n, K}, {b.ldw, 1}, f32);
+    const OptTensor bias = b.b ? OptTensor(at::from_blob(const_cast<float*>(b.b), {b.n}, f32)) : std::nullopt;
+    yt.narrow(1, col, b.n).copy_(at::linear(xt, w, bias));
+    col += b.n;
+  }
+  return 0;
+}
+
+// The projections of forward_layer: routes[p] (dflash_cpu::Route) and nblocks[p] for p = q/k/v, o, gate/up, down;
+// weights / block_rows / biases: every block in order (weights: AMX tiles on the AMX route, fp32 [n, K] else).
+void projections(at::IntArrayRef routes, at::IntArrayRef nblocks, at::TensorList weights, at::IntArrayRef block_rows,
+                 const c10::List<OptTensor>& biases, dflash_cpu::Projection* out) {
+  TORCH_CHECK(routes.size() == 4 && nblocks.size() == 4, "dflash_cpu::forward_layer: four projections");
+  size_t block = 0;
+  for (size_t p = 0; p < 4; ++p) {
+    TORCH_CHECK(routes[p] >= 0 && routes[p] <= 3 && nblocks[p] >= 1 && nblocks[p] <= 3 &&
+                    block + nblocks[p] <= weights.size() && weights.size() == block_rows.size() &&
+                    weights.size() == biases.size(),
+                "dflash_cpu::forward_layer: a route 0-3 and 1 to 3 blocks a projection, one rows and bias a block");
+    dflash_cpu::Projection& proj = out[p];
+    proj = {static_cast<dflash_cpu::Route>(routes[p]), static_cast<int>(nblocks[p]), {}, {}};
+    for (int i = 0; i < proj.nblocks; ++i, ++block) {
+      const OptTensor bias = biases.get(block);
+      if (proj.route == dflash_cpu::Route::kAmx)
+        proj.tiles[i] = {reinterpret_cast<const uint16_t*>(ptr<int16_t>(weights[block])), block_rows[block],
+                         ptr<float>(bias)};
+      else
+        proj.blocks[i] = {ptr<float>(weights[block]), weights[block].stride(0), block_rows[block], ptr<float>(bias)};
+    }
+  }
+}
+
+// One decoder layer (dflash_cpu::forward_layer): buffers h, x, delta [M, H], qkv [N, B, width], attn [N, B, nH, D],
+// gu [M, 2I], act [M, I]; taps: [M, H] views (row stride) the residual stream is copied to after the input norm;
+// the layer's caches, norms and projections. 0, 1 (attention scratch) or 2 (projection memory) as the kernel.
+int64_t forward_layer(const Tensor& h, const Tensor& x, const Tensor& delta, const Tensor& qkv, const Tensor& attn,
+                      const Tensor& gu, const Tensor& act, at::TensorList taps, const Tensor& k_cache,
+                      const Tensor& v_cache, const Tensor& lens, const OptTensor& rows, const Tensor& cos,
+                      const Tensor& sin_signed, const OptTensor& tree_mask, const Tensor& input_norm, double input_eps,
+                      const Tensor& post_norm, double post_eps, const OptTensor& q_norm, const OptTensor& k_norm,
+                      double qk_eps, double scale, bool first, at::IntArrayRef routes, at::IntArrayRef nblocks,
+                      at::TensorList weights, at::IntArrayRef block_rows, const c10::List<OptTensor>& biases) {
+  const int64_t nh = attn.size(2), kvh = k_cache.size(2), d = attn.size(3);
+  const Tensor q = qkv.narrow(2, 0, nh * d).unflatten(2, {nh, d});
+  const Tensor k = qkv.narrow(2, nh * d, kvh * d).unflatten(2, {kvh, d});
+  const Tensor v = qkv.narrow(2, (nh + kvh) * d, kvh * d).unflatten(2, {kvh, d});
+  std::vector<dflash_cpu::TapCopy> tap_copies;
+  for (const Tensor& t : taps) tap_copies.push_back({ptr<float>(t), t.stride(0)});
+  dflash_cpu::LayerArgs a{vector_kernels(), linear_fallback, ptr<float>(h), ptr<float>(x), ptr<float>(delta),
+                          ptr<float>(qkv), ptr<float>(attn), ptr<float>(gu), ptr<float>(act), h.size(0), h.size(1),
+                          act.size(1), first, ptr<float>(input_norm), ptr<float>(post_norm),
+                          static_cast<float>(input_eps), static_cast<float>(post_eps), tap_copies.data(),
+                          static_cast<int>(tap_copies.size()),
+                          attention_args(q, k, v, k_cache, v_cache, lens, rows, std::nullopt, q_norm, k_norm, qk_eps,
+                                         cos, sin_signed, tree_mask, true, true, scale, attn),
+                          {}, {}, {}, {}, at::get_num_threads()};
+  dflash_cpu::Projection proj[4];
+  projections(routes, nblocks, weights, block_rows, biases, proj);
+  a.qkv_proj = proj[0];
+  a.o_proj = proj[1];
+  a.gate_up_proj = proj[2];
+  a.down_proj = proj[3];
+  return dflash_cpu::forward_layer(a);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dflash_cpu, m) {
@@ -232,6 +309,11 @@ TORCH_LIBRARY(dflash_cpu, m) {
   m.def("amx_column_norms(Tensor tiles, int n, int k, Tensor(a!) norms) -> ()");
   m.def("amx_linear(Tensor x, Tensor[] tiles, int[] rows, Tensor?[] biases, Tensor(a!) out) -> int");
   m.def("amx_argmax(Tensor x, Tensor tiles, Tensor? bias, Tensor norms, Tensor(a!) ids) -> int");
+  m.def("forward_layer(Tensor(a!) h, Tensor(b!) x, Tensor(c!) delta, Tensor(d!) qkv, Tensor(e!) attn, "
+        "Tensor(f!) gu, Tensor(g!) act, Tensor(h!)[] taps, Tensor(i!) k_cache, Tensor(j!) v_cache, Tensor lens, "
+        "Tensor? rows, Tensor cos, Tensor sin_signed, Tensor? tree_mask, Tensor input_norm, float input_eps, "
+        "Tensor post_norm, float post_eps, Tensor? q_norm, Tensor? k_norm, float qk_eps, float scale, bool first, "
+        "int[] routes, int[] nblocks, Tensor[] weights, int[] block_rows, Tensor?[] biases) -> int");
 }
 
 TORCH_LIBRARY_IMPL(dflash_cpu, CPU, m) {
@@ -249,4 +331,5 @@ TORCH_LIBRARY_IMPL(dflash_cpu, CPU, m) {
   m.impl("amx_column_norms", &amx_column_norms);
   m.impl("amx_linear", &amx_linear);
   m.impl("amx_argmax", &amx_argmax);
+  m.impl("forward_layer", &forward_layer);
 }

@@ -207,4 +207,52 @@ struct AmxArgmaxArgs {
 };
 long amx_argmax(const AmxArgmaxArgs& a);
 
+// ---- the lean target's decoder layer as one call (forward.cpp; dflash_kernels.cpu.forward)
+
+// How a projection is computed, decided by the caller with dflash_kernels.cpu.linear's rule for these rows: the AMX
+// tiles, the fp32 kernel of one instruction set, or `fallback` (torch's linear, as F.linear computes it).
+enum class Route : int { kAmx = 0, kAvx512 = 1, kAvx2 = 2, kFallback = 3 };
+
+// y [M, sum n_i] = x [M, K] times the blocks (their biases added), contiguous: torch's linear of each block into its
+// columns. Returns 0.
+typedef int (*LinearFallback)(const float* x, long M, long K, const LinearBlock* blocks, int nblocks, float* y);
+
+// One projection: up to three row blocks, as fp32 weights (kAvx512, kAvx2, kFallback) or AMX tiles (kAmx).
+struct Projection {
+  Route route;
+  int nblocks;
+  LinearBlock blocks[3];
+  AmxBlock tiles[3];
+};
+
+// Where the residual stream is copied after the layer's input norm (the previous layer's output, a tapped layer):
+// M rows of `hidden` floats at row stride ld.
+struct TapCopy {
+  float* out;
+  long ld;
+};
+
+// One decoder layer of M = N * B rows: input RMSNorm (with the previous layer's residual add unless first), the
+// taps, q/k/v projection, block attention (q / k / v inside qkv, out attn), o projection, post RMSNorm with the
+// residual add, gate/up projection, silu * up, down projection (into delta). h, x, delta [M, hidden], qkv [M, width],
+// attn [M, nH * D], gu [M, 2 * inter], act [M, inter]: contiguous buffers.
+struct LayerArgs {
+  const VectorKernels* kernels;  // the norms, the attention, silu * up
+  LinearFallback fallback;
+  float *h, *x, *delta, *qkv, *attn, *gu, *act;
+  long M, hidden, inter;
+  bool first;
+  const float *input_norm, *post_norm;
+  float input_eps, post_eps;
+  const TapCopy* taps;
+  int ntaps;
+  BlockAttentionArgs attention;
+  Projection qkv_proj, o_proj, gate_up_proj, down_proj;
+  int threads;
+};
+
+// Returns 0, 1 when the attention's scratch memory cannot be allocated, 2 when a projection's cannot (the layer is
+// then incomplete).
+int forward_layer(const LayerArgs& a);
+
 }  // namespace dflash_cpu

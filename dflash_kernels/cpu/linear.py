@@ -336,13 +336,41 @@ def linear(x: torch.Tensor, weight: torch.Tensor | RowBlocks, bias: torch.Tensor
         return _run_blocks(x, weight, rows)
     if not rows or not _fast_ok(x, weight, bias):
         return F.linear(x, weight, bias)
-    if amx_active():
-        tiles = bf16_tiles(weight)
-        if tiles is not None:
-            return _run_amx(x, ((tiles, weight.shape[0], bias),), weight.shape[0], rows)
-    if not MIN_ROWS <= rows <= MAX_ROWS or (_kernel is None and _load() is None):
+    how, tensors = route((weight,), (weight,), rows, MIN_ROWS)
+    if how == "torch":
         return F.linear(x, weight, bias)
-    return _run(_kernel, x, weight, bias)
+    return _compute(how, x, tensors, (weight.shape[0],), (bias,))
+
+
+def route(sources: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], rows: int,
+          min_rows: int) -> tuple[str, list[torch.Tensor]]:
+    """How :func:`linear` computes ``rows`` rows of a CPU fp32 input nothing watches times the row blocks
+    ``weights`` (``sources``: the tensors their AMX tiles are kept for; a plain weight is one block, with
+    ``min_rows`` :data:`MIN_ROWS`, row blocks 1): ``("amx", tiles)`` when every block is exactly bf16 and the AMX
+    path is on, ``(isa(), weights)`` for the fp32 kernel from ``min_rows`` to :data:`MAX_ROWS` rows, else
+    ``("torch", weights)`` (``F.linear``). The one rule of the choice: ``dflash_kernels.cpu.forward`` plans its
+    projections with it."""
+    if amx_active():
+        tiles = [bf16_tiles(w) for w in sources]
+        if all(t is not None for t in tiles):
+            return "amx", tiles
+    if min_rows <= rows <= MAX_ROWS and (_kernel is not None or _load() is not None):
+        return _isa, list(weights)
+    return "torch", list(weights)
+
+
+def _compute(how: str, x: torch.Tensor, tensors, sizes, biases) -> torch.Tensor:
+    """``x`` times the blocks of ``sizes`` rows (their biases added) by :func:`route`'s ``(how, tensors)``, on the
+    AMX or fp32 kernel."""
+    x = x.contiguous()
+    rows, n = x.numel() // x.shape[-1], sum(sizes)
+    out = x.new_empty(x.shape[:-1] + (n,))
+    if how == "amx":
+        if _amx.amx_linear(x.view(rows, x.shape[-1]), tensors, sizes, biases, out):
+            raise MemoryError(f"cpu_linear: no memory for the split input rows ({rows} x {x.shape[-1]})")
+    else:
+        _kernel(x, tensors, biases, out)
+    return out
 
 
 def linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -389,30 +417,12 @@ def _run(kernel, x, weight, bias):
     return out
 
 
-def _run_amx(x: torch.Tensor, blocks, n: int, rows: int) -> torch.Tensor:
-    """``blocks``: up to three (tiles, rows N_i, bias or None); ``n`` = sum N_i."""
-    x = x.contiguous()
-    out = x.new_empty(x.shape[:-1] + (n,))
-    tiles, rows_i, biases = zip(*blocks)
-    if _amx.amx_linear(x.view(rows, x.shape[-1]), tiles, rows_i, biases, out):
-        raise MemoryError(f"cpu_linear: no memory for the split input rows ({rows} x {x.shape[-1]})")
-    return out
-
-
 def _run_blocks(x: torch.Tensor, blocks: RowBlocks, rows: int) -> torch.Tensor:
     blocks.check_layout()
+    weights, biases = blocks.args
     ok = (blocks.fast and rows >= 1 and x.is_cpu and x.dtype == torch.float32 and x.shape[-1] == blocks.in_features
           and unobserved_eager((x,)))
-    if ok and amx_active():
-        tiles = [bf16_tiles(w) for w in blocks.sources]
-        if all(t is not None for t in tiles):
-            biases = blocks.biases or (None,) * len(tiles)
-            return _run_amx(x, [(t, w.shape[0], b) for t, w, b in zip(tiles, blocks.weights, biases)],
-                            blocks.out_features, rows)
-    if ok and rows <= MAX_ROWS and (_kernel is not None or _load() is not None):
-        x = x.contiguous()
-        out = x.new_empty(x.shape[:-1] + (blocks.out_features,))
-        _kernel(x, *blocks.args, out)
-        return out
-    biases = blocks.biases or (None,) * len(blocks.weights)
-    return torch.cat([F.linear(x, w, b) for w, b in zip(blocks.weights, biases)], -1)
+    how, tensors = route(blocks.sources, weights, rows, 1) if ok else ("torch", weights)
+    if how == "torch":
+        return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], -1)
+    return _compute(how, x, tensors, [w.shape[0] for w in weights], biases)

@@ -4,9 +4,9 @@
 // only checks here are the dtypes that data_ptr<T>() enforces.
 //
 // Instruction sets are chosen here, at load: isas() lists those of this CPU that the build has kernels for
-// (__builtin_cpu_supports / CPUID), and the vector ops run the widest table (kAvx512, else kAvx2). The fp32
-// linear kernel has one op per instruction set (linear_avx512, linear_avx2): Python picks one, honouring
-// DFLASH_CPU_LINEAR_ISA.
+// (__builtin_cpu_supports / CPUID; $DFLASH_CPU_ISA caps them), and the vector ops run the widest table (kAvx512,
+// else kAvx2). The fp32 linear kernel has one op per instruction set (linear_avx512, linear_avx2): Python picks
+// one, honouring DFLASH_CPU_LINEAR_ISA.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/from_blob.h>
@@ -15,8 +15,12 @@
 #include <cpuid.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dflash_cpu.h"
@@ -38,10 +42,39 @@ bool has_amx() {  // CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE (the OS 
   return has_avx512() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1);
 }
 
-// The widest vector kernels this CPU runs, or null (no AVX2 + FMA).
+// The instruction sets of this CPU that the build has kernels for, widest first ("amx", "avx512", "avx2"), without
+// those wider than $DFLASH_CPU_ISA when it is set (avx2: run as on a CPU without AVX-512; avx512: without AMX).
+// Decided once, at the first call.
+const std::vector<std::string>& cpu_isas() {
+  static const std::vector<std::string> chosen = [] {
+    const std::pair<const char*, bool> all[] = {{"amx", has_amx()}, {"avx512", has_avx512()}, {"avx2", has_avx2()}};
+    const char* cap = std::getenv("DFLASH_CPU_ISA");
+    bool capped = cap && *cap;
+    if (capped) {
+      bool known = false;
+      for (const auto& isa : all) known |= std::strcmp(isa.first, cap) == 0;
+      TORCH_CHECK(known, "DFLASH_CPU_ISA=", cap, " is not one of amx, avx512, avx2");
+    }
+    std::vector<std::string> out;
+    for (const auto& isa : all) {
+      capped = capped && std::strcmp(isa.first, cap) != 0;  // still above the cap
+      if (isa.second && !capped) out.push_back(isa.first);
+    }
+    TORCH_CHECK(!cap || !*cap || std::find(out.begin(), out.end(), cap) != out.end(), "DFLASH_CPU_ISA=", cap,
+                ": this CPU lacks it");
+    return out;
+  }();
+  return chosen;
+}
+
+// The vector kernels of the widest of cpu_isas() (AVX-512, else AVX2 + FMA).
 const dflash_cpu::VectorKernels* vector_kernels() {
-  static const dflash_cpu::VectorKernels* chosen =
-      has_avx512() ? &dflash_cpu::kAvx512 : has_avx2() ? &dflash_cpu::kAvx2 : nullptr;
+  static const dflash_cpu::VectorKernels* chosen = [] {
+    const std::vector<std::string>& have = cpu_isas();
+    return std::find(have.begin(), have.end(), "avx512") != have.end() ? &dflash_cpu::kAvx512
+           : std::find(have.begin(), have.end(), "avx2") != have.end() ? &dflash_cpu::kAvx2
+                                                                          : nullptr;
+  }();
   TORCH_CHECK(chosen, "dflash_cpu: this CPU has neither AVX-512 nor AVX2 + FMA (check isas() first)");
   return chosen;
 }
@@ -56,13 +89,7 @@ T* ptr(const OptTensor& t) {
   return t.has_value() ? t->data_ptr<T>() : nullptr;
 }
 
-std::vector<std::string> isas() {
-  std::vector<std::string> out;
-  if (has_avx512()) out.push_back("avx512");
-  if (has_avx2()) out.push_back("avx2");
-  if (has_amx()) out.push_back("amx");
-  return out;
-}
+std::vector<std::string> isas() { return cpu_isas(); }
 
 // x [rows, H] with a row stride (unit stride along H).
 void add_rms_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight, const Tensor& out, double eps) {

@@ -36,7 +36,7 @@ each of the ~120 projections of a SmolLM2 step, and under ``torch.compile`` or a
 this function is ``F.linear`` anyway. The price: captured steps (the emulator) replay ``F.linear``, not this kernel.
 
 Build: ahead of time into ``dflash_kernels._C`` (``torch.ops.dflash_cpu.linear_avx512`` / ``linear_avx2`` and the
-``amx_*`` ops; ``csrc/README.md``). The widest instruction set the CPU has is used;
+``amx_*`` ops; ``csrc/README.md``). The widest instruction set the CPU has is used (``DFLASH_CPU_ISA`` caps it);
 ``DFLASH_CPU_LINEAR_ISA=avx2`` asks for the AVX2 build on an AVX-512 CPU (tests, benchmarks), and
 ``DFLASH_CPU_LINEAR_AMX=0`` (or :func:`set_amx`) turns the AMX path off. Without the extension or AVX-512 / AVX2 +
 FMA, the fp32 kernel is ``F.linear`` (one warning says why; :func:`unavailable_reason` too); :func:`isa` says which

@@ -43,7 +43,8 @@ Threads: OpenMP (torch's libgomp) with ``torch.get_num_threads()`` threads over 
 then (request, head, 4 query rows); the norm and silu_mul split their rows once there are enough of them.
 
 Build: ahead of time, by setup.py, into ``dflash_kernels._C`` (``csrc/cpu/``; ``csrc/README.md``): the vector kernels
-once per instruction set (AVX-512, AVX2 + FMA), the widest the CPU has chosen when the library loads. Without the
+once per instruction set (AVX-512, AVX2 + FMA), the widest the CPU has chosen when the library loads
+(``DFLASH_CPU_ISA=avx2`` runs the AVX2 build on an AVX-512 CPU: tests, benchmarks). Without the
 extension (``DFLASH_BUILD_EXT=0``, a failed build) or on a CPU with neither, :func:`enabled` is False
 (:func:`unavailable_reason` says why, one warning too) and the ops keep their torch formulas (bit-equal to the
 references). ``DFLASH_CPU_NATIVE=0`` turns these kernels off (A/B runs, tests of the torch formulas).
@@ -87,11 +88,15 @@ def _load():
             elif not hasattr(torch.ops.dflash_cpu, "isas"):
                 _reason = f"the compiled extension has no dflash_cpu ops ({how}); rebuild it"
             else:
-                _isas = tuple(torch.ops.dflash_cpu.isas())
-                if not set(VECTOR_ISAS) & set(_isas):
-                    _reason = "this CPU has neither AVX-512 (F, BW, DQ, VL) nor AVX2 + FMA"
+                try:
+                    _isas = tuple(torch.ops.dflash_cpu.isas())
+                except RuntimeError as e:  # a DFLASH_CPU_ISA this CPU lacks, or no such ISA
+                    _reason = str(e).splitlines()[0]
                 else:
-                    _ops = torch.ops.dflash_cpu
+                    if not set(VECTOR_ISAS) & set(_isas):
+                        _reason = "this CPU has neither AVX-512 (F, BW, DQ, VL) nor AVX2 + FMA"
+                    else:
+                        _ops = torch.ops.dflash_cpu
             if _reason:
                 _reason = f"dflash_kernels.cpu.native: unavailable ({_reason}); the \"cpu\" backend uses torch formulas"
                 warnings.warn(_reason, RuntimeWarning, stacklevel=3)
@@ -100,8 +105,8 @@ def _load():
 
 
 def isas() -> tuple[str, ...]:
-    """The instruction sets of this CPU that the built kernels cover, widest first (of ``"avx512"``, ``"avx2"``,
-    ``"amx"``); empty without the kernels."""
+    """The instruction sets of this CPU that the built kernels cover, widest first (of ``"amx"``, ``"avx512"``,
+    ``"avx2"``; ``$DFLASH_CPU_ISA`` drops the wider ones); empty without the kernels."""
     _load()
     return _isas
 

@@ -1,6 +1,9 @@
 """The native fp32 kernels behind backend="cpu" (dflash_kernels.cpu.native): they build on this machine, the ops
 take them where they apply (and not where they do not), and their results hold the 2x rule against fp64 at the
 shapes the runtime uses (one row, a verify block, a prefill chunk) and at odd ones (a head dim with a tail)."""
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -349,11 +352,39 @@ def _cpu_flags() -> set[str]:
 def test_isas_follow_the_cpu():
     """The instruction sets the kernels are chosen from at load are the CPU's: AVX-512 (F, BW, DQ, VL) + FMA, AVX2 +
     FMA and AMX-TILE + AMX-BF16 exactly where /proc/cpuinfo lists them, widest first."""
+    if os.environ.get("DFLASH_CPU_ISA"):
+        pytest.skip("DFLASH_CPU_ISA caps the list")
     flags = _cpu_flags()
-    want = [isa for isa, needs in (("avx512", {"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma"}),
-                                   ("avx2", {"avx2", "fma"}), ("amx", {"amx_tile", "amx_bf16", "avx512f"}))
+    want = [isa for isa, needs in (("amx", {"amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512dq", "avx512vl"}),
+                                   ("avx512", {"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma"}),
+                                   ("avx2", {"avx2", "fma"}))
             if needs <= flags]
     assert list(cpu_native.isas()) == want
+
+
+def test_avx2_build_of_the_vector_kernels():
+    """DFLASH_CPU_ISA=avx2 (as on a CPU without AVX-512): isas() is capped to AVX2 and this file's op tests pass on
+    the AVX2 build of the norm, silu and attention kernels (in a subprocess: the choice is made once, at load)."""
+    if "avx2" not in cpu_native.isas() or os.environ.get("DFLASH_CPU_ISA"):
+        pytest.skip("needs AVX2 + FMA, uncapped")
+    env = {**os.environ, "DFLASH_CPU_ISA": "avx2"}
+    check = ("from dflash_kernels.cpu import linear, native; "
+             "assert native.isas() == ('avx2',) and linear.isa() == 'avx2', (native.isas(), linear.isa())")
+    done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "not avx2_build and not isas_follow"], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
+
+
+def test_bad_isa_cap_is_the_reason(tmp_path):
+    """DFLASH_CPU_ISA naming no instruction set: the kernels are unavailable with the reason, nothing crashes."""
+    check = ("import warnings; warnings.simplefilter('ignore'); from dflash_kernels.cpu import native; "
+             "print(native.unavailable_reason())")
+    done = subprocess.run([sys.executable, "-c", check], env={**os.environ, "DFLASH_CPU_ISA": "sse9"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "DFLASH_CPU_ISA=sse9 is not one of amx, avx512, avx2" in done.stdout, done
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])

@@ -4,7 +4,8 @@
 installed torch: the C++ CPU ops and the native CPU kernels (csrc/cpu/, every instruction set's build,
 chosen at load) always, the CUDA ops too when torch is a CUDA build and nvcc exists. What is compiled
 (sources, flags) is described once, in dflash_kernels/_ext.py, which the JIT build uses too. A plain
-(isolated) `pip install -e .` cannot see torch and installs the pure-Python package (the ops can then be JIT-built on first use, see dflash_kernels/_ext.py).
+(isolated) `pip install -e .` cannot see torch and installs the pure-Python package (the ops can then be
+JIT-built on first use, see dflash_kernels/_ext.py).
 
 Environment switches (see csrc/README.md):
   DFLASH_BUILD_EXT=0            skip the extension entirely (pure-Python install)

@@ -21,7 +21,8 @@
 // GCC 12 flags its own AVX-512 intrinsics (their deliberately undefined __Y operands) under -Wall.
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,bmi,bmi2,lzcnt,popcnt,f16c")
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16", \
+                   "avx2,fma,bmi,bmi2,lzcnt,popcnt,f16c")
 
 namespace dflash_cpu {
 namespace {
@@ -252,9 +253,9 @@ int amx_linear(const AmxLinearArgs& args) {
 // (the same bits decide: the first index among equal values, the first NaN if any), without computing most of y
 // exactly. A screen takes the hi parts alone (one tile product a step instead of three); a screened value a differs
 // from its exact value e by at most B = wn * c[m] + s[m] * (1 + wn) + 2u |b| with wn, |b| the largest column norm
-// (rounded up, from amx_column_norms) and bias magnitude of its 16-column group (c: ||mid + lo|| + gamma * the parts' norms:
-// Cauchy-Schwarz on the dropped parts and on both sums' rounding, in any summation order; s: room for denormals
-// flushed to zero). A group whose largest a + B lies below the row's best (largest a - B) holds neither the argmax
+// (rounded up, from amx_column_norms) and bias magnitude of its 16-column group (c: ||mid + lo|| + gamma * the
+// parts' norms: Cauchy-Schwarz on the dropped parts and on both sums' rounding, in any summation order; s: room for
+// denormals flushed to zero). A group whose largest a + B lies below the row's best (largest a - B) holds neither the argmax
 // nor a tie: only the other groups are computed exactly, by amx_linear's loop (each row's bits are its own). A row
 // with a non-finite input or screened value, or near overflow, is computed exactly whole. Returns the (row, group)
 // pairs computed exactly, or -1 without memory.

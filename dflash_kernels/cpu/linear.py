@@ -199,8 +199,8 @@ def amx_active() -> bool:
 
 
 def amx_library():
-    """``torch.ops.dflash_cpu`` when :func:`amx_active`, else None: its ``amx_linear`` (``csrc/cpu/dflash_cpu.h``)
-    for a caller that has checked its arguments once (``dflash_kernels.cpu.forward``)."""
+    """``torch.ops.dflash_cpu`` when :func:`amx_active` (its ``amx_*`` ops usable: ``csrc/cpu/dflash_cpu.h``), else
+    None."""
     return _load_amx() if _amx_on else None
 
 

@@ -26,6 +26,7 @@ Triton or the reference); the first :func:`status` / op call loads, once.
 from __future__ import annotations
 
 import os
+import platform
 import re
 import shutil
 import threading
@@ -46,9 +47,11 @@ INCLUDE_DIRS = ["csrc/include", "csrc/torch", "csrc/cpu"]
 
 def sources(with_cuda: bool) -> list[str]:
     """The extension's sources, relative to the repository root: the ``dflash_ext`` ops (``csrc/torch/ops.cpp``, with
-    CUDA ``ops_cuda.cpp`` and ``csrc/cuda/dflash_kernels.cu``) and every ``csrc/cpu/*.cpp`` (the native CPU kernels,
-    one translation unit per kernel family or instruction set, and their ``dflash_cpu`` bindings)."""
-    native = sorted(str(p.relative_to(ROOT)) for p in (CSRC / "cpu").glob("*.cpp"))
+    CUDA ``ops_cuda.cpp`` and ``csrc/cuda/dflash_kernels.cu``) and, on x86-64, every ``csrc/cpu/*.cpp`` (the native
+    CPU kernels, one translation unit per kernel family or instruction set, and their ``dflash_cpu`` bindings;
+    elsewhere the "cpu" backend runs its torch formulas)."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    native = sorted(str(p.relative_to(ROOT)) for p in (CSRC / "cpu").glob("*.cpp")) if x86 else []
     cuda = ["csrc/torch/ops_cuda.cpp", "csrc/cuda/dflash_kernels.cu"] if with_cuda else []
     return ["csrc/torch/ops.cpp", *native, *cuda]
 

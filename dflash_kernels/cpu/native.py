@@ -86,7 +86,7 @@ def _load():
             if not loaded:
                 _reason = how
             elif not hasattr(torch.ops.dflash_cpu, "isas"):
-                _reason = f"the compiled extension has no dflash_cpu ops ({how}); rebuild it"
+                _reason = f"the compiled extension has no dflash_cpu ops (built on x86-64 only; {how})"
             else:
                 try:
                     _isas = tuple(torch.ops.dflash_cpu.isas())

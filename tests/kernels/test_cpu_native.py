@@ -378,6 +378,19 @@ def test_avx2_build_of_the_vector_kernels():
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
 
 
+def test_native_sources_only_on_x86(monkeypatch):
+    """The extension compiles the native kernels (every csrc/cpu/*.cpp: x86 pragmas and intrinsics) on x86-64 only;
+    elsewhere it builds without them and the "cpu" backend keeps its torch formulas."""
+    import platform
+
+    from dflash_kernels import _ext
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert {"csrc/torch/ops.cpp", "csrc/cpu/bindings.cpp", "csrc/cpu/isa_avx512.cpp"} <= set(_ext.sources(False))
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert _ext.sources(False) == ["csrc/torch/ops.cpp"]
+
+
 def test_bad_isa_cap_is_the_reason(tmp_path):
     """DFLASH_CPU_ISA naming no instruction set: the kernels are unavailable with the reason, nothing crashes."""
     check = ("import warnings; warnings.simplefilter('ignore'); from dflash_kernels.cpu import native; "

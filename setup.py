@@ -1,9 +1,11 @@
 """Build script for dflash-kernels.
 
 `pip install --no-build-isolation -e .` builds the compiled ops `dflash_kernels._C` against the
-installed torch: the C++ CPU ops always, the CUDA ops too when torch is a CUDA build and nvcc
-exists. A plain (isolated) `pip install -e .` cannot see torch and installs the pure-Python
-package (the ops can then be JIT-built on first use, see dflash_kernels/_ext.py).
+installed torch: the C++ CPU ops and the native CPU kernels (csrc/cpu/, every instruction set's build,
+chosen at load) always, the CUDA ops too when torch is a CUDA build and nvcc exists. What is compiled
+(sources, flags) is described once, in dflash_kernels/_ext.py, which the JIT build uses too. A plain
+(isolated) `pip install -e .` cannot see torch and installs the pure-Python package (the ops can then be
+JIT-built on first use, see dflash_kernels/_ext.py).
 
 Environment switches (see csrc/README.md):
   DFLASH_BUILD_EXT=0            skip the extension entirely (pure-Python install)
@@ -12,6 +14,7 @@ Environment switches (see csrc/README.md):
   CUDA_HOME                     CUDA toolkit root (found from nvcc when unset, wrapper scripts resolved)
   MAX_JOBS                      parallel compile jobs (read by torch's ninja build)
 """
+import importlib.util
 import os
 import re
 import shutil
@@ -75,6 +78,16 @@ def _gencode_flags(archs):
     return flags
 
 
+def _build_description():
+    """dflash_kernels/_ext.py loaded from its file (not through the package, whose __init__ imports Triton):
+    its ``sources``, ``CXX_FLAGS`` and ``INCLUDE_DIRS``."""
+    spec = importlib.util.spec_from_file_location("dflash_kernels_ext_build", os.path.join(ROOT, "dflash_kernels",
+                                                                                           "_ext.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _extensions():
     """(ext_modules, cmdclass) for dflash_kernels._C, or ([], {}) for a pure-Python install."""
     want_ext = os.environ.get("DFLASH_BUILD_EXT", "1")
@@ -101,10 +114,10 @@ def _extensions():
              "later with `pip install --no-build-isolation -e .` or JIT (DFLASH_KERNELS_JIT=1).")
         return [], {}
 
-    inc = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc", "torch")]
-    sources = ["csrc/torch/ops.cpp"]
+    build = _build_description()
+    inc = [os.path.join(ROOT, d) for d in build.INCLUDE_DIRS]
     macros = [("DFLASH_PYTHON_MODULE", None)]
-    cxx = ["-O3"]
+    cxx = list(build.CXX_FLAGS)
     cuda_why = None
     if want_cuda == "0":
         cuda_why = "DFLASH_BUILD_CUDA=0"
@@ -117,18 +130,17 @@ def _extensions():
             sys.exit(f"DFLASH_BUILD_CUDA=1 but the CUDA ops cannot be built: {cuda_why}")
         _log(f"building the CPU ops only ({cuda_why})")
         ext = ce.CppExtension(
-            "dflash_kernels._C", sources, include_dirs=inc, define_macros=macros,
-            extra_compile_args=cxx,
+            "dflash_kernels._C", build.sources(with_cuda=False), include_dirs=inc, define_macros=macros,
+            extra_compile_args=cxx, extra_link_args=["-fopenmp"],
         )
     else:
         gencode = _gencode_flags(os.environ.get("DFLASH_CUDA_ARCHS", "90"))
         _log(f"building the CPU and CUDA ops (torch {torch.__version__}, CUDA_HOME={ce.CUDA_HOME}, "
              f"{' '.join(gencode)})")
-        sources += ["csrc/torch/ops_cuda.cpp", "csrc/cuda/dflash_kernels.cu"]
         macros.append(("DFLASH_WITH_CUDA", "1"))
         ext = ce.CUDAExtension(
-            "dflash_kernels._C", sources, include_dirs=inc, define_macros=macros,
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-lineinfo"] + gencode},
+            "dflash_kernels._C", build.sources(with_cuda=True), include_dirs=inc, define_macros=macros,
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-lineinfo"] + gencode}, extra_link_args=["-fopenmp"],
         )
     # torch looks for `ninja` on PATH; the venv's ninja (pip package) may not be on it when pip
     # is run as .venv/bin/pip without activating the venv.

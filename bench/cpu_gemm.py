@@ -127,7 +127,7 @@ def candidates(ws: list[torch.Tensor], x: torch.Tensor, with_compile: bool) -> d
         if m < cpu_linear.MIN_ROWS or m > cpu_linear.MAX_ROWS:
             return per_copy(lambda i: F.linear(x, ws[i]))
         kernel, _ = cpu_linear._build("avx2")
-        return per_copy(lambda i: cpu_linear._run(kernel, x, ws[i], None, m))
+        return per_copy(lambda i: cpu_linear._run(kernel, x, ws[i], None))
     if not with_compile:
         del out["compile_freezing"]
     return out

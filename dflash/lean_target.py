@@ -11,9 +11,10 @@ memory floor, so each layer is seven kernels on the GPU:
   gate_up_silu (merged gate/up GEMM, silu·mul in its epilogue) -> down_proj
 
 On the "cpu" backend the projections take ``cpu_linear`` (q/k/v and gate/up as row blocks of one call, with no
-merged copy) and the activation stays a ``silu_mul`` after the gate/up GEMM (``gate_up_act``); a forward of up to
-64 rows a request runs as one loop of those native calls with prepared arguments where it can
-(``dflash_kernels.cpu.forward``: the same kernels and bits, without the ops' per-call Python), else through the ops.
+merged copy) and the activation stays a ``silu_mul`` after the gate/up GEMM (``gate_up_act``). Where the kernel
+library has a whole forward for the model and shape (``dflash_kernels.cpu.forward``: on the CPU, up to 64 rows a
+request, one native call a layer; the same kernels and bits, without the ops' per-call Python) it runs that, else
+the layer loop below.
 
 The residual add of each sub-block is fused into the next norm; off the "cpu" backend ``merged_weight``
 re-points the HF modules' q/k/v and gate/up parameters at views of one buffer per layer, so the model itself keeps
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_kernels.cpu import linear as cpu_linear
-from dflash_kernels.cpu.forward import MAX_ROWS as NATIVE_MAX_ROWS, NativeForward
+from dflash_kernels.cpu.forward import NativeForward
 from dflash.merged_linear import merged_weight, row_blocks
 from dflash.target import check_target
 from dflash_kernels import add_rms_norm, gate_up_silu, silu_mul, unobserved_eager, verify_attention
@@ -169,12 +170,10 @@ class LeanTarget:
             raise ValueError(f"LeanTarget.forward: start + {q} rows reaches cache row {int(start.max()) + q}, past the "
                              f"{self.capacity} rows of the cache (capacity); build the target with a larger capacity "
                              "or pass fewer rows")
-        if self.backend == "cpu" and q <= NATIVE_MAX_ROWS:  # one loop of native calls where it applies
-            native = self._native_forward(n, q)
-            out = None if native is None else native.forward(self, input_ids, start, rows, tree, last_logits_only,
-                                                             argmax)
-            if out is not None:
-                return out
+        native = self._native_forward(n, q)  # the kernel library's whole forward, where it has one for this shape
+        out = None if native is None else native.forward(self, input_ids, start, rows, tree, last_logits_only, argmax)
+        if out is not None:
+            return out
         nh, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         attn_backend = self.backend if q <= MAX_KERNEL_ROWS or self.backend == "cpu" else "torch"
         h = F.embedding(input_ids, model.model.embed_tokens.weight)  # the residual stream, updated in place
@@ -222,7 +221,8 @@ class LeanTarget:
         return self.linear(x, lm_head.weight, lm_head.bias).argmax(-1)
 
     def _native_forward(self, n: int, q: int) -> NativeForward | None:
-        """The native forward of this shape (built on first use; the last few shapes kept), or None."""
+        """The native forward of this shape, or None where the kernel library has none (it decides: backend,
+        dtypes, layout, rows); built on first use, the last few shapes kept."""
         if self._native_ok is None:
             self._native_ok = NativeForward.supports(self)
         if not (self._native_ok and NativeForward.available(n, q)):

@@ -1,9 +1,12 @@
-"""Loader for the compiled extension ``dflash_kernels._C`` (C++ CPU ops, CUDA ops).
+"""Loader and build description of the compiled extension ``dflash_kernels._C`` (C++ CPU ops, CUDA ops, the
+native CPU kernels).
 
-The compiled ops live in their own namespace, ``torch.ops.dflash_ext`` (``verify_greedy``,
-``commit_round``), apart from the public ``torch.ops.dflash.*`` ops that ``import dflash_kernels``
-registers: those dispatch here when their backend resolves to ``"ext"``. See
-``csrc/include/dflash_kernels.h`` for the exact definitions. The library comes from, in order:
+The compiled ops live in their own namespaces, apart from the public ``torch.ops.dflash.*`` ops that
+``import dflash_kernels`` registers: ``torch.ops.dflash_ext`` (``verify_greedy``, ``commit_round``; the public ops
+dispatch there when their backend resolves to ``"ext"``, definitions in ``csrc/include/dflash_kernels.h``) and
+``torch.ops.dflash_cpu`` (the native kernels of the ``"cpu"`` backend, ``csrc/cpu/``, called by
+``dflash_kernels.cpu``). :func:`sources` and :data:`CXX_FLAGS` are the one description of what is compiled:
+setup.py reads them from this file, and the JIT build below uses them. The library comes from, in order:
 
 1. ``dflash_kernels._C``, built by ``pip install --no-build-isolation -e .`` (setup.py);
 2. ``DFLASH_KERNELS_LIBRARY=/path/libdflash_torch_ops.so``: a library built by CMake, loaded with
@@ -13,12 +16,17 @@ registers: those dispatch here when their backend resolves to ``"ext"``. See
    cached afterwards in ``TORCH_EXTENSIONS_DIR``; needs a source checkout). The CUDA ops are
    included when torch is a CUDA build and nvcc is found.
 
+``$DFLASH_CPU_SANITIZE`` (e.g. ``address``; ``csrc/tests/asan_cpu.sh``) replaces all three with a JIT build of the
+same sources under that sanitizer, into ``TORCH_EXTENSIONS_DIR`` (the process needs the sanitizer's runtime
+preloaded).
+
 Nothing is loaded at ``import dflash_kernels`` (a package without ``_C`` imports and falls back to
 Triton or the reference); the first :func:`status` / op call loads, once.
 """
 from __future__ import annotations
 
 import os
+import platform
 import re
 import shutil
 import threading
@@ -28,7 +36,24 @@ import torch
 
 JIT_ENV = "DFLASH_KERNELS_JIT"
 LIBRARY_ENV = "DFLASH_KERNELS_LIBRARY"
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SANITIZE_ENV = "DFLASH_CPU_SANITIZE"
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = ROOT / "csrc"
+# -fopenmp: the native CPU kernels' threads (torch's libgomp). The kernels pick their instruction set per
+# translation unit (#pragma GCC target) and at load, so no -march: the library runs on any x86-64.
+CXX_FLAGS = ["-O3", "-fopenmp"]
+INCLUDE_DIRS = ["csrc/include", "csrc/torch", "csrc/cpu"]
+
+
+def sources(with_cuda: bool) -> list[str]:
+    """The extension's sources, relative to the repository root: the ``dflash_ext`` ops (``csrc/torch/ops.cpp``, with
+    CUDA ``ops_cuda.cpp`` and ``csrc/cuda/dflash_kernels.cu``) and, on x86-64, every ``csrc/cpu/*.cpp`` (the native
+    CPU kernels, one translation unit per kernel family or instruction set, and their ``dflash_cpu`` bindings;
+    elsewhere the "cpu" backend runs its torch formulas)."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    native = sorted(str(p.relative_to(ROOT)) for p in (CSRC / "cpu").glob("*.cpp")) if x86 else []
+    cuda = ["csrc/torch/ops_cuda.cpp", "csrc/cuda/dflash_kernels.cu"] if with_cuda else []
+    return ["csrc/torch/ops.cpp", *native, *cuda]
 
 _lock = threading.Lock()
 _loaded: bool | None = None  # None = not tried yet
@@ -70,35 +95,38 @@ def _cuda_home() -> str | None:
     return None
 
 
-def _jit_build(verbose: bool = False) -> str:
-    """Build and load the ops with torch.utils.cpp_extension.load (cached). Returns a description."""
+def _jit_build(verbose: bool = False, sanitizer: str | None = None) -> str:
+    """Build and load the ops with torch.utils.cpp_extension.load (cached in ``TORCH_EXTENSIONS_DIR``), with
+    ``-fsanitize=<sanitizer>`` when given (CPU ops only). Returns a description."""
     if not (CSRC / "torch" / "ops.cpp").exists():
         raise RuntimeError(f"the C++ sources are not at {CSRC} (JIT needs a source checkout)")
     cuda_home = _cuda_home()
-    with_cuda = (torch.version.cuda is not None and cuda_home is not None
+    with_cuda = (torch.version.cuda is not None and cuda_home is not None and not sanitizer
                  and os.environ.get("DFLASH_BUILD_CUDA", "auto") != "0")
     if with_cuda and "CUDA_HOME" not in os.environ:
         os.environ["CUDA_HOME"] = cuda_home
     from torch.utils import cpp_extension
 
-    sources = [str(CSRC / "torch" / "ops.cpp")]
     kwargs = {}
     if with_cuda:
         cpp_extension.CUDA_HOME = cuda_home  # torch may have guessed wrong at import
-        sources += [str(CSRC / "torch" / "ops_cuda.cpp"), str(CSRC / "cuda" / "dflash_kernels.cu")]
         archs = re.split(r"[;,\s]+", os.environ.get("DFLASH_CUDA_ARCHS", "90").strip())
         kwargs["extra_cuda_cflags"] = ["-O3"] + [
             f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs if a]
+    sanitize = [f"-fsanitize={sanitizer}", "-fno-omit-frame-pointer", "-g"] if sanitizer else []
+    name = "dflash_kernels_C_" + (sanitizer or ("cuda" if with_cuda else "cpu"))
     cpp_extension.load(
-        name="dflash_kernels_C_cuda" if with_cuda else "dflash_kernels_C_cpu",
-        sources=sources,
-        extra_include_paths=[str(CSRC / "include"), str(CSRC / "torch")],
-        extra_cflags=["-O3"] + (["-DDFLASH_WITH_CUDA=1"] if with_cuda else []),
+        name=name,
+        sources=[str(ROOT / s) for s in sources(with_cuda)],
+        extra_include_paths=[str(ROOT / d) for d in INCLUDE_DIRS],
+        extra_cflags=CXX_FLAGS + sanitize + (["-DDFLASH_WITH_CUDA=1"] if with_cuda else []),
+        extra_ldflags=["-fopenmp"] + sanitize,
         is_python_module=False,
         verbose=verbose,
         **kwargs,
     )
-    return "JIT-built from csrc/ with torch.utils.cpp_extension.load" + (" (with CUDA ops)" if with_cuda else "")
+    how = "JIT-built from csrc/ with torch.utils.cpp_extension.load"
+    return how + (f" under -fsanitize={sanitizer}" if sanitizer else " (with CUDA ops)" if with_cuda else "")
 
 
 def load(jit: bool | None = None, verbose: bool = False) -> tuple[bool, str]:
@@ -114,6 +142,15 @@ def load(jit: bool | None = None, verbose: bool = False) -> tuple[bool, str]:
         if _loaded is not None and not (jit and not _loaded):
             return _loaded, _how
         why = []
+        sanitizer = os.environ.get(SANITIZE_ENV)
+        if sanitizer:  # the sanitized build instead of any other
+            try:
+                _how = _jit_build(verbose=verbose, sanitizer=sanitizer)
+                _loaded = True
+            except Exception as exc:
+                _loaded, _how = False, f"the {SANITIZE_ENV}={sanitizer} JIT build failed: {type(exc).__name__}: {exc}"
+            _status_cache.clear()
+            return _loaded, _how
         try:
             from dflash_kernels import _C  # noqa: F401  (registers torch.ops.dflash_ext.*)
 

@@ -1,24 +1,27 @@
-"""The lean target's forward on the "cpu" backend as one loop of native calls: the CPU's counterpart of a captured
-GPU step.
+"""The lean target's forward on the "cpu" backend as one native call a decoder layer: the CPU's counterpart of a
+captured GPU step, and the one CPU target forward wherever it applies.
 
 Why: a SmolLM2 forward makes ~240 kernel calls (seven a layer and the LM head), and the Python around them (each
 op's argument checks and backend resolution, the output allocations, the ``cpu_linear`` dispatch) cost 11-19 ms of
 a 35-57 ms forward on the project's 2-core CPU: the same forward's native calls, recorded once and called back to
 back with their recorded arguments, take 20-41 ms (``bench/results/2026-12-02-cpu-smollm2-vocab4096.md``). A
 :class:`NativeForward` checks everything once per shape, keeps the activations in buffers of its own, and runs a
-forward as the embedding, the RoPE tables, then per layer seven ctypes calls with prepared arguments: the kernels
-and arguments of the op path (``LeanTarget``'s layer loop), so the same bits.
+forward as the embedding, the RoPE tables, then one ``torch.ops.dflash_cpu.forward_layer`` call a layer
+(``csrc/cpu/forward.cpp``: the layer's seven kernels in C++), the final norm and the LM head: the kernels and
+arguments of the op path (``LeanTarget``'s layer loop), so the same bits.
 
-Applies where the op path would run exactly these kernels: the "cpu" backend, fp32, the native CPU kernels and
-``cpu_linear``'s AMX path available, every projection weight (and the LM head) exactly bf16 (its AMX tiles exist),
-head dim a multiple of 16 (at most 512), no sliding window, nothing watching (no ``torch.compile`` tracing,
-dispatch mode or autograd: those must see the ops), and at most :data:`MAX_ROWS` rows a request (decode, verify
-and tree steps; a long prefill chunk keeps the op path, whose per-call cost is small next to its work).
-Elsewhere ``forward`` returns None and ``LeanTarget`` runs its op path. ``DFLASH_NATIVE_FORWARD=0`` (or
-:func:`set_enabled`) turns it off (A/B runs, tests).
+Each projection takes the route ``cpu_linear.linear`` would take at these rows (``cpu_linear.route``, the one rule):
+the AMX tiles of a bf16-exact weight, the fp32 kernel (AVX-512 or AVX2), or torch's linear (``F.linear``'s
+arithmetic, in C++). Applies where the op path runs the native kernels: the "cpu" backend, fp32, the native CPU
+kernels available (:func:`dflash_kernels.cpu.native.enabled`), head dim a multiple of 16 (at most 512), no sliding
+window, nothing watching (no ``torch.compile`` tracing, dispatch mode or autograd: those must see the ops), and at
+most :data:`MAX_ROWS` rows a request (decode, verify and tree steps; a long prefill chunk keeps the op path, whose
+per-call cost is small next to its work). Elsewhere ``forward`` returns None and ``LeanTarget`` runs its op path.
+``DFLASH_NATIVE_FORWARD=0`` (or :func:`set_enabled`) turns it off (A/B runs, tests).
 
-The weights' AMX tiles are looked up on every forward (``cpu_linear.bf16_tiles``: a dict hit unless a weight was
-updated in place, which repacks it), so an in-place update is seen as on the op path.
+The routes (and the weights' AMX tiles: ``cpu_linear.bf16_tiles``, a dict hit unless a weight was updated in
+place, which repacks it) are looked up on every forward, so an in-place update or a switched setting is seen as on
+the op path.
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ from dflash_kernels.cpu.rope import rope_tables_cpu
 
 ENV = "DFLASH_NATIVE_FORWARD"
 MAX_ROWS = 64
+# cpu_linear.route's answers as forward_layer's route codes (dflash_cpu::Route, csrc/cpu/dflash_cpu.h)
+ROUTES = {"amx": 0, "avx512": 1, "avx2": 2, "torch": 3}
 _on = os.environ.get(ENV, "1") != "0"
 
 
@@ -43,12 +48,33 @@ def set_enabled(enabled: bool) -> bool:
     return before
 
 
-def _blocks(weight) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """(weight, bias) of each row block of a projection: a ``cpu_linear.RowBlocks`` or a plain weight."""
-    if type(weight) is cpu_linear.RowBlocks:
-        biases = weight.biases or (None,) * len(weight.sources)
-        return list(zip(weight.sources, biases))
-    return [(weight, None)]
+class _Projection:
+    """One projection of a layer as ``cpu_linear.linear`` reads it: the tensors its AMX tiles are kept for
+    (``sources``), the weights the other routes read, the biases (None: none) and the fewest rows its fp32 kernel
+    takes (row blocks from one, a plain weight from ``cpu_linear.MIN_ROWS``)."""
+
+    __slots__ = ("sources", "weights", "biases", "sizes", "min_rows")
+
+    def __init__(self, weight, bias=None):
+        if type(weight) is cpu_linear.RowBlocks:
+            self.sources = weight.sources
+            self.weights, self.biases = weight.args
+            self.min_rows = 1
+        else:
+            self.sources, self.weights, self.biases = (weight,), [weight], [bias]
+            self.min_rows = cpu_linear.MIN_ROWS
+        self.sizes = [w.shape[0] for w in self.weights]
+
+    def plan(self, rows: int, out: tuple[list, list, list, list, list]) -> None:
+        """Append this projection's route, block count, tensors, block rows and biases at ``rows`` rows to ``out``
+        (forward_layer's ``routes, nblocks, weights, block_rows, biases``)."""
+        how, tensors = cpu_linear.route(self.sources, self.weights, rows, self.min_rows)
+        routes, nblocks, weights, block_rows, biases = out
+        routes.append(ROUTES[how])
+        nblocks.append(len(tensors))
+        weights += tensors
+        block_rows += self.sizes
+        biases += self.biases
 
 
 class NativeForward:
@@ -68,10 +94,13 @@ class NativeForward:
         self.h, self.x, self.delta = empty(h), empty(h), empty(h)  # residual stream, normed input, sub-block out
         self.qkv, self.attn = empty((self.nh + 2 * self.kvh) * self.d), empty(self.nh * self.d)
         self.gu, self.act = empty(2 * inter), empty(inter)
-        # (weight, bias) blocks of each layer's four projections, then the LM head's
-        self.projections = [(_blocks(lt.qkv[li][0]), [(p.o_weight, p.o_bias)], _blocks(lt.gate_up[li][0]),
-                             [(p.down_weight, p.down_bias)]) for li, p in enumerate(lt.layers)]
-        self.head = [(model.lm_head.weight, model.lm_head.bias)]
+        # each layer's four projections
+        self.projections = [(_Projection(lt.qkv[li][0]), _Projection(p.o_weight, p.o_bias),
+                             _Projection(lt.gate_up[li][0]), _Projection(p.down_weight, p.down_bias))
+                            for li, p in enumerate(lt.layers)]
+        # what autograd would record through (read only with grad mode on)
+        self.parameters = [t for layer in self.projections for proj in layer
+                           for t in (*proj.sources, *proj.biases) if t is not None]
 
     @staticmethod
     def supports(lt) -> bool:
@@ -80,30 +109,21 @@ class NativeForward:
         if lt.backend != "cpu" or d % 16 or d > cpu_native.MAX_HEAD_DIM:
             return False
         if any(type(lt.qkv[li][0]) is not cpu_linear.RowBlocks or type(lt.gate_up[li][0]) is not cpu_linear.RowBlocks
-               or lt.qkv[li][1] is not None or lt.gate_up[li][1] is not None for li in range(len(lt.layers))):
+               or lt.qkv[li][1] is not None or lt.gate_up[li][1] is not None or not lt.qkv[li][0].fast
+               or not lt.gate_up[li][0].fast for li in range(len(lt.layers))):
             return False
         tensors = [lt.k_cache, lt.v_cache, lt.model.model.embed_tokens.weight, lt.model.model.norm.weight]
+        rows_of = []  # weights and biases read with unit stride along their last dimension (cpu_linear's fast path)
         for p in lt.layers:
             tensors += [p.input_norm, p.post_norm] + [t for t in (p.q_norm, p.k_norm) if t is not None]
-        return all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)
+            rows_of += [t for t in (p.o_weight, p.o_bias, p.down_weight, p.down_bias) if t is not None]
+        return (all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)
+                and all(t.dtype == torch.float32 and t.is_cpu and t.stride(-1) == 1 for t in rows_of))
 
     @staticmethod
     def available(n: int, q: int) -> bool:
-        """Whether it runs now at this shape: turned on, the libraries loaded, at most MAX_ROWS rows."""
-        return (_on and 1 <= q <= MAX_ROWS and n >= 1 and cpu_native.library() is not None
-                and cpu_linear.amx_library() is not None)
-
-    @staticmethod
-    def _kernel_args(blocks) -> tuple | None:
-        """``dflash_amx_linear3``'s (tiles, rows, bias) arguments of its three blocks (none past the given ones), or
-        None if a block's weight is not bf16-exact (no tiles)."""
-        args: list = []
-        for w, b in blocks:
-            t = cpu_linear.bf16_tiles(w)
-            if t is None or (b is not None and not (b.dtype == torch.float32 and b.is_contiguous())):
-                return None
-            args += [t.data_ptr(), w.shape[0], None if b is None else b.data_ptr()]
-        return tuple(args) + (None, 0, None) * (3 - len(blocks))
+        """Whether it runs now at this shape: turned on, the native kernels loaded, at most MAX_ROWS rows."""
+        return _on and 1 <= q <= MAX_ROWS and n >= 1 and cpu_native.library() is not None
 
     def forward(self, lt, input_ids: torch.Tensor, start: torch.Tensor, rows: torch.Tensor | None,
                 tree: tuple[torch.Tensor, torch.Tensor] | None, last_logits_only: bool, argmax: bool = False):
@@ -111,8 +131,8 @@ class NativeForward:
         does not apply (nothing written then)."""
         n, q = self.n, self.q
         m, hid = n * q, self.hidden
-        nlib, amx = cpu_native.library(), cpu_linear.amx_library()
-        if nlib is None or amx is None or not unobserved_eager():
+        ops = cpu_native.library()
+        if ops is None or not unobserved_eager(self.parameters):
             return None
         if not (start.dtype == torch.int64 and start.is_contiguous() and start.numel() == n
                 and input_ids.shape == (n, q)):
@@ -130,74 +150,38 @@ class NativeForward:
         # The kernels read private int64 copies of exactly the values checked above (another thread may write the
         # caller's tensors meanwhile; int32 rows would otherwise be read as int64).
         start_t, rows_t = (None if x is None else torch.tensor(x, dtype=torch.int64) for x in (lens, rows))
-        plan = [tuple(self._kernel_args(b) for b in layer) for layer in self.projections]
-        head = self._kernel_args(self.head)
-        if head is None or any(t is None for layer in plan for t in layer):
-            return None
-        words, mask_ptr, depths = 0, None, None
+        mask, depths = None, None
         if tree is not None:
             depths, mask = tree
             mask = mask.contiguous()
             if (mask.shape[:2] != (n, q) or mask.shape[2] * 64 < q or mask.dtype != torch.int64
                     or depths.shape != (n, q)):
                 return None
-            words, mask_ptr = mask.shape[2], mask.data_ptr()
         cos, sin = rope_tables_cpu(lens, q, lt.inv_freq, lt.attention_scaling, torch.float32, depths)
         cos, sin = cos.contiguous(), sin.contiguous()
         if cos.shape != (n * q, self.d) or sin.shape != cos.shape:  # the kernel reads a row per block row
             return None
 
-        threads = torch.get_num_threads()
         model = lt.model
         torch.index_select(model.model.embed_tokens.weight, 0, input_ids.reshape(-1), out=self.h)
         features = self.h.new_empty((n, q, len(lt.layer_ids) * hid)) if lt.layer_ids else None
-        h_view = self.h.view(n, q, hid)  # the residual stream as the taps copy it
-        h, x, delta, qkv, attn, gu, act = (t.data_ptr() for t in (self.h, self.x, self.delta, self.qkv, self.attn,
-                                                                    self.gu, self.act))
-        nh, kvh, d, inter = self.nh, self.kvh, self.d, self.inter
-        width = (nh + 2 * kvh) * d
-        norm, silu, attention = (nlib.dflash_cpu_add_rms_norm_f32, nlib.dflash_cpu_silu_mul_f32,
-                                 nlib.dflash_cpu_block_attention_f32)
-        linear3 = amx.dflash_amx_linear3
-
-        def project(x_ptr, ldx, rows_, k, args, y_ptr):
-            if linear3(x_ptr, ldx, rows_, k, *args, y_ptr, threads):
-                raise MemoryError(f"native_forward: no memory for the split input rows ({rows_} x {k})")
-
-        rows_ptr = None if rows_t is None else rows_t.data_ptr()
-        k_stride = lt.k_cache.stride(0) * 4  # bytes between layers' caches
-        kc0, vc0 = lt.k_cache.data_ptr(), lt.v_cache.data_ptr()
+        columns = None if features is None else features.view(m, -1)
+        qkv, attn = self.qkv.view(n, q, -1), self.attn.view(n, q, self.nh, self.d)
         for li, p in enumerate(lt.layers):
-            qkv_t, o_t, gu_t, down_t = plan[li]
-            if li == 0:
-                norm(h, hid, None, p.input_norm.data_ptr(), x, m, hid, p.input_eps, threads)
-            else:
-                norm(delta, hid, h, p.input_norm.data_ptr(), x, m, hid, p.input_eps, threads)
-            lt.copy_taps(features, lt.taps, li - 1, h_view)
-            project(x, hid, m, hid, qkv_t, qkv)
-            if attention(qkv, q * width, width, qkv + 4 * nh * d, q * width, width, qkv + 4 * (nh + kvh) * d,
-                         q * width, width, kc0 + li * k_stride, vc0 + li * k_stride, cap, start_t.data_ptr(), rows_ptr,
-                         None, None if p.q_norm is None else p.q_norm.data_ptr(),
-                         None if p.k_norm is None else p.k_norm.data_ptr(), p.qk_norm_eps, cos.data_ptr(),
-                         sin.data_ptr(), mask_ptr, words, 1, 1, attn, n, q, nh, kvh, d,
-                         d ** -0.5 if p.scale is None else p.scale, threads):
-                raise MemoryError(f"native_forward: no memory for the attention's scratch ({n} x {q} rows)")
-            project(attn, nh * d, m, nh * d, o_t, delta)
-            norm(delta, hid, h, p.post_norm.data_ptr(), x, m, hid, p.post_eps, threads)
-            project(x, hid, m, hid, gu_t, gu)
-            silu(gu, 2 * inter, act, m, inter, threads)
-            project(act, inter, m, inter, down_t, delta)
+            plan = ([], [], [], [], [])
+            for proj in self.projections[li]:
+                proj.plan(m, plan)
+            # the previous layer's output, copied where it is tapped, after this layer's input norm adds it up
+            taps = [columns[:, t * hid:(t + 1) * hid] for t in lt.taps.get(li - 1, ())]
+            status = ops.forward_layer(self.h, self.x, self.delta, qkv, attn, self.gu, self.act, taps, lt.k_cache[li],
+                                       lt.v_cache[li], start_t, rows_t, cos, sin, mask, p.input_norm, p.input_eps,
+                                       p.post_norm, p.post_eps, p.q_norm, p.k_norm, p.qk_norm_eps,
+                                       self.d ** -0.5 if p.scale is None else p.scale, li == 0, *plan)
+            if status:
+                what = "the attention's scratch" if status == 1 else "a projection's split input rows"
+                raise MemoryError(f"native_forward: not enough memory for {what} ({n} x {q} rows, layer {li})")
         final = model.model.norm
-        norm(delta, hid, h, final.weight.data_ptr(), x, m, hid, final.variance_epsilon, threads)
-        lt.copy_taps(features, lt.taps, len(lt.layers) - 1, h_view)
-        if argmax:  # the screened argmax (one Python call: its few checks are nothing next to the head's work)
-            x_rows = self.x.view(n, q, hid)[:, -1] if last_logits_only else self.x
-            return lt.head(x_rows, True).view(n, -1), features
-        vocab = model.lm_head.weight.shape[0]
-        if last_logits_only:
-            logits = self.h.new_empty((n, 1, vocab))
-            project(x + 4 * (q - 1) * hid, q * hid, n, hid, head, logits.data_ptr())
-        else:
-            logits = self.h.new_empty((n, q, vocab))
-            project(x, hid, m, hid, head, logits.data_ptr())
-        return logits, features
+        ops.add_rms_norm(self.delta, self.h, final.weight, self.x, final.variance_epsilon)
+        lt.copy_taps(features, lt.taps, len(lt.layers) - 1, self.h.view(n, q, hid))
+        x = self.x.view(n, q, hid)
+        return lt.head(x[:, -1:] if last_logits_only else x, argmax), features

@@ -2,6 +2,8 @@
 take them where they apply (and not where they do not), and their results hold the 2x rule against fp64 at the
 shapes the runtime uses (one row, a verify block, a prefill chunk) and at odd ones (a head dim with a tail)."""
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,20 +25,40 @@ def _fixed_seed():
     torch.manual_seed(20261202)
 
 
+class _Wrapped:
+    """``torch.ops.dflash_cpu`` with some ops replaced by wrappers (as ``cpu_native._ops``: patching the torch.ops
+    namespace itself would also route torch's own re-dispatch of a call, e.g. under a TorchFunctionMode, through
+    the wrapper)."""
+
+    def __init__(self, ops, wrappers):
+        self._ops, self._wrappers = ops, wrappers
+
+    def __getattr__(self, name):
+        fn = getattr(self._ops, name)
+        return self._wrappers[name](fn) if name in self._wrappers else fn
+
+
+def _wrap_ops(monkeypatch, wrappers) -> None:
+    """Replace the native ops named in ``wrappers`` (name -> fn -> wrapped fn) for the test (the kernels loaded)."""
+    assert cpu_native.unavailable_reason() is None, "the native CPU kernels must be built here (make install)"
+    monkeypatch.setattr(cpu_native, "_ops", _Wrapped(cpu_native._ops, wrappers))
+
+
 @pytest.fixture
 def calls(monkeypatch):
-    """Count the native entry points' calls (the library loaded first)."""
-    assert cpu_native.unavailable_reason() is None, "the native CPU kernels must build here (Linux x86-64, c++)"
+    """Count the native ops' calls."""
     seen = {"norm": 0, "attention": 0, "silu": 0, "inject": 0}
-    lib = cpu_native._lib
-    for key, name in (("norm", "dflash_cpu_add_rms_norm_f32"), ("attention", "dflash_cpu_block_attention_f32"),
-                      ("silu", "dflash_cpu_silu_mul_f32"), ("inject", "dflash_cpu_inject_kv_f32")):
-        fn = getattr(lib, name)
 
-        def counted(*args, _fn=fn, _key=key):
-            seen[_key] += 1
-            return _fn(*args)
-        monkeypatch.setattr(lib, name, counted)
+    def counter(key):
+        def wrap(fn):
+            def counted(*args):
+                seen[key] += 1
+                return fn(*args)
+            return counted
+        return wrap
+    _wrap_ops(monkeypatch, {name: counter(key) for key, name in (
+        ("norm", "add_rms_norm"), ("attention", "block_attention"), ("silu", "silu_mul"),
+        ("inject", "inject_context_kv"))})
     return seen
 
 
@@ -264,13 +286,13 @@ def test_inject_context_kv_native_not_taken(calls):
 def _race(monkeypatch, kernel_name, lens, new_lens, rows, new_rows):
     """Make the native kernel ``kernel_name`` overwrite ``lens`` and ``rows`` with the new values just before it
     runs: another thread's write landing between the op's checks and the C code."""
-    kernel = getattr(cpu_native._lib, kernel_name)
-
-    def racing(*args):
-        lens.copy_(torch.tensor(new_lens))
-        rows.copy_(torch.tensor(new_rows))
-        return kernel(*args)
-    monkeypatch.setattr(cpu_native._lib, kernel_name, racing)
+    def wrap(kernel):
+        def racing(*args):
+            lens.copy_(torch.tensor(new_lens))
+            rows.copy_(torch.tensor(new_rows))
+            return kernel(*args)
+        return racing
+    _wrap_ops(monkeypatch, {kernel_name: wrap})
 
 
 def test_attention_kernel_reads_the_values_that_were_checked(monkeypatch, calls):
@@ -285,7 +307,7 @@ def test_attention_kernel_reads_the_values_that_were_checked(monkeypatch, calls)
     expected = verify_attention(q, k, v, *undisturbed, torch.tensor([5, 9]), cache_batch_idx=torch.tensor([2, 0]),
                                 **args)
     lens, rows = torch.tensor([5, 9], dtype=torch.int32), torch.tensor([2, 0])
-    _race(monkeypatch, "dflash_cpu_block_attention_f32", lens, [0, 1], rows, [1, 1])
+    _race(monkeypatch, "block_attention", lens, [0, 1], rows, [1, 1])
     kn, vn = kc.clone(), vc.clone()
     out = verify_attention(q, k, v, kn, vn, lens, cache_batch_idx=rows, **args)
     assert lens.tolist() == [0, 1], "the wrapper ran"
@@ -304,7 +326,7 @@ def test_inject_kernel_reads_the_values_that_were_checked(monkeypatch, calls):
     inject_context_kv(*args, torch.tensor([3, 1]), *expected, cache_batch_idx=torch.tensor([2, 0]),
                       inv_freq=_inv_freq(d), backend="cpu")
     lens, rows = torch.tensor([3, 1]), torch.tensor([2, 0], dtype=torch.int32)
-    _race(monkeypatch, "dflash_cpu_inject_kv_f32", lens, [11, 0], rows, [1, 1])
+    _race(monkeypatch, "inject_context_kv", lens, [11, 0], rows, [1, 1])
     inject_context_kv(*args, lens, kc, vc, cache_batch_idx=rows, inv_freq=_inv_freq(d), backend="cpu")
     assert lens.tolist() == [11, 0], "the wrapper ran"
     assert torch.equal(kc, expected[0]) and torch.equal(vc, expected[1])
@@ -322,45 +344,91 @@ def test_attention_scratch_too_large_is_a_memory_error(calls, op):
     assert calls["attention"] == 1
 
 
-_TINY = 'extern "C" int dflash_test_value() { return 7; }'
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        return set(next((line for line in f if line.startswith("flags")), "").split())
 
 
-def test_build_library_refuses_a_cache_others_can_write(tmp_path, monkeypatch):
-    """A cache folder writable by group or others, or owned by another user, is refused with an error naming
-    DFLASH_CACHE and the fix, before anything is compiled or loaded."""
-    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
-    for mode in (0o777, 0o775):
-        tmp_path.chmod(mode)
-        with pytest.raises(RuntimeError, match=r"DFLASH_CACHE.*writable by .*chmod go-w"):
-            cpu_native.build_library("tiny", _TINY, cpu_native.FLAGS)
-    tmp_path.chmod(0o700)
-    sub = tmp_path / "tiny"
-    sub.mkdir(mode=0o700)
-    if os.getuid() == 0:  # only root can hand a folder to another user
-        os.chown(sub, 12345, -1)
-        with pytest.raises(RuntimeError, match=r"DFLASH_CACHE.*owned by uid 12345"):
-            cpu_native.build_library("tiny", _TINY, cpu_native.FLAGS)
-        os.chown(sub, 0, -1)
-    assert cpu_native.build_library("tiny", _TINY, cpu_native.FLAGS).dflash_test_value() == 7
+def test_isas_follow_the_cpu():
+    """The instruction sets the kernels are chosen from at load are the CPU's: AVX-512 (F, BW, DQ, VL) + FMA, AVX2 +
+    FMA and AMX-TILE + AMX-BF16 exactly where /proc/cpuinfo lists them, widest first."""
+    if os.environ.get("DFLASH_CPU_ISA"):
+        pytest.skip("DFLASH_CPU_ISA caps the list")
+    flags = _cpu_flags()
+    want = [isa for isa, needs in (("amx", {"amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512dq", "avx512vl"}),
+                                   ("avx512", {"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma"}),
+                                   ("avx2", {"avx2", "fma"}))
+            if needs <= flags]
+    assert list(cpu_native.isas()) == want
 
 
-def test_build_library_never_loads_a_file_it_did_not_build(tmp_path, monkeypatch):
-    """A library planted under the name of a build (no sidecar; a sidecar for it but the file writable by others;
-    a sidecar whose digest is another file's) is not loaded: the builder rebuilds it. (Each case under its own
-    name: the process never loaded that path before, so dlopen cannot answer from its cache.)"""
-    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
-    lib = cpu_native.build_library("other", _TINY.replace("7", "666"), cpu_native.FLAGS)
-    assert lib.dflash_test_value() == 666
-    (other,) = (tmp_path / "other").glob("*.so")
-    digest = cpu_native._digest(str(other))
-    for case in ("no sidecar", "file writable by others", "digest of another file"):
-        name = "tiny_" + case.replace(" ", "_")
-        _, key, path = cpu_native.library_path(name, _TINY, cpu_native.FLAGS)
-        cpu_native.private_dir(os.path.dirname(path))
-        with open(path, "wb") as f:
-            f.write(other.read_bytes())
-        if case != "no sidecar":
-            with open(f"{path}.sha256", "w") as f:
-                f.write(f"{key} {digest if case == 'file writable by others' else '0' * 64}\n")
-        os.chmod(path, 0o666 if case == "file writable by others" else 0o700)
-        assert cpu_native.build_library(name, _TINY, cpu_native.FLAGS).dflash_test_value() == 7, case
+def test_avx2_build_of_the_vector_kernels():
+    """DFLASH_CPU_ISA=avx2 (as on a CPU without AVX-512): isas() is capped to AVX2 and this file's op tests pass on
+    the AVX2 build of the norm, silu and attention kernels (in a subprocess: the choice is made once, at load)."""
+    if "avx2" not in cpu_native.isas() or os.environ.get("DFLASH_CPU_ISA"):
+        pytest.skip("needs AVX2 + FMA, uncapped")
+    env = {**os.environ, "DFLASH_CPU_ISA": "avx2"}
+    check = ("from dflash_kernels.cpu import linear, native; "
+             "assert native.isas() == ('avx2',) and linear.isa() == 'avx2', (native.isas(), linear.isa())")
+    done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "not avx2_build and not isas_follow"], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
+
+
+def test_native_sources_only_on_x86(monkeypatch):
+    """The extension compiles the native kernels (every csrc/cpu/*.cpp: x86 pragmas and intrinsics) on x86-64 only;
+    elsewhere it builds without them and the "cpu" backend keeps its torch formulas."""
+    import platform
+
+    from dflash_kernels import _ext
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert {"csrc/torch/ops.cpp", "csrc/cpu/bindings.cpp", "csrc/cpu/isa_avx512.cpp"} <= set(_ext.sources(False))
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert _ext.sources(False) == ["csrc/torch/ops.cpp"]
+
+
+def test_bad_isa_cap_is_the_reason(tmp_path):
+    """DFLASH_CPU_ISA naming no instruction set: the kernels are unavailable with the reason, nothing crashes."""
+    check = ("import warnings; warnings.simplefilter('ignore'); from dflash_kernels.cpu import native; "
+             "print(native.unavailable_reason())")
+    done = subprocess.run([sys.executable, "-c", check], env={**os.environ, "DFLASH_CPU_ISA": "sse9"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "DFLASH_CPU_ISA=sse9 is not one of amx, avx512, avx2" in done.stdout, done
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_every_isa_build_holds_the_rule(isa):
+    """Each instruction set's build of the vector kernels (the table the CPU would choose) computes the ops: the
+    fp32 linear of that build against fp64 by the 2x rule (the norm and attention of the widest are covered
+    above)."""
+    if isa not in cpu_native.isas():
+        pytest.skip(f"this CPU lacks {isa}")
+    from dflash_kernels.cpu import linear as cpu_linear
+
+    kernel, got = cpu_linear._build(isa)
+    assert got == isa
+    for k, n, rows in ((576, 960, 8), (17, 33, 3), (1, 1, 2)):
+        x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
+        out = torch.full((rows, n), float("nan"))
+        kernel(x, [w], [b], out)
+        assert_within_rule(out, torch.nn.functional.linear(x.double(), w.double(), b.double()),
+                           torch.nn.functional.linear(x, w, b), f"{isa} K={k} N={n}")
+
+
+def test_without_the_extension_the_torch_formulas_run(monkeypatch):
+    """No compiled extension (DFLASH_BUILD_EXT=0, a failed build): the kernels are off with the reason and one
+    warning, and the "cpu" ops run their torch formulas (bit-equal to the references)."""
+    from dflash_kernels import _ext
+
+    monkeypatch.setattr(_ext, "load", lambda *a, **k: (False, "dflash_kernels._C is not built (test)"))
+    for name, value in (("_ops", None), ("_isas", ()), ("_reason", None), ("_tried", False)):
+        monkeypatch.setattr(cpu_native, name, value)
+    with pytest.warns(RuntimeWarning, match=r"unavailable \(dflash_kernels._C is not built \(test\)\)"):
+        assert not cpu_native.enabled()
+    assert "torch formulas" in cpu_native.unavailable_reason() and cpu_native.library() is None
+    x, w = torch.randn(5, 40), 1 + 0.5 * torch.randn(40)
+    assert torch.equal(add_rms_norm(x, w, 1e-5, backend="cpu"), add_rms_norm_reference(x, w, 1e-5))

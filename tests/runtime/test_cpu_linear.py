@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 from _tol import assert_within_rule  # noqa: E402
 
 from dflash_kernels.cpu import linear as cpu_linear  # noqa: E402
+from dflash_kernels.cpu import native as cpu_native  # noqa: E402
 
 FAST = cpu_linear.available()
 needs_fast = pytest.mark.skipif(not FAST, reason=f"{cpu_linear.unavailable_reason()}")
@@ -39,16 +40,16 @@ def _check(x, w, b=None, what=""):
 def fast_calls(monkeypatch):
     """How many calls reached the compiled kernel."""
     calls = []
-    kernel = cpu_linear._kernel
-
-    def spy(entry):
-        def call(*args):
-            calls.append(args[1])  # rows
-            return entry(*args)
-        return call
-
-    monkeypatch.setattr(cpu_linear, "_kernel", cpu_linear._Kernel(spy(kernel.one), spy(kernel.three)))
+    monkeypatch.setattr(cpu_linear, "_kernel", _spy(cpu_linear._kernel, calls))
     return calls
+
+
+def _spy(kernel, calls: list):
+    """``kernel`` (an op taking x first) recording the rows of x of each call in ``calls``."""
+    def call(x, *args):
+        calls.append(x.numel() // x.shape[-1])
+        return kernel(x, *args)
+    return call
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 16])
@@ -189,7 +190,7 @@ def test_row_blocks_follow_or_refuse_a_block_resized_in_place(fast_calls):
         cpu_linear.linear(x, blocks)
     biases[1].resize_(4)
     assert torch.equal(cpu_linear.linear(x, blocks), cpu_linear.linear(x, cpu_linear.RowBlocks(ws, biases)))
-    assert blocks.args[0] == ws[0].data_ptr() and fast_calls == [3, 3, 3]
+    assert blocks.args[0][0].data_ptr() == ws[0].data_ptr() and fast_calls == [3, 3, 3]
 
 
 def test_row_blocks_bad_input():
@@ -219,12 +220,13 @@ def test_weight_updated_in_place():
         _check(x, lin.weight, lin.bias, "Linear after copy_")
 
 
-def test_unavailable_kernel_falls_back(monkeypatch, tmp_path):
+def test_unavailable_kernel_falls_back(monkeypatch):
+    """Without the compiled kernels (no extension, or a CPU without AVX-512 / AVX2 + FMA: isas() empty) linear is
+    F.linear, with one warning saying why."""
     monkeypatch.setattr(cpu_linear, "_kernel", None)
     monkeypatch.setattr(cpu_linear, "_tried", False)
     monkeypatch.setattr(cpu_linear, "_reason", None)
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_native, "isas", lambda: ())
     with pytest.warns(RuntimeWarning, match="unavailable"):
         assert not cpu_linear.available()
     assert "F.linear" in cpu_linear.unavailable_reason()
@@ -232,15 +234,7 @@ def test_unavailable_kernel_falls_back(monkeypatch, tmp_path):
     torch.testing.assert_close(cpu_linear.linear(x, w), F.linear(x, w))
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
-
-
-@pytest.mark.skipif(not FAST or not {"avx2", "fma"} <= _cpu_flags(), reason="needs the kernel and AVX2 + FMA")
+@pytest.mark.skipif(not FAST or "avx2" not in cpu_native.isas(), reason="needs the kernel and AVX2 + FMA")
 def test_avx2_build(monkeypatch):
     """The AVX2 + FMA build (CPUs without AVX-512, e.g. AMD Zen 3) on this CPU: same rule, every runtime shape."""
     monkeypatch.setattr(cpu_linear, "_kernel", None)
@@ -261,15 +255,15 @@ def test_avx2_build(monkeypatch):
 def test_bad_isa_request(monkeypatch):
     monkeypatch.setenv(cpu_linear.ISA_ENV, "sse2")
     with pytest.raises(RuntimeError, match="not one of"):
-        cpu_linear._pick_isa({"avx2", "fma", "avx512f"})
+        cpu_linear._pick_isa(["avx512", "avx2"])
     monkeypatch.setenv(cpu_linear.ISA_ENV, "avx512")
     with pytest.raises(RuntimeError, match="lacks"):
-        cpu_linear._pick_isa({"avx2", "fma"})
+        cpu_linear._pick_isa(["avx2"])
     monkeypatch.delenv(cpu_linear.ISA_ENV)
-    assert cpu_linear._pick_isa({"avx2", "fma", "avx512f"}) == "avx512"
-    assert cpu_linear._pick_isa({"avx2", "fma"}) == "avx2"
+    assert cpu_linear._pick_isa(["avx512", "avx2", "amx"]) == "avx512"
+    assert cpu_linear._pick_isa(["avx2"]) == "avx2"
     with pytest.raises(RuntimeError, match="neither"):
-        cpu_linear._pick_isa({"sse4_2"})
+        cpu_linear._pick_isa([])
 
 
 @needs_fast
@@ -306,20 +300,13 @@ def _bf16_weight(k: int, n: int) -> torch.Tensor:
 def amx_calls(monkeypatch):
     """The rows of each call that reached the AMX kernel, and of each that reached the fp32 kernel."""
     calls = {"amx": [], "fp32": []}
-    amx = cpu_linear._amx.dflash_amx_linear3
+    amx = cpu_linear._amx
 
-    def counted(*args):
-        calls["amx"].append(args[2])  # rows
-        return amx(*args)
-    monkeypatch.setattr(cpu_linear._amx, "dflash_amx_linear3", counted)
-    kernel = cpu_linear._kernel
-
-    def spy(entry):
-        def call(*args):
-            calls["fp32"].append(args[1])
-            return entry(*args)
-        return call
-    monkeypatch.setattr(cpu_linear, "_kernel", cpu_linear._Kernel(spy(kernel.one), spy(kernel.three)))
+    class Counted:  # torch.ops.dflash_cpu with amx_linear counted
+        def __getattr__(self, name):
+            return _spy(amx.amx_linear, calls["amx"]) if name == "amx_linear" else getattr(amx, name)
+    monkeypatch.setattr(cpu_linear, "_amx", Counted())
+    monkeypatch.setattr(cpu_linear, "_kernel", _spy(cpu_linear._kernel, calls["fp32"]))
     return calls
 
 

@@ -88,23 +88,26 @@ def test_cpu_kernel_backend_equals_reference(monkeypatch, block, tree_budget, bf
     assert cpu_native.unavailable_reason() is None
     if bf16_values and not cpu_linear.amx_active():
         pytest.skip(f"{cpu_linear.amx_unavailable_reason()}")
-    calls = {"dflash_cpu_block_attention_f32": 0, "dflash_cpu_add_rms_norm_f32": 0, "dflash_cpu_silu_mul_f32": 0}
-    for name in calls:
-        fn = getattr(cpu_native._lib, name)
-
-        def counted(*args, _fn=fn, _name=name):
-            calls[_name] += 1
-            return _fn(*args)
-        monkeypatch.setattr(cpu_native._lib, name, counted)
+    calls = {"block_attention": 0, "add_rms_norm": 0, "silu_mul": 0}
     if bf16_values:  # the projections, and the greedy verify's LM head argmax (cpu_linear.linear_argmax's screen)
-        for name in ("dflash_amx_linear3", "dflash_amx_argmax"):
-            calls[name] = 0
-            fn = getattr(cpu_linear._amx, name)
+        calls |= {"amx_linear": 0, "amx_argmax": 0}
 
-            def counted_amx(*args, _fn=fn, _name=name):
-                calls[_name] += 1
-                return _fn(*args)
-            monkeypatch.setattr(cpu_linear._amx, name, counted_amx)
+    class Counted:  # torch.ops.dflash_cpu with the ops of `calls` counted
+        def __init__(self, ops):
+            self._ops = ops
+
+        def __getattr__(self, name):
+            fn = getattr(self._ops, name)
+            if name not in calls:
+                return fn
+
+            def counted(*args):
+                calls[name] += 1
+                return fn(*args)
+            return counted
+    monkeypatch.setattr(cpu_native, "_ops", Counted(cpu_native._ops))
+    if bf16_values:
+        monkeypatch.setattr(cpu_linear, "_amx", Counted(cpu_linear._amx))
     torch.manual_seed(block)
     target = make_target("qwen3" if block % 2 else "llama", vocab=VOCAB, hidden=64)
     draft = make_draft(target, layers=2, block_size=block, mask_token_id=VOCAB - 1)

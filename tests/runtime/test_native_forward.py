@@ -1,5 +1,6 @@
-"""``dflash_kernels.cpu.forward``: the lean target's "cpu" forward as one loop of native calls equals the op path bit for
-bit (logits, tapped features, both caches), and steps aside wherever the op path must run."""
+"""``dflash_kernels.cpu.forward``: the lean target's "cpu" forward as one native call a layer equals the op path bit for
+bit (logits, tapped features, both caches) on every projection route (AMX where the CPU has it, the fp32 kernel of each
+instruction set, torch's linear), and steps aside wherever the op path must run."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -11,9 +12,8 @@ from dflash_kernels.cpu import native as cpu_native
 
 from tiny_models import make_target
 
-pytestmark = pytest.mark.skipif(
-    not (cpu_linear.amx_active() and cpu_native.library() is not None),
-    reason=cpu_linear.amx_unavailable_reason() or cpu_native.unavailable_reason() or "native kernels off")
+pytestmark = pytest.mark.skipif(cpu_native.library() is None,
+                                reason=cpu_native.unavailable_reason() or "native kernels off")
 
 HIDDEN, VOCAB, CAP = 64, 96, 80  # head dim 16: the native attention's unit
 
@@ -26,7 +26,7 @@ def target(request):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
-            p.copy_(p.bfloat16().float())  # every weight a bf16 value: the AMX path's condition
+            p.copy_(p.bfloat16().float())  # every weight a bf16 value: the AMX path's condition (where there is AMX)
     return model
 
 
@@ -130,9 +130,29 @@ def test_argmax_head_is_the_logits_argmax(target, native):
     assert native == [True] * 8  # turned off, it is not even tried
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_each_fp32_kernel_route_bit_equal(target, native, monkeypatch, isa):
+    """With the AMX path off, the projections of 2-16 rows take the fp32 kernel of the instruction set cpu_linear
+    loaded (DFLASH_CPU_LINEAR_ISA), below and above it torch's linear: the native forward follows, bit for bit."""
+    if isa not in cpu_native.isas():
+        pytest.skip(f"this CPU lacks {isa}")
+    kernel, got = cpu_linear._build(isa)
+    for name, value in (("_kernel", kernel), ("_isa", got), ("_tried", True)):
+        monkeypatch.setattr(cpu_linear, name, value)
+    monkeypatch.setattr(cpu_linear, "_amx_on", False)
+    g = torch.Generator().manual_seed(5)
+    for rows in (1, 5, 16, 17):
+        a, b = _pair(target)
+        ids = torch.randint(0, VOCAB, (1, rows), generator=g)
+        _assert_same(_forward(a, True, ids, torch.tensor([0]), rows), _forward(b, False, ids, torch.tensor([0]), rows),
+                     a, b)
+    assert native == [True] * 4
+
+
 def test_steps_aside(target, native):
-    """Where the op path must run: a weight that is not bf16-exact (no AMX tiles), a dispatch mode watching the
-    calls and more than MAX_ROWS rows; a block past the cache is refused before either runs."""
+    """Where the op path must run: a dispatch mode watching the calls and more than MAX_ROWS rows; a block past the
+    cache is refused before either runs. A weight that is not bf16-exact (no AMX tiles) takes the fp32 kernel on
+    both paths: the same bits."""
     lt = _pair(target)[0]
     ids = torch.randint(0, VOCAB, (1, 8))
     with torch.inference_mode():
@@ -154,7 +174,7 @@ def test_steps_aside(target, native):
         a, b = _pair(target)
         got = _forward(a, True, ids, torch.tensor([0]), 8)
         want = _forward(b, False, ids, torch.tensor([0]), 8)
-        assert native[-1] is False
+        assert native[-1] is True
         _assert_same(got, want, a, b)
     finally:
         with torch.no_grad():

@@ -202,7 +202,7 @@ def unobserved_eager(tensors=()) -> bool:
     """Whether nothing above plain eager execution watches the calls made now: no ``torch.compile`` tracing,
     no ``TorchDispatchMode`` (the graph emulator of ``dflash.graphs``, FakeTensor, the traffic accountant's
     counter) and no autograd recording through ``tensors`` (an iterable, only read with grad mode on). Only
-    then may a call skip the dispatcher (a ctypes kernel, an op's Python body): every watcher above needs to
+    then may a call skip the dispatcher (a native kernel called directly, an op's Python body): every watcher above needs to
     see the registered op."""
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return False

@@ -40,8 +40,8 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, cpu_kernels, environment, fmt, out_dir, parse_ints, table, write_csv  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "tests" / "kernels"))
-from _tol import assert_within_rule  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' helpers package
+from helpers.tol import assert_within_rule  # noqa: E402
 
 from dflash_kernels.cpu import linear as cpu_linear  # noqa: E402
 

@@ -3,16 +3,13 @@ its CSV, so the scripts cannot rot. Timings are not checked (see bench/README.md
 from __future__ import annotations
 
 import csv
-import importlib
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
+from helpers.bench import bench_module
 
 
 def _rows(path: Path) -> list[dict]:
@@ -24,7 +21,7 @@ def _rows(path: Path) -> list[dict]:
 
 
 def test_draft_latency_smoke(tmp_path, capsys):
-    import draft_latency
+    draft_latency = bench_module("draft_latency")
 
     assert draft_latency.main(["--device", "cpu", "--models", "tiny", "--contexts", "48", "--blocks", "1,4",
                                "--warmup", "1", "--reps", "3", "--budget", "0.05", "--out", str(tmp_path)]) == 0
@@ -92,7 +89,7 @@ def test_draft_latency_through_cli_writes_csv_and_png(tmp_path):
 def test_step_latency_through_cli(tmp_path):
     """Both steps timed eagerly on the tiny pair, each row next to the accountant's prediction for the
     same configuration; graph rows say they are unavailable on CPU but still carry the prediction."""
-    import traffic
+    traffic = bench_module("traffic")
 
     from dflash import cli
 
@@ -130,7 +127,7 @@ def _smollm2_bench_table(script: str, argv: list[str], out) -> tuple[str, list[s
 
     if smollm2.unavailable_reason():
         pytest.skip(smollm2.unavailable_reason())
-    module = importlib.import_module(script)
+    module = bench_module(script)
     assert module.main([*argv, "--out", str(out)]) == 0
     text = out.read_text(encoding="utf-8")
     cells = _markdown_cells(text)
@@ -159,7 +156,7 @@ def test_tree_bench_prompt_sets_and_sampling(tmp_path):
     """--prompt-set picks the prompts (natural by default) and the header names the set; sampled runs (temperature
     0.7, top-p 0.9) report τ and speed with "n/a" for identity; a bad set or count is refused before any model
     loads."""
-    import tree
+    tree = bench_module("tree")
     from dflash.train.natural_prompts import natural_eval_prompts
     from dflash.train.prompts import eval_prompts
 
@@ -187,7 +184,7 @@ def test_tree_bench_compares_drafts(tmp_path):
 
     if smollm2.unavailable_reason():
         pytest.skip(smollm2.unavailable_reason())
-    import tree
+    tree = bench_module("tree")
 
     other = tmp_path / "other-draft"
     shutil.copytree(tree.DRAFT, other)

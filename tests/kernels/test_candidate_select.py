@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from dflash_kernels.candidate_select import candidate_select, candidate_select_reference, top_k_candidates
-from _device import DEVICE
-from _tol import chi2
+from helpers.device import DEVICE
+from helpers.tol import chi2
 
 BACKENDS = ["torch", "triton", pytest.param("cpu", marks=pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only"))]
 # (N, P, V, r, k): k = V, k = 1, odd rank, a vocabulary over several tiles, empty batches

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from dflash_kernels.dynamic_conv import grouped_dynamic_conv, grouped_dynamic_conv_reference
-from _device import DEVICE
-from _tol import assert_within_rule
+from helpers.device import DEVICE
+from helpers.tol import assert_within_rule
 
 BACKENDS = ["torch", "triton", pytest.param("cpu", marks=pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only"))]
 DTYPES = [torch.float32, torch.bfloat16]

@@ -4,7 +4,7 @@ import torch
 from dflash_kernels import gate_up_silu
 from dflash_kernels import gated_mlp
 from dflash_kernels.gated_mlp import MAX_FUSED_ROWS, gate_up_silu_cost, gate_up_silu_reference
-from _tol import assert_within_rule
+from helpers.tol import assert_within_rule
 
 BACKENDS = ["torch", "triton"]
 DTYPES = [torch.float32, torch.bfloat16]

@@ -8,10 +8,10 @@ from dflash_kernels import verify_attention
 
 from dflash_kernels.cpu import native as cpu_native
 from dflash_kernels._triton_utils import rope_cos_sin_reference
-from _caches import random_block_table, to_paged
-from _splits import assert_slots, da, nan_partials
-from _device import DEVICE
-from _tol import assert_within_rule
+from helpers.caches import random_block_table, to_paged
+from helpers.splits import assert_slots, da, nan_partials
+from helpers.device import DEVICE
+from helpers.tol import assert_within_rule
 
 BACKENDS = ["torch", "triton", pytest.param("cpu", marks=pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only"))]
 

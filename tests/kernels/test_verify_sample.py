@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from _tol import chi2
+from helpers.tol import chi2
 from dflash_kernels import verify
 from dflash_kernels.verify import filter_logits_reference, verify_sample
 

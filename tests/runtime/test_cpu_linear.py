@@ -2,18 +2,14 @@
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
-from _tol import assert_within_rule  # noqa: E402
-
-from dflash_kernels.cpu import linear as cpu_linear  # noqa: E402
+from dflash_kernels.cpu import linear as cpu_linear
+from helpers.tol import assert_within_rule
 
 FAST = cpu_linear.available()
 needs_fast = pytest.mark.skipif(not FAST, reason=f"{cpu_linear.unavailable_reason()}")

@@ -16,7 +16,7 @@ from dflash.dflash2 import GroupedDynamicCausalConv
 from dflash.draft import RMSNorm
 
 from test_speculators import write_speculators
-from tiny_models import VOCAB, make_draft, make_target
+from helpers.tiny_models import VOCAB, make_draft, make_target
 
 D2 = DFlash2Settings(conv_kernel_size=3, conv_group_size=8, selector_rank=12, selector_top_k=6)
 

@@ -8,7 +8,7 @@ import torch
 
 from dflash import DFlashDraftModel, generate
 
-from tiny_models import make_draft, make_target
+from helpers.tiny_models import make_draft, make_target
 
 SEED = 1234
 

@@ -7,7 +7,7 @@ import torch
 
 from dflash.engine import DFlashEngine
 from dflash.sampling import SamplingParams
-from tiny_models import make_draft, make_target
+from helpers.tiny_models import make_draft, make_target
 
 
 def engine_pair(sampling: SamplingParams, stops):

@@ -11,7 +11,7 @@ import dflash.engine as engine_module
 from dflash import generate
 from dflash.sampling import SamplingParams
 from dflash.engine import DFlashEngine
-from tiny_models import make_draft, make_target
+from helpers.tiny_models import make_draft, make_target
 
 
 def fast(*args, **kwargs):

@@ -12,7 +12,7 @@ import torch
 
 from dflash import generate
 from dflash.engine import DFlashEngine
-from tiny_models import make_draft, make_target
+from helpers.tiny_models import make_draft, make_target
 
 VOCAB = 6
 

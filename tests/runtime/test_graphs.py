@@ -17,7 +17,7 @@ from dflash import generate
 from dflash.engine import DFlashEngine
 from dflash.graphs import GraphCaptureError, capture, record
 from dflash_kernels import add_rms_norm, verify_sample
-from tiny_models import make_draft, make_target
+from helpers.tiny_models import make_draft, make_target
 
 
 # ------------------------------------------------------------------------------------ the emulator

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from dflash.merged_linear import merged_weight
-from tests.runtime.tiny_models import make_target
+from helpers.tiny_models import make_target
 
 
 def _merge_layers(model):

@@ -9,7 +9,7 @@ from dflash.lean_target import LeanTarget
 from dflash_kernels import build_tree, tree_ancestor_mask
 from dflash_kernels.cpu import native as cpu_native
 
-from tiny_models import make_target
+from helpers.tiny_models import make_target
 
 pytestmark = pytest.mark.skipif(
     not (cpu_linear.amx_active() and cpu_native.library() is not None),

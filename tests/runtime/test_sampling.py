@@ -11,7 +11,7 @@ import torch
 import dflash.reference as reference_module
 from dflash import generate
 from dflash.sampling import sampling_probs
-from tiny_models import make_draft, make_target
+from helpers.tiny_models import make_draft, make_target
 
 # Every sample here is drawn from fixed seeds (models: MODEL_SEED; draws: seed=i, generator seed 0), so
 # each statistic is the same on every run. The critical value sits at a false-rejection rate of about

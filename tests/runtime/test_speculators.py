@@ -14,7 +14,7 @@ from transformers import Qwen3Config
 
 from dflash import DFlashDraftModel, generate
 
-from tiny_models import make_draft, make_target
+from helpers.tiny_models import make_draft, make_target
 
 SEED = 4321
 

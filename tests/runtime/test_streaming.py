@@ -8,7 +8,7 @@ import torch
 
 from dflash import generate
 from dflash.zlab_cli import TextStreamer
-from tiny_models import make_draft, make_target
+from helpers.tiny_models import make_draft, make_target
 
 
 @pytest.mark.parametrize("backend", ["reference", "fast"])

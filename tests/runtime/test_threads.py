@@ -14,7 +14,7 @@ import torch
 
 import dflash.engine as engine_module
 from dflash import generate
-from tiny_models import make_draft, make_target
+from helpers.tiny_models import make_draft, make_target
 
 THREADS, CALLS = 3, 4
 

@@ -26,7 +26,7 @@ from dflash.sampling import sampling_probs
 from test_draft_vocab import SEED, subset_draft
 from test_fast_vs_reference import VOCAB, make_pair
 from test_sampling import chi2_rejects, exact_target_distribution
-from tiny_models import make_draft, make_target
+from helpers.tiny_models import make_draft, make_target
 
 # (block size, budget): budgets 1..64 (each at most the distinct sequences a 6-token draft has), blocks 2..64.
 CASES = [(2, 1), (2, 6), (3, 17), (4, 64), (5, 8), (8, 64), (16, 32), (64, 40)]

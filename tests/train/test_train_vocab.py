@@ -7,7 +7,7 @@ import torch
 from dflash.model import DFlashDraftModel
 from dflash.train import main as train_main
 from dflash.train.vocab import choose_subset, coverage_of, response_token_counts, with_draft_vocab
-from tests.runtime.tiny_models import make_draft, make_target
+from helpers.tiny_models import make_draft, make_target
 
 
 def _records():

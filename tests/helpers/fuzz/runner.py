@@ -21,7 +21,8 @@ import sys
 import time
 from collections import deque
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
+# The worker runs as ``python -m helpers.fuzz.worker`` with tests/ (the folder that holds ``helpers``) on its path.
+TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # A case that runs longer than this is a hang (an unbounded loop or allocation); the slowest CI case (a Triton
 # kernel under the interpreter) takes a few seconds.
 CASE_TIMEOUT_S = float(os.environ.get("DFLASH_FUZZ_CASE_TIMEOUT", "20"))
@@ -39,9 +40,11 @@ class Worker:
 
     def _start(self) -> None:
         read_fd, write_fd = os.pipe()
-        env = dict(os.environ, DFLASH_FUZZ_RESULT_FD=str(write_fd), PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, WORKER], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, pass_fds=(write_fd,), env=env, text=True)
+        python_path = os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))
+        env = dict(os.environ, DFLASH_FUZZ_RESULT_FD=str(write_fd), PYTHONUNBUFFERED="1", PYTHONPATH=python_path)
+        self.proc = subprocess.Popen([sys.executable, "-m", "helpers.fuzz.worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=(write_fd,), env=env,
+                                     text=True)
         os.close(write_fd)
         self.results = os.fdopen(read_fd, "r")
         os.set_blocking(self.proc.stderr.fileno(), False)

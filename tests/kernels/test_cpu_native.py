@@ -18,11 +18,6 @@ from helpers.tol import assert_within_rule
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only")
 
 
-@pytest.fixture(autouse=True)
-def _fixed_seed():
-    torch.manual_seed(20261202)
-
-
 @pytest.fixture
 def calls(monkeypatch):
     """Count the native entry points' calls (the library loaded first)."""

@@ -387,7 +387,6 @@ BLOCK_LENS_CASES = [  # n, b, nh, kvh, d, context lengths, block_lens, paged
 def test_block_lens_equals_the_shorter_block(backend, dtype, case, window, causal):
     """block_lens[n] = v: rows i < v equal an fp64 run on the literal v-row block [:, :v] (2x rule). The
     block K/V rows >= v are NaN-filled (they must not be read), and every output row stays finite."""
-    torch.manual_seed(20240611)
     n, b, nh, kvh, d, lens, blens, paged = case
     q, k, v, kc, vc, cl, qw, kw = _case(n, b, nh, kvh, d, lens, dtype)
     k_nan, v_nan = k.clone(), v.clone()

@@ -12,11 +12,6 @@ SHAPES = [(2, 5, 24, 3, 6), (3, 7, 40, 4, 8), (1, 2, 12, 5, 12), (2, 16, 96, 4, 
           (3, 1, 8, 3, 2), (1, 3, 1030, 2, 10)]
 
 
-@pytest.fixture(autouse=True)
-def _fixed_seed():
-    torch.manual_seed(20261204)
-
-
 def _inputs(n, b, h, k, g, dtype, strided=False):
     """x, the dynamic kernels of one side and base; ``strided``: x rows of a wider buffer, the kernels a side of
     one [N, B, 2, K, H/G] projection output (what the engine passes)."""

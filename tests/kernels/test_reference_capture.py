@@ -12,11 +12,6 @@ from helpers.splits import da
 from helpers.tol import assert_within_rule
 
 
-@pytest.fixture(autouse=True)
-def _fixed_seed():
-    torch.manual_seed(31337)
-
-
 def _inv_freq(d):
     return 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
 

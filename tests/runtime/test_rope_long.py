@@ -24,7 +24,6 @@ def official_cos_sin(draft: DraftModel, dtype: torch.dtype) -> tuple[torch.Tenso
 
 
 def _draft() -> DraftModel:
-    torch.manual_seed(0)
     return make_draft(make_target("qwen3"), layers=1, block_size=4)
 
 

@@ -237,7 +237,7 @@ def _cpu_flags() -> set[str]:
 
 
 @pytest.mark.skipif(not FAST or not {"avx2", "fma"} <= _cpu_flags(), reason="needs the kernel and AVX2 + FMA")
-def test_avx2_build(monkeypatch):
+def test_avx2_build(monkeypatch, seed):
     """The AVX2 + FMA build (CPUs without AVX-512, e.g. AMD Zen 3) on this CPU: same rule, every runtime shape."""
     monkeypatch.setattr(cpu_linear, "_kernel", None)
     monkeypatch.setattr(cpu_linear, "_tried", False)
@@ -249,7 +249,7 @@ def test_avx2_build(monkeypatch):
             _check(torch.randn(rows, k), _weight(k, n), torch.randn(n) if rows % 2 else None, f"avx2 {name} {rows}")
     for name in BLOCKS:
         for rows in (1, 9):
-            test_row_blocks_are_the_stacked_weight(name, rows)
+            test_row_blocks_are_the_stacked_weight(name, rows, seed)
     for k, n in [(1, 1), (5, 3), (17, 33), (577, 61)]:
         _check(torch.randn(9, k), torch.randn(n, k), torch.randn(n), f"avx2 K={k} N={n}")
 

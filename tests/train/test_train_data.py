@@ -36,7 +36,7 @@ def test_generate_batch_matches_greedy_and_feature_pass(seed):
     assert recs[0]["ids"][len(prompts[0]):].tolist() == [stop]
 
 
-def test_generate_batch_known_equals_greedy_with_wrong_known_responses(seed):
+def test_generate_batch_known_equals_greedy_with_wrong_known_responses():
     """Known responses that are right, wrong in the middle, too short, empty, or another model's greedy
     output are checked by one teacher-forced pass: every stored response is the target's own greedy
     continuation and its features equal the clean feature pass (rows a wrong response left unfinished
@@ -45,6 +45,9 @@ def test_generate_batch_known_equals_greedy_with_wrong_known_responses(seed):
 
     from dflash.train.data import generate_batch_known
 
+    # Fixed seeds: the draw must hold each case the test names (a perturbed model whose greedy output differs,
+    # responses that stop and that do not), which a random draw need not give (the node seed 1413207546 did not).
+    torch.manual_seed(3)
     target = tiny_target(layers=4)
     with torch.no_grad():
         for name, w in target.named_parameters():
@@ -54,7 +57,7 @@ def test_generate_batch_known_equals_greedy_with_wrong_known_responses(seed):
     with torch.no_grad():
         for w in other.model.layers[2].parameters():
             w.add_(0.1 * torch.randn_like(w) * w.abs().mean())
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(4, V, (n,), generator=g).tolist() for n in (5, 1, 9, 3, 7)]
     stop = 7
 

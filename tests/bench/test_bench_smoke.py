@@ -57,8 +57,9 @@ def test_kernels_smoke_through_cli(tmp_path, capsys):
     assert "not timed on CPU" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_e2e_smoke(tmp_path):
-    import e2e
+    e2e = bench_module("e2e")
 
     assert e2e.main(["--device", "cpu", "--model", "smoke", "--pairs", "random,oracle-3,smollm2", "--block", "4",
                      "--prompt-len", "8", "--max-new", "12", "--out", str(tmp_path)]) == 0
@@ -152,6 +153,7 @@ def test_tree_bench_smoke(tmp_path, capsys):
     assert "shipped draft" in text
 
 
+@pytest.mark.slow
 def test_tree_bench_prompt_sets_and_sampling(tmp_path):
     """--prompt-set picks the prompts (natural by default) and the header names the set; sampled runs (temperature
     0.7, top-p 0.9) report τ and speed with "n/a" for identity; a bad set or count is refused before any model
@@ -178,6 +180,7 @@ def test_tree_bench_prompt_sets_and_sampling(tmp_path):
     assert not (tmp_path / "never.md").exists()
 
 
+@pytest.mark.slow
 def test_tree_bench_compares_drafts(tmp_path):
     """Two drafts in one run: each gets its chain and budgets, labelled by folder, vs_chain against its own chain."""
     from dflash import smollm2
@@ -218,6 +221,7 @@ def test_cpu_forward_bench_smoke(tmp_path):
     assert "MiB" in text and os.environ.get("DFLASH_CPU_NATIVE") is None
 
 
+@pytest.mark.slow
 def test_greedy_head_bench_smoke(tmp_path):
     """bench/greedy_head.py at its smallest: two row counts, one rep, a short context; both heads timed (the run
     itself asserts the screened argmax equals the logits' argmax)."""
@@ -228,6 +232,7 @@ def test_greedy_head_bench_smoke(tmp_path):
                for r in rows), text
 
 
+@pytest.mark.slow
 def test_first_call_bench_smoke(tmp_path):
     """bench/first_call.py at its smallest: one round of fresh processes (HF, trees of 3), a few tokens; outputs
     identical, the table written."""

@@ -49,6 +49,7 @@ def steps(out: Path) -> list[dict]:
         return [dict(zip(("step", "status", "seconds", "note"), row)) for row in csv.reader(f, delimiter="\t")]
 
 
+@pytest.mark.slow
 def test_dry_run(tmp_path):
     """The CPU dry run: the caps add up to the budget, every step after the build runs and writes rows while it
     runs (the rows journal), the commit comes from DFLASH_COMMIT, at most 8 files come back, the summary is last."""

@@ -139,6 +139,7 @@ def _write_shard(folder, n_seqs, seed, taps=(1, 27), hidden=576):
     torch.save(recs, os.path.join(folder, "shard_00000.pt"))
 
 
+@pytest.mark.slow
 def test_fit_resumed_one_step_at_a_time_equals_uninterrupted(tmp_path):
     """`dflash train fit` stopped after every step (``--max-minutes 0``) and resumed each time ends with
     the same weights, bit for bit, as one uninterrupted run: model, optimizer, RNGs and the epoch's

@@ -1,6 +1,6 @@
 """Shared helpers of the benchmarks: device choice, timing, measured ceilings, tables, CSV.
 
-Method (see the issue): warm up, then the median of many timed repetitions; on CUDA each
+Method (bench/README.md): warm up, then the median of many timed repetitions; on CUDA each
 repetition is timed with CUDA events (graph replays where a graph exists); the floors we divide by
 are measured in the same run (a large device copy for bandwidth, a large matrix product for the
 arithmetic rate), never taken from a datasheet; inputs are random, never zeros.

@@ -1,4 +1,4 @@
-"""Where one SmolLM2 target forward's time goes on the CPU (issue 13): the lean forward at 1 / 8 / 16 rows, whole and
+"""Where one SmolLM2 target forward's time goes on the CPU: the lean forward at 1 / 8 / 16 rows, whole and
 with one part replaced by a stand-in, with the native CPU kernels on and off and ``cpu_linear``'s AMX path on and
 off, in one run.
 
@@ -10,7 +10,7 @@ projections incl. the LM head: ``cpu_linear``; the attention: ``verify_attention
 calls: ``add_rms_norm``, which still does the residual add). The parts interact (a forward without its weight
 streaming keeps the KV cache in L3, for one), so their costs need not add up to the whole; "without projections"
 is everything else measured directly. The configurations run interleaved, rep by rep; each cell is a median over
-reps (this machine's speed drifts by 10-20 %: a difference under ~2 ms is noise).
+reps (a shared machine's speed can drift by 10-20 %: a difference under ~2 ms is noise).
 
 Floor: the bytes of the weights a forward reads (every projection and the LM head: fp32, or bf16 tiles on the AMX
 path) over the read bandwidth measured here (``torch.dot`` of a 1 GiB vector with itself, larger than the L3, 2

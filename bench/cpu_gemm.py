@@ -1,4 +1,4 @@
-"""CPU skinny GEMMs of SmolLM2-135M in fp32 (issue 13, item 2): candidates per projection shape and rows.
+"""CPU skinny GEMMs of SmolLM2-135M in fp32: candidates per projection shape and rows.
 
 usage: python bench/cpu_gemm.py [--threads 2] [--rows 1,2,4,8,16] [--out bench/results] [--parts gemm,e2e]
 

@@ -1,5 +1,5 @@
 """The SmolLM2 demo pair on the CPU, step by step: HF ``generate``, our autoregressive decoding (``block_size=1``)
-and DFlash, for each kernel backend, interleaved in one process (issue 13).
+and DFlash, for each kernel backend, interleaved in one process.
 
 Each rep runs, in order, HF ``target.generate``, then for every ``--backends`` entry our autoregressive decoding
 and DFlash at ``--block`` (default: the draft's), all greedy on the demo's default prompt, each after its own

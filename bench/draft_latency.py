@@ -8,7 +8,7 @@ the B-1 proposal rows, argmax. Providers, timed side by side in one run on the s
               prefilled to `context` rows, then LM head + argmax: the official loop's draft call.
               It gets B new context rows per step, like the fast step's static shape.
   fast-eager  DFlashEngine.draft_step() with use_cuda_graphs=False (kernel backend "auto" on GPU:
-              Triton/CUDA kernels; on CPU the ops' PyTorch references, backend "torch").
+              Triton/CUDA kernels; on CPU the ops' eager CPU bodies, backend "cpu").
   fast-graph  the same step captured once per (batch, block) as a CUDA graph, timed by replays.
               GPU only: on CPU every row says it is unavailable.
 

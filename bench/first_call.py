@@ -1,4 +1,4 @@
-"""The very first call of a fresh process (issue 13: "first call included"): HF ``generate`` vs ``dflash.generate``
+"""The very first call of a fresh process, what a user's one generation pays: HF ``generate`` vs ``dflash.generate``
 on the SmolLM2 demo pair, each in its own new Python process, alternated.
 
 A user who runs one generation pays everything a warm benchmark hides: the lazy first-use work of both libraries

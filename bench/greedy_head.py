@@ -1,4 +1,4 @@
-"""The greedy verify's LM head on the CPU (issue 14): a SmolLM2 target forward whose head returns logits (then
+"""The greedy verify's LM head on the CPU: a SmolLM2 target forward whose head returns logits (then
 their argmax by NumPy, as ``verify_greedy``'s "cpu" backend takes it) against one whose head returns the argmax
 itself (``cpu_linear.linear_argmax``: one AMX tile product a step screens the vocabulary, only the 16-column
 groups a proven bound cannot rule out are computed exactly), at several row counts, in one run.

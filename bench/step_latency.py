@@ -1,4 +1,4 @@
-"""Draft and verify step latency, measured, next to the traffic accountant's H200 prediction (issue 12).
+"""Draft and verify step latency, measured, next to the traffic accountant's H200 prediction.
 
 For a random pair of bench/traffic.py's MODELS (default on CUDA: qwen3-8b, all 36 target layers and the
 5-layer b16 draft in bf16, ~18 GB of weights; batch 8 at a 32k context adds ~44 GB of caches, so an

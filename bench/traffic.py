@@ -1,5 +1,5 @@
 """Traffic and launch accountant: what one draft step and one verify step of ``DFlashEngine`` cost on a
-GPU, counted without one (issue 12, item 1).
+GPU, counted without one.
 
 The engine is built for a real configuration on the ``meta`` device (no weights, no caches are
 allocated), the engine state is set to `context` cached rows per request, and each step runs once
@@ -119,7 +119,7 @@ MODELS = {
                  vocab=512, draft_layers=2, draft_inter=128, mask_token_id=510, rope_theta=1e6),
 }
 # DFlash2 drafts (``--draft dflash2``): the DFlash draft's body above plus DFlash2's convolutions and selector, at
-# these settings. Assumed: the published Qwen3-8B DFlash2 config was not readable from here; these are the defaults
+# these settings. Assumed (no published Qwen3-8B DFlash2 config at hand): these are the defaults
 # of speculators' DFlash2SpeculatorConfig (dflash.speculators.DFLASH2_DEFAULTS: K 2, G 16, rank 256, top-k 16).
 DRAFTS = ("dflash", "dflash2")
 DTYPE = torch.bfloat16
@@ -481,7 +481,7 @@ def summarize(engine, step: str, context: int, mode: Accountant, launch_us: floa
     }
 
 
-# The issue's goals (issue 12): the numbers to move toward.
+# The goals per step (bytes / floor, launches per layer and outside the layers): the numbers to move toward.
 GOALS = {"verify": dict(ratio=1.10, per_layer=12, outside=None), "draft": dict(ratio=1.05, per_layer=12, outside=8)}
 
 

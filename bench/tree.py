@@ -1,5 +1,4 @@
-"""HF ``generate`` vs chain vs tree DFlash (issues 13, 14) on the SmolLM2 demo pair on this machine: τ and
-tokens/s, one run.
+"""HF ``generate`` vs chain vs tree DFlash on the SmolLM2 demo pair: τ and tokens/s, one run.
 
 Target SmolLM2-135M-Instruct and the shipped draft (dflash/assets/smollm2-135m-dflash, B = 8; ``--draft``
 another folder, or several: each runs the chain and every budget in the same rotation, to choose a draft by

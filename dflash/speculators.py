@@ -2,8 +2,8 @@
 
 Schema read from vllm-project/speculators ``src/speculators/models/dflash/{config,core}.py``,
 ``src/speculators/model.py`` (``DraftVocabMixin``), ``src/speculators/train/vocab_mapping.py`` and
-``src/speculators/convert/dflash/converter.py``, releases v0.5.0 to v0.7.0.1 (commit c05b95b,
-2026-08-20). A speculators DFlash ``config.json`` has ``speculators_model_type: "dflash"`` and:
+``src/speculators/convert/dflash/converter.py``, releases v0.5.0 to v0.7.0.1 (commit c05b95b).
+A speculators DFlash ``config.json`` has ``speculators_model_type: "dflash"`` and:
 
 * ``transformer_layer_config``: the draft layers' Qwen3 config, saved as a diff against the
   transformers class defaults (so missing keys take *that class's* defaults, filled here the same way);

@@ -131,8 +131,9 @@ def test_full_size_runs_on_meta_without_allocating():
     assert result["peak_bytes"] < 1e9  # measured ~0.42 GB
 
 
-# Issue 12's goals on qwen3-8b (z-lab b16 draft, capacity 32768, block 16), checked at context 2048 for
-# batch 1 and 8: all met (the tightest, the draft's bytes at batch 8: 1.048 x floor for a goal of 1.05).
+# The accountant's goals (traffic.GOALS) on qwen3-8b (z-lab b16 draft, capacity 32768, block 16), checked at
+# context 2048 for batch 1 and 8: all met (the tightest, the draft's bytes at batch 8: 1.048 x floor for a goal
+# of 1.05).
 
 
 @pytest.mark.parametrize("batch", [1, 8])

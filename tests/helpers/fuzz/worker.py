@@ -1,6 +1,6 @@
 """The fuzz worker (``python -m helpers.fuzz.worker`` with tests/ on the path): reads one JSON case a line on stdin,
 runs it (``cases.run_case``), writes one JSON verdict a line on the fd named by ``DFLASH_FUZZ_RESULT_FD``. Its own
-fd 1 goes to stderr (see ``runner``).
+fd 1 goes to stderr (see ``runner``). Its first line, once its imports are done, says it is ready.
 
 The address space is capped (``DFLASH_FUZZ_MEMORY_GB``, default 6; 0 = no cap, for AddressSanitizer runs, which
 cap allocations with ASAN_OPTIONS instead) so that an unbounded allocation becomes a Python MemoryError /
@@ -30,6 +30,8 @@ def main() -> None:
     torch.set_num_threads(1)
     from helpers.fuzz import cases
 
+    results.write(json.dumps({"ready": True}) + "\n")  # imports done: the parent's per-case clock starts now
+    results.flush()
     for line in sys.stdin:
         verdict = cases.run_case(json.loads(line))
         results.write(json.dumps(verdict) + "\n")

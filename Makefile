@@ -19,8 +19,13 @@ install: $(BIN)/python
 demo: install
 	$(BIN)/dflash demo
 
+# The default tier: everything but the tests marked `slow` (<= 8 minutes on 2 cores). .ci/run runs both tiers.
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+.PHONY: test-slow
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow tests
 
 # The native CPU kernels built with AddressSanitizer ($$DFLASH_CPU_SANITIZE), under their op tests and the fuzz
 # cases of the public ops (csrc/tests/asan_cpu.sh; the fuzz worker's memory cap is off: ASan reserves its shadow).

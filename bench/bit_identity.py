@@ -37,16 +37,20 @@ EXAMPLES = {"cpu": 12, "torch": 6, "ext": 6, "triton": 2}
 
 
 def _fuzz_modules():
-    """The fuzz suite's case builders and knob tables (they import their neighbours by bare name)."""
-    for sub in ("fuzz", "kernels", "runtime", "helpers"):
+    """The fuzz suite's case builders and knob tables: ``helpers.fuzz.cases`` under tests/ (before tests/helpers
+    existed, ``_cases`` beside the fuzz tests, importing its neighbours by bare name)."""
+    for sub in ("", "fuzz", "kernels", "runtime"):
         path = os.path.join(ROOT, "tests", sub)
         if os.path.isdir(path) and path not in sys.path:
             sys.path.insert(0, path)
-    import _cases
+    try:
+        from helpers.fuzz import cases
+    except ImportError:
+        import _cases as cases
     import test_fuzz_generate
     import test_fuzz_ops
 
-    return _cases, test_fuzz_ops, test_fuzz_generate
+    return cases, test_fuzz_ops, test_fuzz_generate
 
 
 def _draw(strategy, n: int) -> list[dict]:

@@ -13,7 +13,7 @@ _mkl_linear, what inductor emits for an fp32 linear under freezing); torch.compi
 module holding all the copies; dflash_kernels.cpu.linear.linear with its AMX path (where the CPU has AMX-BF16) and
 with its fp32 kernel (AMX off), and the fp32 kernel's AVX2 build. The weights are random values rounded to bf16
 (as SmolLM2's are: the AMX path takes only such weights; the others do not care). Each is checked against fp64
-with the 2x rule of tests/kernels/_tol.py (ok column; err_x = its max error / F.linear's).
+with the 2x rule of tests/helpers/tol.py (ok column; err_x = its max error / F.linear's).
 
 e2e: SmolLM2 fp32: HF generate's greedy per-token time ((64 new tokens - 1 new token) / 63, 30-token
 prompt), and a forward of 1 and 8 new rows on a DynamicCache holding the prompt, with F.linear, with
@@ -40,8 +40,8 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, cpu_kernels, environment, fmt, out_dir, parse_ints, table, write_csv  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "tests" / "kernels"))
-from _tol import assert_within_rule  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' helpers package
+from helpers.tol import assert_within_rule  # noqa: E402
 
 from dflash_kernels.cpu import linear as cpu_linear  # noqa: E402
 

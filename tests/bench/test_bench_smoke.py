@@ -3,16 +3,13 @@ its CSV, so the scripts cannot rot. Timings are not checked (see bench/README.md
 from __future__ import annotations
 
 import csv
-import importlib
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
+from helpers.bench import bench_module
 
 
 def _rows(path: Path) -> list[dict]:
@@ -24,7 +21,7 @@ def _rows(path: Path) -> list[dict]:
 
 
 def test_draft_latency_smoke(tmp_path, capsys):
-    import draft_latency
+    draft_latency = bench_module("draft_latency")
 
     assert draft_latency.main(["--device", "cpu", "--models", "tiny", "--contexts", "48", "--blocks", "1,4",
                                "--warmup", "1", "--reps", "3", "--budget", "0.05", "--out", str(tmp_path)]) == 0
@@ -60,8 +57,9 @@ def test_kernels_smoke_through_cli(tmp_path, capsys):
     assert "not timed on CPU" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_e2e_smoke(tmp_path):
-    import e2e
+    e2e = bench_module("e2e")
 
     assert e2e.main(["--device", "cpu", "--model", "smoke", "--pairs", "random,oracle-3,smollm2", "--block", "4",
                      "--prompt-len", "8", "--max-new", "12", "--out", str(tmp_path)]) == 0
@@ -92,7 +90,7 @@ def test_draft_latency_through_cli_writes_csv_and_png(tmp_path):
 def test_step_latency_through_cli(tmp_path):
     """Both steps timed eagerly on the tiny pair, each row next to the accountant's prediction for the
     same configuration; graph rows say they are unavailable on CPU but still carry the prediction."""
-    import traffic
+    traffic = bench_module("traffic")
 
     from dflash_apps import cli
 
@@ -130,7 +128,7 @@ def _smollm2_bench_table(script: str, argv: list[str], out) -> tuple[str, list[s
 
     if smollm2.unavailable_reason():
         pytest.skip(smollm2.unavailable_reason())
-    module = importlib.import_module(script)
+    module = bench_module(script)
     assert module.main([*argv, "--out", str(out)]) == 0
     text = out.read_text(encoding="utf-8")
     cells = _markdown_cells(text)
@@ -155,11 +153,12 @@ def test_tree_bench_smoke(tmp_path, capsys):
     assert "shipped draft" in text
 
 
+@pytest.mark.slow
 def test_tree_bench_prompt_sets_and_sampling(tmp_path):
     """--prompt-set picks the prompts (natural by default) and the header names the set; sampled runs (temperature
     0.7, top-p 0.9) report τ and speed with "n/a" for identity; a bad set or count is refused before any model
     loads."""
-    import tree
+    tree = bench_module("tree")
     from dflash_apps.train.natural_prompts import natural_eval_prompts
     from dflash_apps.train.prompts import eval_prompts
 
@@ -181,13 +180,14 @@ def test_tree_bench_prompt_sets_and_sampling(tmp_path):
     assert not (tmp_path / "never.md").exists()
 
 
+@pytest.mark.slow
 def test_tree_bench_compares_drafts(tmp_path):
     """Two drafts in one run: each gets its chain and budgets, labelled by folder, vs_chain against its own chain."""
     from dflash_apps import smollm2
 
     if smollm2.unavailable_reason():
         pytest.skip(smollm2.unavailable_reason())
-    import tree
+    tree = bench_module("tree")
 
     other = tmp_path / "other-draft"
     shutil.copytree(tree.DRAFT, other)
@@ -221,6 +221,7 @@ def test_cpu_forward_bench_smoke(tmp_path):
     assert "MiB" in text and os.environ.get("DFLASH_CPU_NATIVE") is None
 
 
+@pytest.mark.slow
 def test_greedy_head_bench_smoke(tmp_path):
     """bench/greedy_head.py at its smallest: two row counts, one rep, a short context; both heads timed (the run
     itself asserts the screened argmax equals the logits' argmax)."""
@@ -231,6 +232,7 @@ def test_greedy_head_bench_smoke(tmp_path):
                for r in rows), text
 
 
+@pytest.mark.slow
 def test_first_call_bench_smoke(tmp_path):
     """bench/first_call.py at its smallest: one round of fresh processes (HF, trees of 3), a few tokens; outputs
     identical, the table written."""

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers.bench import bench_module
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
-sys.path.insert(0, str(ROOT / "bench"))
-
-import toolchain  # noqa: E402
+toolchain = bench_module("toolchain")
 
 STEPS = ["caps", "toolchain", "build", "prewarm", "graphs_e2e", "ext_gpu", "kernels_real", "step_latency",
          "draft_latency", "e2e", "kernels"]
@@ -49,6 +49,7 @@ def steps(out: Path) -> list[dict]:
         return [dict(zip(("step", "status", "seconds", "note"), row)) for row in csv.reader(f, delimiter="\t")]
 
 
+@pytest.mark.slow
 def test_dry_run(tmp_path):
     """The CPU dry run: the caps add up to the budget, every step after the build runs and writes rows while it
     runs (the rows journal), the commit comes from DFLASH_COMMIT, at most 8 files come back, the summary is last."""
@@ -126,7 +127,7 @@ def test_one_build_only():
 
 def test_row_log_is_on_disk_after_every_row(tmp_path):
     """A benchmark killed at its timeout leaves every finished row: each row rewrites the partial CSV."""
-    import common
+    common = bench_module("common")
 
     partial = tmp_path / "x.partial.csv"
     rows = common.RowLog(partial, {"commit": "abc"})

@@ -11,13 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
-import traffic  # noqa: E402
+from dflash.speculators import DFLASH2_DEFAULTS
+from dflash_kernels import gate_up_silu
+from dflash_kernels.gated_mlp import MAX_FUSED_ROWS
+from helpers.bench import BENCH, bench_module
 
-from dflash.speculators import DFLASH2_DEFAULTS  # noqa: E402
-from dflash_kernels import gate_up_silu  # noqa: E402
-from dflash_kernels.gated_mlp import MAX_FUSED_ROWS  # noqa: E402
+traffic = bench_module("traffic")
 
 
 def test_linear_bytes_and_flops_by_hand():
@@ -109,8 +108,7 @@ def test_bad_arguments_named(argv, needle):
 # The peak from /proc/self/status's VmHWM (this address space's high-water mark): ru_maxrss would also count the
 # parent's memory, which a forked child carries until its exec (2.85 GB in a full test session).
 _FULL_SIZE_RUN = """
-import json, sys
-sys.path.insert(0, sys.argv[1])
+import json
 import traffic
 engine = traffic.build_engine("qwen3-8b", batch=8, capacity=32768, block=16, graphs=True)
 meta = engine.target_model.lm_head.weight.is_meta and engine.k_cache.is_meta and engine.target.k_cache.is_meta
@@ -122,8 +120,9 @@ print(json.dumps({"meta": meta, "peak_bytes": int(hwm.split()[1]) * 1024}))
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from Linux's /proc")
 def test_full_size_runs_on_meta_without_allocating():
-    """In a fresh process, so that its peak memory is this run's alone (not the test session's)."""
-    done = subprocess.run([sys.executable, "-c", _FULL_SIZE_RUN, str(BENCH)], capture_output=True, text=True,
+    """In a fresh process (started in bench/, so ``import traffic`` finds the script), so that its peak memory is
+    this run's alone (not the test session's)."""
+    done = subprocess.run([sys.executable, "-c", _FULL_SIZE_RUN], cwd=BENCH, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

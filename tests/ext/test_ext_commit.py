@@ -5,7 +5,7 @@ import torch
 from dflash_kernels import _ext
 from dflash_kernels.commit import CommitRoundInputError, commit_round, commit_round_reference
 
-from _ext_common import EXT_CPU_OK, EXT_CPU_WHY, devices
+from helpers.ext import EXT_CPU_OK, EXT_CPU_WHY, devices
 
 FIELDS = ("out_tokens", "lengths", "positions", "anchor", "done")
 

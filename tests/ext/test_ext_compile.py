@@ -7,7 +7,7 @@ from dflash_kernels import _ext
 from dflash_kernels.commit import commit_round
 from dflash_kernels.verify import verify_greedy
 
-from _ext_common import devices, needs_ext
+from helpers.ext import devices, needs_ext
 
 pytestmark = needs_ext
 

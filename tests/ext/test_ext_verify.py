@@ -4,7 +4,7 @@ import torch
 
 from dflash_kernels import _ext
 
-from _ext_common import devices, needs_ext
+from helpers.ext import devices, needs_ext
 
 pytestmark = needs_ext
 

@@ -1,11 +1,11 @@
-"""Fixtures of the fuzz suite: one crash-isolated worker per session (``_runner``) and ``run_case``."""
+"""Fixtures of the fuzz suite: one crash-isolated worker per session (``helpers.fuzz.runner``) and ``run_case``."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from _runner import Worker, WorkerDied
+from helpers.fuzz.runner import Worker, WorkerDied
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,14 @@
 """Fuzz ``dflash.generate`` on tiny random pairs: random block sizes (including 0, past the cap and huge), tree
 budgets, max_new_tokens, stop lists, prompts (including ids outside the vocabulary), NaN draft logits, fp32/bf16,
 both runtimes and the CPU kernel backends. Each case runs in the crash-isolated worker and must raise a clean error
-or return the target's greedy output (``_generate_case``)."""
+or return the target's greedy output (``helpers.fuzz.generate_case``)."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from _fuzz import fuzz_settings
+from helpers.fuzz.settings import fuzz_settings
 
 pytestmark = pytest.mark.fuzz
 

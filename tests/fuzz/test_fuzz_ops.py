@@ -2,7 +2,7 @@
 
 Cases come from hypothesis (shapes including 0-sized and odd ones, fp32/bf16, int32/int64 indices, strided and
 transposed views, negative / past-the-end / huge index values); each runs in the crash-isolated worker and must
-either raise a clean Python error or equal the torch reference (the rule: ``_cases`` module docstring).
+either raise a clean Python error or equal the torch reference (the rule: ``helpers.fuzz.cases`` module docstring).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from _fuzz import fuzz_settings
+from helpers.fuzz.settings import fuzz_settings
 
 pytestmark = pytest.mark.fuzz
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-for sub in ("bench", "tests/kernels", "tests/runtime"):
+for sub in ("bench",):  # the tests' helpers: pytest's pythonpath (pyproject.toml)
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
 
@@ -65,7 +65,7 @@ def _rnd(*shape, scale=1.0, dtype=BF):
 @pytest.mark.parametrize("backend", _backends(["triton"]))
 @pytest.mark.parametrize("n", [1, 16, 256])
 def test_fused_context_real_shape(backend, n):
-    from _tol import assert_within_rule
+    from helpers.tol import assert_within_rule
     from dflash_kernels.fused_context import fused_context_reference
 
     taps, w = _rnd(n, T * H), _rnd(H, T * H, scale=(T * H) ** -0.5)
@@ -77,7 +77,7 @@ def test_fused_context_real_shape(backend, n):
 
 @pytest.mark.parametrize("backend", _backends(["triton"]))
 def test_inject_context_kv_real_shape(backend):
-    from _tol import assert_within_rule
+    from helpers.tol import assert_within_rule
     from dflash_kernels.inject_context_kv import inject_context_kv_reference
 
     rows = [16, 3, 16, 1]
@@ -117,7 +117,7 @@ def _attention_inputs(lens=(8191, 0, 17, 2048), b=16):
 @pytest.mark.parametrize("backend", _backends(["triton"]))
 @pytest.mark.parametrize("window", [None, 2048])
 def test_draft_attention_real_shape(backend, window):
-    from _tol import assert_within_rule
+    from helpers.tol import assert_within_rule
     from dflash_kernels.draft_attention import draft_attention_reference
 
     q, k, v, kc, vc, cl = _attention_inputs()
@@ -139,7 +139,7 @@ def test_draft_attention_real_shape(backend, window):
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_verify_attention_real_shape(backend, qk_norm):
     """Output and caches (the block rows written, every other row untouched) within the rule."""
-    from _tol import assert_within_rule
+    from helpers.tol import assert_within_rule
     from dflash_kernels.draft_attention import verify_attention_reference
 
     q, k, v, kc, vc, cl = _attention_inputs()
@@ -157,7 +157,7 @@ def test_verify_attention_real_shape(backend, qk_norm):
 @pytest.mark.parametrize("backend", _backends(["triton"]))
 @pytest.mark.parametrize("rows", [16, 128])
 def test_add_rms_norm_real_shape(backend, rows):
-    from _tol import assert_within_rule
+    from helpers.tol import assert_within_rule
     from dflash_kernels.layer_ops import add_rms_norm_reference
 
     x, res = _rnd(rows, H), _rnd(rows, H)
@@ -172,7 +172,7 @@ def test_add_rms_norm_real_shape(backend, rows):
 @pytest.mark.parametrize("backend", _backends(["triton"]))
 @pytest.mark.parametrize("rows", [16, 128])
 def test_silu_mul_real_shape(backend, rows):
-    from _tol import assert_within_rule
+    from helpers.tol import assert_within_rule
     from dflash_kernels.layer_ops import silu_mul_reference
 
     gate_up = _rnd(rows, 2 * I, scale=3.0)
@@ -185,14 +185,14 @@ def test_verify_step_equals_hf_forward_bf16(arch):
     """The engine's verify-step forward (lean target: add_rms_norm, merged GEMMs, verify_attention, silu_mul; the
     compiled kernels on CUDA) over [anchor, 15 proposals] after a 100-token prefill, vs HF's forward over the
     same 116 tokens. Rule: the block's logits within 2x the largest difference between HF's own bf16 and fp32
-    forwards (+ 1 bf16 ulp, `_tol`). Then greedy tokens: a 40-token decode through the engine (captured steps on
+    forwards (+ 1 bf16 ulp, `helpers.tol`). Then greedy tokens: a 40-token decode through the engine (captured steps on
     CUDA) equals HF's bf16 greedy generate, on the same target made tie-free (bench/e2e.py make_margin_target:
     a random bf16 target has near-ties that either side may legitimately flip)."""
     import copy
 
-    from _tol import assert_within_rule
+    from helpers.tol import assert_within_rule
     from e2e import make_margin_target
-    from tiny_models import make_draft, make_target
+    from helpers.tiny_models import make_draft, make_target
 
     from dflash import generate
     from dflash.engine import DFlashEngine
@@ -279,7 +279,7 @@ def test_commit_round_cuda_equals_reference(backend):
 
 # ------------------------------------------------------------------------------------------ runtime
 def _tiny_pair(dtype=torch.float32, block=8, layer_types=None, window=None):
-    from tiny_models import make_draft, make_target
+    from helpers.tiny_models import make_draft, make_target
 
     target = make_target("qwen3", vocab=512, layers=4, hidden=64).to(DEV, dtype)
     draft = make_draft(target, layers=2, block_size=block, layer_types=layer_types, sliding_window=window,

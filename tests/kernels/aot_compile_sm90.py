@@ -16,7 +16,6 @@ import tempfile
 import time
 
 assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402

@@ -5,7 +5,7 @@ Tests create tensors with factory functions and no device argument; the default 
 import pytest
 import torch
 
-from _device import DEVICE
+from helpers.device import DEVICE
 
 
 @pytest.fixture(autouse=True)

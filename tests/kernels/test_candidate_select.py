@@ -2,18 +2,13 @@ import pytest
 import torch
 
 from dflash_kernels.candidate_select import candidate_select, candidate_select_reference, top_k_candidates
-from _device import DEVICE
-from _tol import chi2
+from helpers.device import DEVICE
+from helpers.tol import chi2
 
 BACKENDS = ["torch", "triton", pytest.param("cpu", marks=pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only"))]
 # (N, P, V, r, k): k = V, k = 1, odd rank, a vocabulary over several tiles, empty batches
 SHAPES = [(3, 5, 300, 12, 6), (2, 1, 7, 3, 7), (4, 3, 50, 5, 1), (1, 4, 5000, 33, 16), (0, 4, 20, 4, 3),
           (2, 0, 20, 4, 3)]
-
-
-@pytest.fixture(autouse=True)
-def _fixed_seed():
-    torch.manual_seed(20261205)
 
 
 def _inputs(n, p, v, r, dtype, strided=False):

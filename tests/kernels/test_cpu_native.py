@@ -14,15 +14,10 @@ from dflash_kernels.cpu import native as cpu_native
 from dflash_kernels.draft_attention import draft_attention_reference, verify_attention_reference
 from dflash_kernels.layer_ops import add_rms_norm_reference
 from dflash_kernels.tree import tree_ancestor_mask_reference
-from _device import DEVICE
-from _tol import assert_within_rule
+from helpers.device import DEVICE
+from helpers.tol import assert_within_rule
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only")
-
-
-@pytest.fixture(autouse=True)
-def _fixed_seed():
-    torch.manual_seed(20261202)
 
 
 class _Wrapped:

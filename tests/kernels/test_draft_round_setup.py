@@ -18,8 +18,8 @@ def _state(n, b, seed):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n,b", [(0, 4), (1, 16), (37, 5), (1500, 16)])
-def test_matches_definition(backend, n, b):
-    s = _state(n, b, seed=n + b)
+def test_matches_definition(backend, n, b, seed):
+    s = _state(n, b, seed)
     padded = torch.full((n, b + 2), -7, dtype=torch.long)
     block = padded[:, 1:-1]  # strided rows, sentinel columns around
     start = torch.full((n,), -9, dtype=torch.long)
@@ -32,17 +32,17 @@ def test_matches_definition(backend, n, b):
     assert torch.equal(lens, torch.where(room < 1, 1, torch.where(room > b, b, room)))
 
 
-def test_reference_is_the_definition_a_wrong_rule_fails():
+def test_reference_is_the_definition_a_wrong_rule_fails(seed):
     """The check above can fail: a clamp to [0, B] (not [1, B]) differs on finished requests."""
-    s = _state(64, 8, seed=3)
+    s = _state(64, 8, seed)
     lens = torch.empty(64, dtype=torch.long)
     draft_round_setup_reference(**s, block=torch.zeros(64, 8, dtype=torch.long), context_start=torch.empty_like(lens),
                                 block_lens=lens)
     assert not torch.equal(lens, (s["max_lengths"] - s["positions"]).clamp(0, 8))
 
 
-def test_bad_inputs():
-    s = _state(4, 8, seed=1)
+def test_bad_inputs(seed):
+    s = _state(4, 8, seed)
     out = dict(block=torch.zeros(4, 8, dtype=torch.long), context_start=torch.zeros(4, dtype=torch.long),
                block_lens=torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match="positions must be a contiguous \\[N=4\\]"):

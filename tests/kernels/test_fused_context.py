@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from dflash_kernels.fused_context import fused_context, fused_context_reference
-from _tol import assert_within_rule
+from helpers.tol import assert_within_rule
 
 BACKENDS = ["torch", "triton"]
 DTYPES = [torch.float32, torch.bfloat16]

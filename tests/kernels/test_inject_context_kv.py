@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from dflash_kernels.inject_context_kv import inject_context_kv, inject_context_kv_reference
-from _caches import paged_view, random_block_table
-from _device import DEVICE
-from _tol import assert_within_rule
+from helpers.caches import paged_view, random_block_table
+from helpers.device import DEVICE
+from helpers.tol import assert_within_rule
 
 BACKENDS = ["torch", "triton", pytest.param("cpu", marks=pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only"))]
 

@@ -20,11 +20,6 @@ CALLS = OPS[:11] + ("build_tree", "tree_ancestor_mask", "verify_attention") + OP
 EXT_OK = _ext.status("cpu")[0]
 
 
-@pytest.fixture(autouse=True)
-def _fixed_seed():
-    torch.manual_seed(20240611)
-
-
 class Recorder(TorchDispatchMode):
     """Records every torch.ops.dflash.* call (op, args, kwargs), as a graph-replay emulation would."""
 

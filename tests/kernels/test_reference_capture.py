@@ -7,14 +7,9 @@ import torch
 from dflash.graphs import record
 from dflash_kernels import draft_attention, inject_context_kv, verify_attention
 from dflash_kernels.tree import tree_ancestor_mask_reference
-from _caches import random_block_table, to_paged
-from _splits import da
-from _tol import assert_within_rule
-
-
-@pytest.fixture(autouse=True)
-def _fixed_seed():
-    torch.manual_seed(31337)
+from helpers.caches import random_block_table, to_paged
+from helpers.splits import da
+from helpers.tol import assert_within_rule
 
 
 def _inv_freq(d):

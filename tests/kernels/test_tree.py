@@ -9,7 +9,7 @@ import torch
 
 import dflash_kernels as dk
 from dflash_kernels.cpu import native as cpu_native
-from _tol import chi2
+from helpers.tol import chi2
 from dflash_kernels.draft_attention import verify_attention_reference
 from dflash_kernels.verify import filter_logits_reference
 from dflash_kernels.tree import (
@@ -202,9 +202,9 @@ def test_verify_attention_tree_kernel(monkeypatch, backend, dtype, case):
     """The Triton kernel (several context splits active) and the "cpu" backend (fp32 on a contiguous cache: its
     native kernel) with a tree against the fp64 reference (2x rule): outputs, K rows written at cache_lens + node
     index (V bit for bit), nothing else written."""
-    from _caches import random_block_table, to_paged
-    from _splits import da
-    from _tol import assert_within_rule
+    from helpers.caches import random_block_table, to_paged
+    from helpers.splits import da
+    from helpers.tol import assert_within_rule
 
     monkeypatch.setattr(da, "MIN_CHUNK", 64)
     n, t, nh, kvh, d, lens, cap, paged = case

@@ -3,7 +3,7 @@ import torch
 
 from dflash_kernels import _ext
 from dflash_kernels.verify import verify_greedy, verify_greedy_tokens
-from _device import DEVICE
+from helpers.device import DEVICE
 
 BACKENDS = (["torch", "triton"] + (["ext"] if _ext.status(torch.device(DEVICE))[0] else [])
             + (["cpu"] if DEVICE == "cpu" else []))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dflash import TargetAdapter, generate
-from tiny_models import make_draft, make_target
+from helpers.tiny_models import make_draft, make_target
 
 
 @pytest.fixture(scope="module")

@@ -17,13 +17,13 @@ from dflash.draft import RMSNorm
 from dflash_apps import cli, smollm2, zlab_cli
 
 from test_speculators import write_speculators
-from tiny_models import VOCAB, make_draft, make_target
+from helpers.tiny_models import VOCAB, make_draft, make_target
 
 D2 = DFlash2Settings(conv_kernel_size=3, conv_group_size=8, selector_rank=12, selector_top_k=6)
 
 
 def make_dflash2(target, *, block_size: int = 8, settings: DFlash2Settings = D2, layers: int = 2,
-                 mask_token_id: int = 5, seed: int = 0) -> DFlash2DraftModel:
+                 mask_token_id: int = 5) -> DFlash2DraftModel:
     """A random DFlash2 draft for ``target``: random base kernels and norms, so every tensor matters."""
     tcfg = target.config
     config = DFlashConfig(
@@ -31,7 +31,6 @@ def make_dflash2(target, *, block_size: int = 8, settings: DFlash2Settings = D2,
         head_dim=tcfg.hidden_size // 4, intermediate_size=48, num_target_layers=tcfg.num_hidden_layers,
         block_size=block_size, mask_token_id=mask_token_id, vocab_size=tcfg.vocab_size, dflash2=settings,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    torch.manual_seed(seed)
     draft = DFlash2DraftModel(config)
     draft.reset_parameters(std=0.2)
     with torch.no_grad():
@@ -138,7 +137,7 @@ def test_speculators_dflash2_checkpoint_runs_like_zlab(tmp_path):
     folder = write_speculators(tmp_path / "spec", draft, target, config_edits=keys)
     loaded = DFlashDraftModel.from_pretrained(folder)
     assert type(loaded) is DFlash2DraftModel and loaded.config.dflash2 == D2
-    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
+    prompt = torch.randint(0, VOCAB, (1, 6))
     a = generate(target, draft, prompt, 15, backend="reference")
     b = generate(target, loaded, prompt, 15, backend="reference")
     assert torch.equal(a.sequences, b.sequences) and a.acceptance_lengths == b.acceptance_lengths
@@ -151,7 +150,7 @@ def test_speculators_dflash2_checkpoint_runs_like_zlab(tmp_path):
         DFlashDraftModel.from_pretrained(folder)
 
 
-def test_selector_walks_from_the_anchor():
+def test_selector_walks_from_the_anchor(seed):
     target = make_target("qwen3")
     draft = make_dflash2(target)
     selector = draft.candidate_selector
@@ -169,7 +168,7 @@ def test_selector_walks_from_the_anchor():
         prev = int(cand[scores.argmax()])
         assert int(path[0, i]) == prev
     sampled_path, _, q = selector.select(hidden, logits, anchor, temperature=0.7,
-                                         generator=torch.Generator().manual_seed(0))
+                                         generator=torch.Generator().manual_seed(seed))
     assert q.shape == (1, 7, 6) and torch.allclose(q.sum(-1), torch.ones(1, 7))
     assert all(int(sampled_path[0, i]) in candidates[0, i].tolist() for i in range(7))
 
@@ -177,7 +176,7 @@ def test_selector_walks_from_the_anchor():
 def test_runtimes_choose_and_refuse_clearly():
     target = make_target("qwen3")
     draft = make_dflash2(target)
-    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(2))
+    prompt = torch.randint(0, VOCAB, (1, 5))
     expected = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False)
     ref = generate(target, draft, prompt, 12, backend="reference")
     auto = generate(target, draft, prompt, 12)
@@ -224,7 +223,6 @@ def test_cli_generate_runs_a_dflash2_draft(tmp_path, capsys, runtime):
     target's greedy continuation (what any lossless draft gives)."""
     base = DFlashConfig.from_json_file(zlab_cli.EMBEDDED_DRAFT)
     config = dataclasses.replace(base, draft_vocab_size=None, dflash2=DFlash2Settings(2, 16, 8, 8))
-    torch.manual_seed(0)
     DFlash2DraftModel(config).save_pretrained(tmp_path)
     prompt = "What is 2 + 3?"
     code = cli.main(["generate", "transformers", "--model", "smollm2", "--draft", str(tmp_path), "--max-new-tokens",

@@ -31,11 +31,13 @@ def wrong_rejection_sample(logits, proposals, candidates, draft_q, sampling, gen
     return torch.tensor([proposals.shape[1]]), torch.multinomial(p[-1], 1, generator=generator)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.8, 0.9, 3)])
 def test_dflash2_sampling_is_lossless(dflash2_pair, temperature, top_p, top_k):
     assert_lossless(dflash2_pair, temperature, top_p, top_k)
 
 
+@pytest.mark.slow
 def test_dflash2_wrong_rule_fails(dflash2_pair, monkeypatch):
     assert_wrong_rule_fails(dflash2_pair, monkeypatch, "rejection_sample_candidates", wrong_rejection_sample, 1000)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash import DraftKVCache
-from tiny_models import make_draft, make_target
+from helpers.tiny_models import make_draft, make_target
 
 
 def rms(x, w, eps):

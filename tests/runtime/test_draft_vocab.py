@@ -8,14 +8,11 @@ import torch
 
 from dflash import DFlashDraftModel, generate
 
-from tiny_models import make_draft, make_target
-
-SEED = 1234
+from helpers.tiny_models import make_draft, make_target
 
 
 def subset_draft(target, token_ids, **kwargs) -> DFlashDraftModel:
-    """A draft over ``token_ids`` whose network weights equal ``make_draft(target, **kwargs)`` with the same seed."""
-    torch.manual_seed(SEED)
+    """A draft over ``token_ids`` and ``full = make_draft(target, **kwargs)``: the draft has full's network weights."""
     full = make_draft(target, **kwargs)
     draft = make_draft(target, draft_vocab_size=len(token_ids), **kwargs)
     draft.load_state_dict({**full.state_dict(), "draft_token_ids": draft.draft_token_ids}, strict=True)
@@ -38,7 +35,6 @@ def recording(draft):
 
 
 def test_propose_is_argmax_over_the_subset():
-    torch.manual_seed(SEED)
     target = make_target("qwen3")
     ids = [3, 40, 7, 11, 0, 29, 47]
     draft, _ = subset_draft(target, ids)
@@ -52,11 +48,10 @@ def test_propose_is_argmax_over_the_subset():
 @pytest.mark.parametrize("backend", ["reference", "fast"])
 def test_permuted_full_vocabulary_proposes_like_the_full_draft(backend):
     """A subset that is the whole vocabulary in another order must propose exactly what the full draft does."""
-    torch.manual_seed(SEED)
     target = make_target("qwen3")
-    perm = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(SEED)).tolist()
+    perm = torch.randperm(target.config.vocab_size).tolist()
     draft, full = subset_draft(target, perm, block_size=4)
-    prompt = torch.randint(0, target.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(SEED))
+    prompt = torch.randint(0, target.config.vocab_size, (1, 9))
     a = generate(target, recording(full), prompt, 20, backend=backend)
     b = generate(target, recording(draft), prompt, 20, backend=backend)
     assert torch.equal(a.sequences, b.sequences) and a.acceptance_lengths == b.acceptance_lengths
@@ -67,10 +62,9 @@ def test_permuted_full_vocabulary_proposes_like_the_full_draft(backend):
 @pytest.mark.parametrize("backend", ["reference", "fast"])
 @pytest.mark.parametrize("block", [2, 5])
 def test_greedy_output_is_the_targets_with_tokens_outside_the_subset(backend, block):
-    torch.manual_seed(SEED)
     target = make_target("qwen3")
     vocab = target.config.vocab_size
-    prompt = torch.randint(0, vocab, (1, 7), generator=torch.Generator().manual_seed(SEED + block))
+    prompt = torch.randint(0, vocab, (1, 7))
     max_new = 24
     expected = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new,
                                do_sample=False)
@@ -89,7 +83,6 @@ def test_greedy_output_is_the_targets_with_tokens_outside_the_subset(backend, bl
 
 
 def test_checkpoint_round_trip(tmp_path):
-    torch.manual_seed(SEED)
     target = make_target("qwen3")
     ids = [45, 2, 17, 30, 8, 21, 39, 5]
     draft, _ = subset_draft(target, ids, block_size=4)
@@ -97,7 +90,7 @@ def test_checkpoint_round_trip(tmp_path):
     loaded = DFlashDraftModel.from_pretrained(tmp_path)
     assert loaded.config.draft_vocab_size == len(ids)
     assert loaded.draft_token_ids.tolist() == ids
-    prompt = torch.randint(0, target.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(SEED))
+    prompt = torch.randint(0, target.config.vocab_size, (1, 6))
     a = generate(target, draft, prompt, 12, backend="reference")
     b = generate(target, loaded, prompt, 12, backend="reference")
     assert torch.equal(a.sequences, b.sequences) and a.acceptance_lengths == b.acceptance_lengths
@@ -166,10 +159,9 @@ def test_bad_draft_vocab_size_in_config():
 
 def test_subset_draft_under_emulated_graphs_equals_the_target():
     """The gathered head rows and the id map are read by the captured draft step, not baked into it."""
-    torch.manual_seed(SEED)
     target = make_target("qwen3")
     vocab = target.config.vocab_size
-    prompt = torch.randint(0, vocab, (1, 9), generator=torch.Generator().manual_seed(SEED))
+    prompt = torch.randint(0, vocab, (1, 9))
     expected = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False)
     draft, _ = subset_draft(target, list(range(0, vocab, 2)), block_size=4)
     for graphs in ("emulate", False):
@@ -189,7 +181,6 @@ def test_vllm_form_holds_the_head_rows_and_offsets_and_loads_back(tmp_path, dtyp
     the draft's own lm_head rows, d2t offsets, no draft_token_ids) and loads back to the same draft."""
     import json
 
-    torch.manual_seed(SEED)
     target = make_target("qwen3")
     vocab = target.config.vocab_size
     ids = torch.randperm(vocab)[:13]
@@ -232,7 +223,6 @@ def test_export_vllm_rewrites_an_old_form_draft(tmp_path):
     """``dflash export vllm`` turns a draft_token_ids checkpoint into the vLLM form with the target's head rows."""
     from dflash_apps.cli import main
 
-    torch.manual_seed(SEED)
     target = make_target("llama")
     target.save_pretrained(tmp_path / "target")
     ids = torch.randperm(target.config.vocab_size)[:9]

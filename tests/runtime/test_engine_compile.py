@@ -7,11 +7,10 @@ import torch
 
 from dflash.engine import DFlashEngine
 from dflash.sampling import SamplingParams
-from tiny_models import make_draft, make_target
+from helpers.tiny_models import make_draft, make_target
 
 
 def engine_pair(sampling: SamplingParams, stops):
-    torch.manual_seed(0)
     target = make_target("qwen3")
     draft = make_draft(target, layers=2, block_size=4, layer_types=["sliding_attention", "full_attention"],
                        sliding_window=3)

@@ -11,7 +11,7 @@ import dflash.engine as engine_module
 from dflash import generate
 from dflash.sampling import SamplingParams
 from dflash.engine import DFlashEngine
-from tiny_models import make_draft, make_target
+from helpers.tiny_models import make_draft, make_target
 
 
 def fast(*args, **kwargs):
@@ -31,7 +31,6 @@ class OracleFast(DFlashEngine):
 
     oracle: list[torch.Tensor] = []
     prompt_lens: list[int] = []
-    rng = torch.Generator().manual_seed(0)
 
     def draft_step(self):
         super().draft_step()
@@ -39,7 +38,7 @@ class OracleFast(DFlashEngine):
         for r, cont in enumerate(self.oracle):
             base = int(self.positions[r]) + 1 - self.prompt_lens[r]
             for j in range(proposals.shape[1]):
-                if 0 <= base + j < len(cont) and torch.rand((), generator=self.rng) > 0.25:
+                if 0 <= base + j < len(cont) and torch.rand(()) > 0.25:
                     proposals[r, j] = cont[base + j]
         self.proposals.copy_(proposals)
 

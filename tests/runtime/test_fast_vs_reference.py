@@ -12,13 +12,12 @@ import torch
 
 from dflash import generate
 from dflash.engine import DFlashEngine
-from tiny_models import make_draft, make_target
+from helpers.tiny_models import make_draft, make_target
 
 VOCAB = 6
 
 
-def make_pair(block: int, seed: int):
-    torch.manual_seed(seed)
+def make_pair(block: int):
     arch = "qwen3" if block % 2 else "llama"
     target = make_target(arch, vocab=VOCAB)
     sliding = block % 3 == 0
@@ -51,13 +50,13 @@ def compare(target, draft, block):
 
 @pytest.mark.parametrize("block", range(1, 17))
 def test_tokens_and_acceptance_equal_reference(block):
-    target, draft = make_pair(block, seed=block)
+    target, draft = make_pair(block)
     assert compare(target, draft, block) == []
 
 
 def test_control_full_block_at_the_tail_changes_acceptance(monkeypatch):
     """The comparison above can fail: an engine that drafts all B rows at the tail (ignoring the
-    shortened block) accepts differently from the reference for some of the same pairs."""
+    shortened block) accepts differently from the reference for some pairs built the same way."""
     real = DFlashEngine.draft_step
 
     def full_block_draft_step(self):
@@ -69,7 +68,7 @@ def test_control_full_block_at_the_tail_changes_acceptance(monkeypatch):
             self.max_lengths.copy_(saved)
 
     monkeypatch.setattr(DFlashEngine, "draft_step", full_block_draft_step)
-    differing = [block for block in range(3, 17) if compare(*make_pair(block, seed=block), block)]
+    differing = [block for block in range(3, 17) if compare(*make_pair(block), block)]
     assert differing, "no pair distinguishes a full tail block from the reference's shortened one"
 
 
@@ -108,7 +107,6 @@ def test_cpu_kernel_backend_equals_reference(monkeypatch, block, tree_budget, bf
     monkeypatch.setattr(cpu_native, "_ops", Counted(cpu_native._ops))
     if bf16_values:
         monkeypatch.setattr(cpu_linear, "_amx", Counted(cpu_linear._amx))
-    torch.manual_seed(block)
     target = make_target("qwen3" if block % 2 else "llama", vocab=VOCAB, hidden=64)
     draft = make_draft(target, layers=2, block_size=block, mask_token_id=VOCAB - 1)
     if bf16_values:

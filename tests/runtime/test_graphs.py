@@ -17,7 +17,7 @@ from dflash import generate
 from dflash.engine import DFlashEngine
 from dflash.graphs import GraphCaptureError, capture, record
 from dflash_kernels import add_rms_norm, verify_sample
-from tiny_models import make_draft, make_target
+from helpers.tiny_models import make_draft, make_target
 
 
 # ------------------------------------------------------------------------------------ the emulator
@@ -161,7 +161,6 @@ def test_memory_the_graph_owns_or_its_owner_keeps_is_accepted():
 
 def test_dflash_ops_replay_as_single_units():
     """verify_sample reads its seed/offset/temperature tensors inside the op on every replay."""
-    torch.manual_seed(0)
     logits = torch.randn(2, 3, 11)
     drafts = torch.randint(0, 11, (2, 2))
     temperature = torch.full((2,), 0.7)
@@ -207,7 +206,6 @@ def _run(target, draft, prompts, max_new, stops, settings, graphs):
 
 @pytest.mark.parametrize("graphs", ["emulate", False])
 def test_engine_reused_across_settings_equals_fresh_engine(graphs):
-    torch.manual_seed(0)
     target, draft = _pair()
     engine_module.clear_engine_cache()
     prompt_sets = [[torch.randint(0, 48, (n,)) for n in lengths] for lengths, *_ in CALLS]
@@ -244,7 +242,6 @@ def _reuse_differs_from_fresh(target, draft, graphs, prompts, first, second):
 
 
 def test_planted_replaced_stop_table_is_caught_only_by_the_emulator(monkeypatch):
-    torch.manual_seed(1)
     target, draft = _pair()
     prompts = [torch.randint(0, 48, (n,)) for n in (5, 9)]
     free = generate(target, draft, prompts, 14, backend="fast", max_length=64)
@@ -266,7 +263,6 @@ def test_planted_replaced_stop_table_is_caught_only_by_the_emulator(monkeypatch)
 
 
 def test_planted_python_temperature_is_caught_only_by_the_emulator(monkeypatch):
-    torch.manual_seed(2)
     target, draft = _pair()
     first, second = (None, dict(temperature=0.3)), (None, dict(temperature=3.0))
 
@@ -293,7 +289,6 @@ def test_op_bodies_on_the_torch_backend_are_checked_on_request():
     """``torch_op_bodies=True`` runs a dflash op's reference under the capture rules: add_rms_norm's passes and
     still replays as one unit; verify_sample's reads its seed on the host (legal on the CPU backend, which runs
     that reference, so unchecked by default)."""
-    torch.manual_seed(4)
     x, w = torch.randn(3, 8), torch.randn(8)
     out = torch.full((3, 8), float("nan"))
     graph = record(lambda: add_rms_norm(x, w, 1e-6, out=out, backend="torch"), torch_op_bodies=True)

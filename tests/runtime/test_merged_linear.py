@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from dflash.merged_linear import merged_weight
-from tests.runtime.tiny_models import make_target
+from helpers.tiny_models import make_target
 
 
 def _merge_layers(model):
@@ -18,7 +18,6 @@ def _merge_layers(model):
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_model_unchanged_and_views_shared(arch, tmp_path):
-    torch.manual_seed(0)
     model = make_target(arch)
     ids = torch.randint(0, 48, (2, 9))
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -42,7 +41,6 @@ def test_model_unchanged_and_views_shared(arch, tmp_path):
 
 
 def test_idempotent_and_remerged_after_replacement():
-    torch.manual_seed(0)
     model = make_target("qwen3", layers=1)
     a = model.model.layers[0].self_attn
     first = merged_weight([a.q_proj, a.k_proj, a.v_proj], a, "_dflash_qkv")
@@ -62,7 +60,6 @@ def test_idempotent_and_remerged_after_replacement():
 
 
 def test_bias_merged_and_bad_input():
-    torch.manual_seed(0)
     owner = nn.Module()
     lins = [nn.Linear(8, 3), nn.Linear(8, 5)]
     x = torch.randn(4, 8)
@@ -97,7 +94,6 @@ def test_lean_target_copies_weights_off_the_cpu_backend_only(backend):
     """The lean target's "cpu" backend reads q/k/v and gate/up where they are; the others merge them once."""
     from dflash.lean_target import LeanTarget
 
-    torch.manual_seed(0)
     model = make_target("llama", layers=2)
     a = model.model.layers[0].self_attn
     q_ptr = a.q_proj.weight.data_ptr()

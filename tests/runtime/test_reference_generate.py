@@ -7,7 +7,7 @@ import torch
 
 from dflash import generate
 
-from tiny_models import as_oracle, make_draft, make_target
+from helpers.tiny_models import as_oracle, make_draft, make_target
 
 
 def target_greedy(target, ids, max_new, stops=None):

@@ -11,14 +11,13 @@ import torch
 import dflash.reference as reference_module
 from dflash import generate
 from dflash.sampling import sampling_probs
-from tiny_models import make_draft, make_target
+from helpers.tiny_models import make_draft, make_target
 
-# Every sample here is drawn from fixed seeds (models: MODEL_SEED; draws: seed=i, generator seed 0), so
+# Every sample here is drawn from fixed seeds (models: the test's seed, tests/conftest.py; draws: seed=i), so
 # each statistic is the same on every run. The critical value sits at a false-rejection rate of about
 # 1e-6, so a change that only reorders random draws (a correct rule) still passes, while each test's
 # wrong-rule control below exceeds it by a wide margin.
 Z_1E6 = 4.7534  # one-sided 1 - 1e-6 normal quantile
-MODEL_SEED = 0
 
 
 def chi2_critical(df: int, z: float = Z_1E6) -> float:
@@ -103,9 +102,8 @@ def continuation_chi2(target, draft, ids, steps, n, temperature, top_p=1.0, top_
 
 
 def peaked_target():
-    """The tiny 4-token target of the chi-square tests, seeded (the same models on every run, so the statistics
-    are reproducible; seed the draft's construction too by building it right after)."""
-    torch.manual_seed(MODEL_SEED)
+    """The tiny 4-token target of the chi-square tests, drawn from the test's seed (the same models on every run,
+    so the statistics are reproducible)."""
     target = make_target("qwen3", vocab=4, layers=2, hidden=16)
     with torch.no_grad():
         target.lm_head.weight.mul_(8.0)  # far from uniform, yet every token stays likely

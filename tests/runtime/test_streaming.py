@@ -8,12 +8,11 @@ import torch
 
 from dflash import generate
 from dflash_apps.zlab_cli import TextStreamer
-from tiny_models import make_draft, make_target
+from helpers.tiny_models import make_draft, make_target
 
 
 @pytest.mark.parametrize("backend", ["reference", "fast"])
 def test_on_tokens_reports_each_round(backend):
-    torch.manual_seed(0)
     target = make_target("llama")
     draft = make_draft(target, layers=1, block_size=4)
     prompts = [torch.randint(0, 48, (n,)) for n in (5, 8)] if backend == "fast" else [torch.randint(0, 48, (5,))]

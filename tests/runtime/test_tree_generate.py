@@ -23,10 +23,10 @@ import dflash.reference as reference_module
 from dflash import DFlashDraftModel, generate
 from dflash.engine import DFlashEngine
 from dflash.sampling import sampling_probs
-from test_draft_vocab import SEED, subset_draft
+from test_draft_vocab import subset_draft
 from test_fast_vs_reference import VOCAB, make_pair
 from test_sampling import chi2_rejects, exact_target_distribution
-from tiny_models import make_draft, make_target
+from helpers.tiny_models import make_draft, make_target
 
 # (block size, budget): budgets 1..64 (each at most the distinct sequences a 6-token draft has), blocks 2..64.
 CASES = [(2, 1), (2, 6), (3, 17), (4, 64), (5, 8), (8, 64), (16, 32), (64, 40)]
@@ -48,7 +48,7 @@ def requests(block: int):
 
 @pytest.mark.parametrize("block,budget", CASES)
 def test_greedy_equals_target_and_reference(block, budget):
-    target, draft = make_pair(block, seed=block)
+    target, draft = make_pair(block)
     prompts, limits = requests(block)
     free = target_greedy(target, prompts[1], limits[1])
     stops = [[], [int(free[-2])], []]  # request 1 stops at (or before) its second-to-last token
@@ -73,7 +73,6 @@ class OracleTreeEngine(DFlashEngine):
 
     oracle: list[torch.Tensor] = []
     prompt_lens: list[int] = []
-    rng = torch.Generator().manual_seed(0)
 
     def draft_step(self):
         super().draft_step()
@@ -81,14 +80,13 @@ class OracleTreeEngine(DFlashEngine):
         for r, cont in enumerate(self.oracle):
             base = int(self.positions[r]) + 1 - self.prompt_lens[r]
             for j in range(boost.shape[1]):
-                if 0 <= base + j < len(cont) and torch.rand((), generator=self.rng) > 0.2:
+                if 0 <= base + j < len(cont) and torch.rand(()) > 0.2:
                     boost[r, j, cont[base + j]] = 30.0
         self.draft_logits.add_(boost)
 
 
 @pytest.mark.parametrize("arch,block,budget", [("qwen3", 8, 12), ("llama", 16, 64)])
 def test_deep_paths_in_a_ragged_batch_equal_target(monkeypatch, arch, block, budget):
-    torch.manual_seed(1)
     target = make_target(arch)
     draft = make_draft(target, layers=2, block_size=block)
     vocab = target.config.vocab_size
@@ -112,7 +110,7 @@ def test_triton_interpreter_path():
     equals the reference loop."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs the Triton kernels under the CPU interpreter")
-    target, draft = make_pair(4, seed=4)
+    target, draft = make_pair(4)
     prompts, limits = [torch.randint(0, VOCAB, (n,)) for n in (3, 8)], [5, 4]
     fast = generate(target, draft, prompts, limits, backend="fast", kernel_backend="triton", tree_budget=9)
     for r, (p, m) in enumerate(zip(prompts, limits)):
@@ -125,11 +123,10 @@ def test_triton_interpreter_path():
 def test_draft_vocabulary_subset_maps_tree_tokens(backend):
     """A subset that is the whole vocabulary in another order builds the same trees as the full draft (its
     logit j is target token draft_token_ids[j]): the same tokens and acceptance lengths."""
-    torch.manual_seed(SEED)
     target = make_target("qwen3")
-    perm = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(SEED)).tolist()
+    perm = torch.randperm(target.config.vocab_size).tolist()
     draft, full = subset_draft(target, perm, block_size=4)
-    prompt = torch.randint(0, target.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(SEED))
+    prompt = torch.randint(0, target.config.vocab_size, (1, 9))
     a = generate(target, full, prompt, 20, backend=backend, tree_budget=12)
     b = generate(target, draft, prompt, 20, backend=backend, tree_budget=12)
     assert torch.equal(a.sequences, b.sequences)
@@ -141,7 +138,7 @@ def test_draft_vocabulary_subset_maps_tree_tokens(backend):
 def test_emulated_graphs_equal_eager(temperature):
     """The tree steps capture (static shapes, no host reads) and replay with the same tokens; one engine
     serves greedy and sampling calls in turn."""
-    target, draft = make_pair(4, seed=4)
+    target, draft = make_pair(4)
     prompts, limits = requests(4)
     common = dict(backend="fast", tree_budget=10, temperature=temperature, seed=3)
     eager = generate(target, draft, prompts, limits, use_cuda_graphs=False, **common)
@@ -163,7 +160,6 @@ def sample_continuations(target, draft, ids, steps, n, temperature, top_p, top_k
 
 @pytest.fixture
 def sampling_pair():
-    torch.manual_seed(0)  # the same models on every run: the chi-square statistics are reproducible
     target = make_target("qwen3", vocab=4, layers=2, hidden=16)
     with torch.no_grad():
         target.lm_head.weight.mul_(8.0)  # far from uniform, yet every token stays likely
@@ -217,7 +213,7 @@ def test_wrong_tree_rule_fails(sampling_pair, monkeypatch):
 ])
 @pytest.mark.parametrize("backend", ["reference", "fast"])
 def test_bad_tree_budget(kwargs, match, backend):
-    target, draft = make_pair(4, seed=0)
+    target, draft = make_pair(4)
     with pytest.raises(ValueError, match=match):
         generate(target, draft, torch.tensor([1, 2, 3]), 4, backend=backend, **kwargs)
 

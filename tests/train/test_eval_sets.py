@@ -29,6 +29,7 @@ def test_natural_set_is_large_varied_and_distinct():
     assert natural_eval_prompts(5) == prompts[:5] and natural_eval_prompts() == prompts
 
 
+@pytest.mark.slow
 def test_natural_set_is_in_no_training_source():
     """No natural prompt is a template prompt (either split of the generators that trained the shipped draft) nor
     a prompt of the shipped draft's training responses file."""

@@ -81,7 +81,6 @@ def test_duplicates_and_natural_eval_prompts_are_dropped(tmp_path):
 def test_samples_follow_the_seed_and_resume_exactly(tmp_path):
     """Three then six samples write the same file as six at once; another seed writes other samples; every
     system prompt is used in turn."""
-    torch.manual_seed(0)
     model, tok = tiny_target(layers=1), _AsciiTokenizer()
     kw = dict(seed=3, max_new_tokens=12, stop_token_ids=[STOP], log=lambda m: None)
     whole, parts, other = (str(tmp_path / n) for n in ("whole.jsonl", "parts.jsonl", "other.jsonl"))

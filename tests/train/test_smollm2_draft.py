@@ -48,6 +48,7 @@ def shipped_tau(smol):
     return res["tau_pooled"], res
 
 
+@pytest.mark.slow
 @needs_smollm2
 @needs_asset
 def test_shipped_draft_accepts_on_eval_prompts(shipped_tau):

@@ -80,8 +80,8 @@ def test_dense_mask_structure():
     assert blk.tolist() == [[i // 2 == j // 2 for j in range(6)] for i in range(6)]
 
 
-def test_anchors_inside_response():
-    g = torch.Generator().manual_seed(0)
+def test_anchors_inside_response(seed):
+    g = torch.Generator().manual_seed(seed)
     for _ in range(50):
         a = sample_anchors(5, 20, 6, g)
         assert len(a) == 6 and a.min() >= 5 and a.max() <= 18 and len(set(a.tolist())) == 6
@@ -89,7 +89,6 @@ def test_anchors_inside_response():
 
 
 def test_block_logits_ignore_later_tokens_and_other_blocks():
-    torch.manual_seed(0)
     target = tiny_target()
     draft = tiny_draft(target, block_size=4).eval()
     ids = torch.randint(10, V, (30,))
@@ -120,7 +119,6 @@ def test_block_logits_ignore_later_tokens_and_other_blocks():
 
 def test_packed_blocks_equal_single_inference_calls():
     """Each packed block gives the logits of the plain draft call that inference would make."""
-    torch.manual_seed(1)
     target = tiny_target()
     draft = tiny_draft(target, block_size=4).eval()
     ids = torch.randint(10, V, (24,))
@@ -138,7 +136,6 @@ def test_packed_blocks_equal_single_inference_calls():
 
 def test_flex_path_matches_dense():
     pytest.importorskip("torch.nn.attention.flex_attention")
-    torch.manual_seed(2)
     target = tiny_target()
     draft = tiny_draft(target, block_size=4, layers=2).eval()
     recs = [record(target, torch.randint(10, V, (n,)), 4) for n in (20, 26)]
@@ -166,7 +163,6 @@ def test_lr_schedule():
 
 def test_training_overfits_tiny_batch_and_freezes_target():
     """80 AdamW steps on 2 sequences: the weighted loss falls by at least 5x; target weights unchanged."""
-    torch.manual_seed(3)
     target = tiny_target()
     with torch.no_grad():  # a random target with an expressive (not near-zero) tied LM head
         target.get_input_embeddings().weight.normal_(0.0, 0.5)
@@ -190,7 +186,6 @@ def test_evaluate_a_draft_with_a_vocabulary_subset():
     like the full draft; with none of the labels' ids it never matches (τ estimate 1)."""
     from dflash_apps.train.vocab import with_draft_vocab
 
-    torch.manual_seed(4)
     target = tiny_target()
     draft = tiny_draft(target, block_size=4)
     recs = [record(target, torch.randint(10, V, (n,)), 4) for n in (22, 18)]
@@ -212,7 +207,6 @@ def test_init_from_draft_copies_weights_and_drops_vocab_subset(tmp_path):
     from dflash_apps.train.trainer import init_from_draft
 
     target = tiny_target()
-    torch.manual_seed(1)
     src = tiny_draft(target)
     src.save_pretrained(str(tmp_path / "src"))
     path = tmp_path / "src" / "model.safetensors"
@@ -237,14 +231,14 @@ def _walk_labels(tokens, parents, labels):
 
 
 @pytest.mark.parametrize("with_vocab_ids", [False, True])
-def test_tree_acceptance_lengths_walk_the_target_path(with_vocab_ids):
+def test_tree_acceptance_lengths_walk_the_target_path(with_vocab_ids, seed):
     """Per full block: 1 + the deepest node of the tree (build_tree's definition, a heap) on the labels' path, by a
     brute-force walk; blocks with a missing label are left out; a larger budget never accepts less; budget 1 is
     the chain's first token."""
     from dflash_apps.train.blocks import acceptance_lengths, tree_acceptance_lengths
     from dflash_kernels.tree import build_tree_reference
 
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(seed)
     b, A, B, v = 3, 5, 4, 11
     logits = torch.randn(b, A * B, v, generator=g) * 2.5
     vocab_ids = torch.randperm(40, generator=g)[:v] if with_vocab_ids else None
@@ -284,7 +278,6 @@ def test_tree_acceptance_lengths_walk_the_target_path(with_vocab_ids):
 def test_evaluate_reports_tree_estimates():
     """Trainer.evaluate(tree_budgets=...): per budget the mean of tree_acceptance_lengths over the chain's blocks;
     a tree of 1 node is the chain cut at one draft token; more nodes never lower the estimate."""
-    torch.manual_seed(5)
     target = tiny_target()
     with torch.no_grad():
         target.get_input_embeddings().weight.normal_(0.0, 0.5)

@@ -11,12 +11,12 @@ from dflash_apps.train.data import compute_features, generate_batch, load_datase
 from test_train_blocks import V, tiny_target
 
 
-def test_generate_batch_matches_greedy_and_feature_pass():
+def test_generate_batch_matches_greedy_and_feature_pass(seed):
     """Left-padded ragged batch: each response is the target's own greedy continuation (stopping at the
     first stop token), and the features captured while generating equal a clean forward pass over
     ``prompt + response[:-1]``."""
     target = tiny_target(layers=4)
-    g = torch.Generator().manual_seed(11)
+    g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(4, V, (n,), generator=g).tolist() for n in (5, 1, 9)]
     stop = int(target(torch.tensor([prompts[0]])).logits[0, -1].argmax())  # first response token of prompt 0
     taps = (1, 3)
@@ -45,6 +45,8 @@ def test_generate_batch_known_equals_greedy_with_wrong_known_responses():
 
     from dflash_apps.train.data import generate_batch_known
 
+    # Fixed seeds: the draw must hold each case the test names (a perturbed model whose greedy output differs,
+    # responses that stop and that do not), which a random draw need not give (the node seed 1413207546 did not).
     torch.manual_seed(3)
     target = tiny_target(layers=4)
     with torch.no_grad():
@@ -87,8 +89,8 @@ def _random_record(n, taps, hidden, gen, prompt_len=4):
             "layer_ids": list(taps), "finished": True}
 
 
-def test_load_dataset_selects_taps_and_limits_shards(tmp_path):
-    g = torch.Generator().manual_seed(0)
+def test_load_dataset_selects_taps_and_limits_shards(tmp_path, seed):
+    g = torch.Generator().manual_seed(seed)
     shards = [[_random_record(n, [1, 5, 9], 4, g) for n in lens] for lens in ((6, 4), (5,), (7,))]
     for i, s in enumerate(shards):
         torch.save(s, os.path.join(tmp_path, f"shard_{i:05d}.pt"))
@@ -119,8 +121,8 @@ def _crafted(path, marker, wrap=lambda payload: payload):
     marker.unlink()
 
 
-def test_crafted_shard_is_refused_without_running_its_payload(tmp_path):
-    g = torch.Generator().manual_seed(0)
+def test_crafted_shard_is_refused_without_running_its_payload(tmp_path, seed):
+    g = torch.Generator().manual_seed(seed)
     torch.save([_random_record(6, [1, 5], 4, g)], tmp_path / "shard_00000.pt")
     marker = tmp_path / "payload_ran"
     _crafted(tmp_path / "shard_00001.pt", marker, wrap=lambda payload: [_random_record(5, [1, 5], 4, g), payload])
@@ -137,6 +139,7 @@ def _write_shard(folder, n_seqs, seed, taps=(1, 27), hidden=576):
     torch.save(recs, os.path.join(folder, "shard_00000.pt"))
 
 
+@pytest.mark.slow
 def test_fit_resumed_one_step_at_a_time_equals_uninterrupted(tmp_path):
     """`dflash train fit` stopped after every step (``--max-minutes 0``) and resumed each time ends with
     the same weights, bit for bit, as one uninterrupted run: model, optimizer, RNGs and the epoch's
@@ -259,7 +262,6 @@ def test_responses_file_round_trip_and_reuse(tmp_path):
     from dflash_apps.train.data import generate_dataset
     from dflash_apps.train.responses import load_responses, prompt_key, save_responses
 
-    torch.manual_seed(4)
     target = tiny_target(layers=2)
     with torch.no_grad():
         for name, w in target.named_parameters():

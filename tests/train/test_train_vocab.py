@@ -7,7 +7,7 @@ import torch
 from dflash.model import DFlashDraftModel
 from dflash_apps.train import main as train_main
 from dflash_apps.train.vocab import choose_subset, coverage_of, response_token_counts, with_draft_vocab
-from tests.runtime.tiny_models import make_draft, make_target
+from helpers.tiny_models import make_draft, make_target
 
 
 def _records():
@@ -54,7 +54,6 @@ def test_out_of_range_ids_named():
 
 
 def test_subset_draft_keeps_the_network_and_round_trips(tmp_path):
-    torch.manual_seed(0)
     target = make_target("qwen3")
     draft = make_draft(target, block_size=4)
     ids = torch.tensor([1, 3, 7, 9, 20])
@@ -74,7 +73,6 @@ def test_subset_draft_keeps_the_network_and_round_trips(tmp_path):
 
 
 def test_cli_writes_the_subset_draft(tmp_path, capsys):
-    torch.manual_seed(0)
     target = make_target("qwen3")
     make_draft(target, block_size=4).save_pretrained(tmp_path / "full")
     for name in ("train", "eval"):

@@ -1,4 +1,4 @@
-"""Fuzz cases, run inside the worker process (``_worker.py``): build an op's inputs from a case, call it, judge.
+"""Fuzz cases, run inside the worker process (``worker.py``): build an op's inputs from a case, call it, judge.
 
 A case is a JSON object: ``op`` (a key of :data:`OPS`), ``path`` (``"public"``: ``dflash_kernels.<op>``;
 ``"registered"``: ``torch.ops.dflash.<op>``, which runs its backend body without the public checks), ``backend``,
@@ -19,10 +19,10 @@ The verdict rule, the same for every op:
 * A returned result fails on an ``invalid`` case (an out-of-range index must not be used: the issue's "silently
   overwrite the wrong cache rows"), and otherwise must equal the torch reference run on the same inputs (unless
   the reference itself cannot allocate its work, e.g. a mask over 2^40 positions: then nothing is compared):
-  integers exactly, floats within ``tests/kernels/_tol.py``'s rule (the reference in fp64 and in the inputs'
+  integers exactly, floats within ``helpers/tol.py``'s rule (the reference in fp64 and in the inputs'
   dtype), every output and every tensor the op writes in place. A reference that raises where the op returned
   also fails: the op produced a value for inputs the definition rejects.
-* A signal or a hang kills the worker; ``_runner`` turns that into a failure naming the case.
+* A signal or a hang kills the worker; ``runner`` turns that into a failure naming the case.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import traceback
 import torch
 
 import dflash_kernels as dk
-from _tol import assert_within_rule
+from helpers.tol import assert_within_rule
 from dflash_kernels import commit, gated_mlp, layer_ops, tree, verify
 from dflash_kernels.draft_attention import draft_attention_reference, verify_attention_reference
 from dflash_kernels.fused_context import fused_context_reference
@@ -735,7 +735,7 @@ OPS = {
 
 def _generate(case: dict, b: Build):
     """``dflash.generate`` (imported on first use: transformers and the runtime cost a worker ~2 s to import)."""
-    from _generate_case import Generate
+    from helpers.fuzz.generate_case import Generate
 
     return Generate(case, b)
 

@@ -1,5 +1,6 @@
-"""The fuzz worker: reads one JSON case a line on stdin, runs it (``_cases.run_case``), writes one JSON verdict
-a line on the fd named by ``DFLASH_FUZZ_RESULT_FD``. Its own fd 1 goes to stderr (see ``_runner``).
+"""The fuzz worker (``python -m helpers.fuzz.worker`` with tests/ on the path): reads one JSON case a line on stdin,
+runs it (``cases.run_case``), writes one JSON verdict a line on the fd named by ``DFLASH_FUZZ_RESULT_FD``. Its own
+fd 1 goes to stderr (see ``runner``). Its first line, once its imports are done, says it is ready.
 
 The address space is capped (``DFLASH_FUZZ_MEMORY_GB``, default 6; 0 = no cap, for AddressSanitizer runs, which
 cap allocations with ASAN_OPTIONS instead) so that an unbounded allocation becomes a Python MemoryError /
@@ -13,8 +14,6 @@ import os
 import resource
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 def main() -> None:
     results = os.fdopen(int(os.environ["DFLASH_FUZZ_RESULT_FD"]), "w")
@@ -26,14 +25,15 @@ def main() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     # Triton's interpreter must be chosen before dflash_kernels is imported (as tests/conftest.py does).
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    sys.path[:0] = [HERE, os.path.join(HERE, "..", "kernels"), os.path.join(HERE, "..", "runtime")]
     import torch
 
     torch.set_num_threads(1)
-    import _cases
+    from helpers.fuzz import cases
 
+    results.write(json.dumps({"ready": True}) + "\n")  # imports done: the parent's per-case clock starts now
+    results.flush()
     for line in sys.stdin:
-        verdict = _cases.run_case(json.loads(line))
+        verdict = cases.run_case(json.loads(line))
         results.write(json.dumps(verdict) + "\n")
         results.flush()
 

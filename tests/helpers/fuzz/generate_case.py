@@ -1,4 +1,4 @@
-"""The ``generate`` fuzz case: ``dflash.generate`` on a tiny random pair (tests/runtime/tiny_models.py) with random
+"""The ``generate`` fuzz case: ``dflash.generate`` on a tiny random pair (``helpers/tiny_models.py``) with random
 block sizes, tree budgets, max_new_tokens, stop lists, dtypes, runtimes, kernel backends and (on the engine)
 ragged batches of 1-3 prompts. On the reference runtime the draft is an oracle (its proposals are the target's
 continuation, corrupted at random; optionally with NaN logits), so that long acceptances occur; the engine runs the
@@ -15,7 +15,7 @@ import torch
 
 import dflash
 from dflash_kernels.tree import distinct_prefixes
-from tiny_models import VOCAB, OracleDraft, make_draft, make_target
+from helpers.tiny_models import VOCAB, OracleDraft, make_draft, make_target
 
 MAX_BLOCK = 64  # the largest block size a caller may ask for (the runtime documents its cap)
 

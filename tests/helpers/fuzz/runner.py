@@ -5,7 +5,9 @@ private pipe (the worker's fd 1 is pointed at its stderr, so that prints from na
 corrupt the protocol). A worker that dies (a signal: SIGSEGV, SIGABRT from glibc's heap checks, SIGKILL from the
 kernel's OOM killer) or that does not answer within the per-case time limit is replaced by a fresh one, and the
 case is reported as failed with the signal and the worker's last stderr lines. One worker serves every test of a
-session while it lives, so torch, Triton and the native library are imported and built once.
+session while it lives, so torch, Triton and the native library are imported and built once. A fresh worker says
+it is ready (its imports done) before it gets a case, under a limit of its own: the per-case limit times the case
+alone, also on a loaded machine where the imports take minutes.
 
 A crash is charged to the case that was running; memory corrupted silently by an earlier case could in principle
 surface later, so the failing case names its seed and the run can be repeated with that one case alone.
@@ -21,27 +23,34 @@ import sys
 import time
 from collections import deque
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
+# The worker runs as ``python -m helpers.fuzz.worker`` with tests/ (the folder that holds ``helpers``) on its path.
+TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER_MODULE = "helpers.fuzz.worker"
 # A case that runs longer than this is a hang (an unbounded loop or allocation); the slowest CI case (a Triton
 # kernel under the interpreter) takes a few seconds.
 CASE_TIMEOUT_S = float(os.environ.get("DFLASH_FUZZ_CASE_TIMEOUT", "20"))
+# A worker that is not ready (its imports done) within this is a hang at start.
+STARTUP_TIMEOUT_S = float(os.environ.get("DFLASH_FUZZ_STARTUP_TIMEOUT", "600"))
 
 
 class WorkerDied(AssertionError):
-    """The worker ended (by a signal or an exit) or hung while running a case."""
+    """The worker ended (by a signal or an exit) or hung while starting or running a case."""
 
 
 class Worker:
-    def __init__(self) -> None:
+    def __init__(self, module: str = WORKER_MODULE) -> None:
+        self.module = module  # run as ``python -m module``
         self.proc: subprocess.Popen | None = None
         self.stderr_tail: deque[str] = deque(maxlen=200)
         self.last_status = ""
 
     def _start(self) -> None:
         read_fd, write_fd = os.pipe()
-        env = dict(os.environ, DFLASH_FUZZ_RESULT_FD=str(write_fd), PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, WORKER], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, pass_fds=(write_fd,), env=env, text=True)
+        python_path = os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))
+        env = dict(os.environ, DFLASH_FUZZ_RESULT_FD=str(write_fd), PYTHONUNBUFFERED="1", PYTHONPATH=python_path)
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module], stdin=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=(write_fd,), env=env,
+                                     text=True)
         os.close(write_fd)
         self.results = os.fdopen(read_fd, "r")
         os.set_blocking(self.proc.stderr.fileno(), False)
@@ -79,12 +88,18 @@ class Worker:
         if self.proc is None or self.proc.poll() is not None:
             self._stop()
             self._start()
+            self._answer(STARTUP_TIMEOUT_S, "while starting")
         try:
             self.proc.stdin.write(json.dumps(case) + "\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
             pass  # reported below, from its exit status
-        deadline = time.monotonic() + CASE_TIMEOUT_S
+        return self._answer(CASE_TIMEOUT_S, "on this case")
+
+    def _answer(self, limit_s: float, what: str) -> dict:
+        """The worker's next line (a JSON object) within ``limit_s``; else the worker is stopped and
+        :class:`WorkerDied` says whether it hung or ended ``what`` (e.g. "on this case")."""
+        deadline = time.monotonic() + limit_s
         watched = [self.results, self.proc.stderr]
         while (left := deadline - time.monotonic()) > 0:
             ready, _, _ = select.select(watched, [], [], left)
@@ -99,10 +114,7 @@ class Worker:
                 break  # the pipe closed: the worker ended
         hung = time.monotonic() >= deadline
         self._stop()
-        raise WorkerDied(self._death_message(hung))
-
-    def _death_message(self, hung: bool) -> str:
         tail = "\n".join(list(self.stderr_tail)[-60:])
         if hung:
-            return f"worker hung for {CASE_TIMEOUT_S:.0f} s on this case (killed)\n--- worker stderr ---\n{tail}"
-        return f"worker died: {self.last_status}\n--- worker stderr ---\n{tail}"
+            raise WorkerDied(f"worker hung for {limit_s:.0f} s {what} (killed)\n--- worker stderr ---\n{tail}")
+        raise WorkerDied(f"worker died {what}: {self.last_status}\n--- worker stderr ---\n{tail}")

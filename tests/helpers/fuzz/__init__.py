@@ -1,0 +1,1 @@
+"""The fuzz suite's machinery: hypothesis settings, the crash-isolated worker and the cases it runs."""

@@ -14,19 +14,13 @@ Run: python -m pytest -q -rs tests/gpu/test_gpu.py
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import os
+from functools import partial
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-for sub in ("bench",):  # the tests' helpers: pytest's pythonpath (pyproject.toml)
-    if str(ROOT / sub) not in sys.path:
-        sys.path.insert(0, str(ROOT / sub))
-
-import os  # noqa: E402
-from functools import partial  # noqa: E402
+from helpers.bench import bench_module
 
 # DFLASH_GPU_TESTS_DEVICE=cpu dry-runs the logic on CPU (no graphs, torch/ext backends only).
 DEV = os.environ.get("DFLASH_GPU_TESTS_DEVICE", "cuda")
@@ -191,7 +185,7 @@ def test_verify_step_equals_hf_forward_bf16(arch):
     import copy
 
     from helpers.tol import assert_within_rule
-    from e2e import make_margin_target
+    make_margin_target = bench_module("e2e").make_margin_target
     from helpers.tiny_models import make_draft, make_target
 
     from dflash import generate
@@ -294,7 +288,7 @@ def _greedy(target, ids, max_new):
 
 
 def _oracle_engine(target, draft, prompts, expected, accept, block, graphs):
-    from e2e import oracle_fast_class
+    oracle_fast_class = bench_module("e2e").oracle_fast_class
 
     width = max(len(e) for e in expected) + block + 2
     seq = torch.zeros(len(prompts), width, dtype=torch.long, device=DEV)

@@ -43,10 +43,8 @@ def test_nvcc_compiles_torch_free_cu(cu, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
-def test_c_abi_header_is_plain_c(tmp_path):
-    src = tmp_path / "use.c"
-    src.write_text('#include "dflash_kernels.h"\n'
-                   'int main(void) { return dflash_kernels_abi_version() == DFLASH_KERNELS_ABI_VERSION ? 0 : 1; }\n')
+def test_c_abi_header_is_plain_c():
+    src = CSRC / "tests" / "abi_is_plain_c.c"
     cc = shutil.which("cc") or shutil.which("gcc")
     _run([cc, "-std=c99", "-Wall", "-Werror", "-pedantic", f"-I{CSRC / 'include'}", "-fsyntax-only", str(src)])
 

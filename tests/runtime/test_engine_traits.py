@@ -9,7 +9,7 @@ import torch
 import dflash.engine as engine_module
 from dflash import generate
 from dflash_kernels import BackendTraits, _dispatch, backend_traits, default_backend
-from tiny_models import make_draft, make_target
+from helpers.tiny_models import make_draft, make_target
 
 VOCAB = 6
 CPU_TRAITS = BackendTraits(fused_gemm=False, argmax_head=True, host_eager=True)

@@ -3,10 +3,10 @@ captured steps (CUDA graphs, or their emulation on any device), batch > 1.
 
 State lives on the device and the two steps have static shapes, so each is captured once per
 setting that changes its work (see :meth:`DFlashEngine.graph_key`) and replayed every round; the
-host reads one small tensor (done flags and committed counts) per round. Everything a call may
-change — sampling parameters, stop tokens, seed and offset, lengths — lives in persistent device
-buffers written in place before replay, so an engine reused across calls gives the same tokens as
-a fresh one.
+host reads the device once per round, one packed copy (done flags, committed counts, lengths, and
+the new tokens when streaming). Everything a call may change — sampling parameters, stop tokens,
+seed and offset, lengths — lives in persistent device buffers written in place before replay, so an
+engine reused across calls gives the same tokens as a fresh one.
 
 Invariant per request ``r`` (``positions[r]`` = position of the anchor, the last committed token):
 the target cache and the draft context cache both hold exactly ``positions[r]`` valid rows, the
@@ -49,7 +49,7 @@ import contextlib
 import threading
 import time
 import weakref
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +83,21 @@ def graph_mode_for(use_cuda_graphs, device: torch.device) -> str | None:
     if use_cuda_graphs is False:
         return None
     raise ValueError(f"use_cuda_graphs must be None, True, False or 'emulate', got {use_cuda_graphs!r}")
+
+
+# Device-to-host reads per decoding round, in every mode (eager or captured, chains or trees, any batch,
+# sampling, streaming): the packed read of :meth:`DFlashEngine.host_snapshot`. The tests count them
+# (``dflash.graphs.HostSyncCounter``); bench/traffic.py charges each round this many syncs.
+HOST_READS_PER_ROUND = 1
+
+
+class HostSnapshot(NamedTuple):
+    """What the host knows after a round, per request: finished, tokens just committed, length, and (streaming
+    only) the last B tokens of its output (fewer at its start: the first tokens repeat)."""
+    done: list[bool]
+    num_new: list[int]
+    lengths: list[int]
+    last_tokens: list[list[int]]
 
 
 class DFlashEngine:
@@ -381,8 +396,9 @@ class DFlashEngine:
                                         lengths=self.lengths, positions=self.positions, anchor=self.anchor,
                                         done=self.done, max_lengths=self.max_lengths,
                                         stop_tokens=self.stop_tables.get(self.stop_width),
-                                        # value checks read the device on the host: eager steps only
-                                        check=False if self.graph_mode else None,
+                                        # no value checks: they read the device on the host, and the values
+                                        # are the steps' own (out of range, a request ends untouched)
+                                        check=False,
                                         backend=self.commit_backend))
 
     # ------------------------------------------------------------------ running the steps
@@ -421,43 +437,53 @@ class DFlashEngine:
                  self.proposals, self.features, self.offset]
         return state if self.tree_budget is None else state + [self.draft_logits]
 
+    def host_snapshot(self, n: int, tokens: bool) -> HostSnapshot:
+        """The host's one read after a round: the first ``n`` requests' state in one device-to-host copy; with
+        ``tokens``, each one's last B tokens too (a round commits at most B)."""
+        B = self.block_size
+        parts = [self.done[:n].long(), self.num_new[:n], self.lengths[:n]]
+        if tokens:
+            cols = (self.lengths[:n, None] - B + torch.arange(B, device=self.device)).clamp(min=0)
+            parts.append(self.out_tokens[:n].gather(1, cols).flatten())
+        values = torch.cat(parts).tolist()
+        tails = values[3 * n:]
+        last = [tails[r * B:(r + 1) * B] for r in range(n)]
+        return HostSnapshot([bool(d) for d in values[:n]], values[n:2 * n], values[2 * n:3 * n], last)
+
     def generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: Sequence[int], stops: Sequence[list[int]],
                  sampling: SamplingParams, seed: int, on_tokens=None) -> list[GenerateResult]:
         """Decode validated prompts (1-D, on the device) to the end; one :class:`GenerateResult` each, whose
         ``extra["round_times"]`` lists every round's (draft, verify, whole round incl. the host read) seconds.
-        ``on_tokens(r, ids)`` is called with request r's newly committed tokens (the first token included)."""
+        ``on_tokens(r, ids)`` is called with request r's newly committed tokens (the first token included).
+        The host reads the device once per round (:meth:`host_snapshot`, ``HOST_READS_PER_ROUND``), streaming
+        or not, and keeps what it read in Python values."""
         n = len(prompts)
+        streaming = on_tokens is not None
         with torch.inference_mode():
             t0 = device_clock(self.device)
             self.reset(prompts, max_new_tokens, stops, sampling, seed)
             t1 = device_clock(self.device)
-            if on_tokens is not None:
-                for r, length in enumerate(self.lengths[:n].tolist()):
-                    on_tokens(r, [int(self.out_tokens[r, length - 1])])
+            state = self.host_snapshot(n, streaming)
+            if streaming:
+                for r in range(n):
+                    on_tokens(r, state.last_tokens[r][-1:])
             acceptance: list[list[int]] = [[] for _ in prompts]
             round_times: list[tuple[float, float, float]] = []  # (draft, verify, whole round) seconds
-            done = self.done[:n].to("cpu", copy=True)
-            while not bool(done.all()):
+            while not all(state.done):
                 ta = time.perf_counter()
                 dt, vt = self.round()
-                was_done = done
-                snapshot = torch.cat([self.done[:n].long(), self.num_new[:n]]).cpu()  # the round's one host read
+                was_done = state.done
+                state = self.host_snapshot(n, streaming)
                 round_times.append((dt, vt, time.perf_counter() - ta))
-                done = snapshot[:n].bool()
-                committed = snapshot[n:].tolist()
-                for r, n_new in enumerate(committed):
+                for r, n_new in enumerate(state.num_new):
                     if not was_done[r]:
                         acceptance[r].append(n_new)
-                if on_tokens is not None:  # one more read, only when streaming
-                    ends = self.lengths[:n].tolist()
-                    for r, n_new in enumerate(committed):
-                        if n_new:
-                            on_tokens(r, self.out_tokens[r, ends[r] - n_new:ends[r]].tolist())
-            lengths = self.lengths.cpu().tolist()
+                    if streaming and n_new:
+                        on_tokens(r, state.last_tokens[r][self.block_size - n_new:])
             total = device_clock(self.device) - t0
         return [
-            GenerateResult(sequences=self.out_tokens[r:r + 1, :lengths[r]].clone(), acceptance_lengths=acceptance[r],
-                           num_prompt_tokens=prompt.shape[0], prefill_time=t1 - t0,
+            GenerateResult(sequences=self.out_tokens[r:r + 1, :state.lengths[r]].clone(),
+                           acceptance_lengths=acceptance[r], num_prompt_tokens=prompt.shape[0], prefill_time=t1 - t0,
                            draft_time=sum(t[0] for t in round_times), verify_time=sum(t[1] for t in round_times),
                            total_time=total, extra={"round_times": round_times})
             for r, prompt in enumerate(prompts)

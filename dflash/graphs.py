@@ -64,25 +64,40 @@ class GraphCaptureError(RuntimeError):
     """A step did something a captured graph cannot hold."""
 
 
-def _refuse_uncapturable(func, args, kwargs) -> None:
-    """Raise :class:`GraphCaptureError` if the dispatched ``func`` cannot be captured (module docstring)."""
+def _uncapturable(func, args, kwargs) -> str | None:
+    """Why the dispatched ``func`` cannot be captured (module docstring), or None."""
     if func in _HOST_READS:
-        raise GraphCaptureError(
-            f"{func} reads a device value on the host inside a captured step; keep the value on the "
-            "device (a tensor argument) or read it outside the step")
+        return (f"{func} reads a device value on the host inside a captured step; keep the value on the "
+                "device (a tensor argument) or read it outside the step")
     if func in _MASK_INDEXED:
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
         if any(t is not None and t.dtype in (torch.bool, torch.uint8) for t in indices):
-            raise GraphCaptureError(
-                f"{func} with a boolean mask has a data-dependent size (the mask's nonzero is read on the host) "
-                "inside a captured step; use torch.where / masked_fill_ / integer indices of a static count")
-        return
+            return (f"{func} with a boolean mask has a data-dependent size (the mask's nonzero is read on the host) "
+                    "inside a captured step; use torch.where / masked_fill_ / integer indices of a static count")
+        return None
     if torch.Tag.dynamic_output_shape in func.tags:
         if func is _aten.repeat_interleave.Tensor and kwargs.get("output_size") is not None:
-            return
-        raise GraphCaptureError(
-            f"{func} has a data-dependent output shape (read on the host) inside a captured step; use a "
-            "static-shape form (torch.where with three arguments, nonzero_static, an output_size)")
+            return None
+        return (f"{func} has a data-dependent output shape (read on the host) inside a captured step; use a "
+                "static-shape form (torch.where with three arguments, nonzero_static, an output_size)")
+    return None
+
+
+def _refuse_uncapturable(func, args, kwargs) -> None:
+    """Raise :class:`GraphCaptureError` if the dispatched ``func`` cannot be captured."""
+    reason = _uncapturable(func, args, kwargs)
+    if reason is not None:
+        raise GraphCaptureError(reason)
+
+
+def _copies_to_host(func, args, kwargs) -> bool:
+    """Whether a tensor-method call copies to the host: ``_HOST_COPY_METHODS``, or ``.to`` a CPU device."""
+    if func in _HOST_COPY_METHODS:
+        return True
+    if func is not torch.Tensor.to:
+        return False
+    targets = [a for a in (*args[1:], kwargs.get("device")) if isinstance(a, (str, torch.device))]
+    return any(torch.device(a).type == "cpu" for a in targets)
 
 
 class _HostCopyRefusal(TorchFunctionMode):
@@ -141,6 +156,59 @@ class _Recorder(_CaptureRules):
         if not (func.is_view and _aliases_inputs(out, args, kwargs)):
             self.calls.append((func, args, kwargs, out))
         return out
+
+
+class _Tally:
+    """A mode that appends to ``reads`` the name of every call ``counts(func, args, kwargs)`` holds for, then runs it."""
+
+    def __init__(self, reads: list[str], counts: Callable[..., object]) -> None:
+        super().__init__()
+        self.reads, self.counts = reads, counts
+
+    def _tally(self, func, args, kwargs):
+        kwargs = kwargs or {}
+        if self.counts(func, args, kwargs):
+            self.reads.append(func.__name__)
+        return func(*args, **kwargs)
+
+
+class _HostReadTally(_Tally, TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self._tally(func, args, kwargs)
+
+
+class _HostCopyTally(_Tally, TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self._tally(func, args, kwargs)
+
+
+class HostSyncCounter:
+    """Counts the host syncs of the code run inside it, by the rules a capture refuses: host reads of tensor
+    values (``.item()``, ``bool(t)``, ``int(t)``, ``torch.equal``), copies to the host (``.tolist()``, ``.cpu()``,
+    ``.numpy()``, ``.to("cpu")``) and data-dependent shapes (``nonzero``, boolean indexing, ...). Each is a
+    device-to-host copy that waits for the device on a GPU; on a CPU they cost nothing, so this is how a test
+    sees them. A ``torch.ops.dflash.*`` op counts as device work (its body is not looked into).
+
+    Every read of a tensor counts: on a CPU run host and device tensors cannot be told apart, so the counted
+    code keeps what it has read in Python values. ``reads`` lists what was counted, in order."""
+
+    def __init__(self) -> None:
+        self.reads: list[str] = []
+        self._modes = (_HostCopyTally(self.reads, _copies_to_host),
+                       _HostReadTally(self.reads, lambda *call: _uncapturable(*call) is not None))
+
+    @property
+    def count(self) -> int:
+        return len(self.reads)
+
+    def __enter__(self) -> "HostSyncCounter":
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
 
 
 def _tensors(tree) -> list[torch.Tensor]:

@@ -64,6 +64,11 @@ Model, per recorded op (a model, not a measurement):
             eager (--eager), the longer of device and host, the host's being the step's wall time on the
             meta engine, measured on this CPU (``host_step_ms``: wrappers, validation, dispatcher), + 4 us a
             launch for the launcher and the driver call, which a CPU cannot measure (assumed).
+  round     round_ms_h200 (on both rows of a configuration): draft + verify predictions + the engine's host
+            syncs per round (``dflash.engine.HOST_READS_PER_ROUND``, counted by the tests: the round's one
+            packed device-to-host read of done flags, counts and lengths) x ``HOST_SYNC_US`` (assumed): the
+            read waits for the verify step and the next round's launches wait for the read, in graph mode
+            and eagerly alike. Steps alone (predicted_ms_h200) leave the sync out, as a step's timing does.
 
 Usage: python bench/traffic.py [--model qwen3-8b] [--draft dflash|dflash2] [--batch 1,8] [--context 2k,32k]
        [--capacity 32k] [--block 16] [--tree-budget 16,32,64] [--eager] [--json] [--out DIR]
@@ -87,6 +92,7 @@ import common  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from dflash.engine import HOST_READS_PER_ROUND  # noqa: E402
 from dflash_kernels.draft_attention import merge_round_trips, partial_slots, pick_max_splits  # noqa: E402
 from dflash_kernels.gated_mlp import gate_up_silu_cost  # noqa: E402
 from dflash_kernels.verify import threshold_bytes, threshold_launches  # noqa: E402
@@ -101,6 +107,8 @@ CUDA_LAUNCH_API_US = 4.0
 # One dependent L2 round trip of an attention launch's merge tail (assumed: the merge's former 4 serial passes
 # over 32 split slots, one dependent load per slot, were estimated at 25-45 us a layer at 32k context).
 L2_ROUND_TRIP_US = 0.3
+# One host sync of a round: a small device-to-host copy and the stream wait, until the host launches again (assumed).
+HOST_SYNC_US = 15.0
 
 # Target shapes from the Hugging Face configs; draft shapes of the z-lab checkpoints (the project's
 # research notes, "z-lab DFlash": Qwen3-8B-DFlash-b16 and Qwen3-4B-DFlash-b16 have 5 layers, the
@@ -502,8 +510,11 @@ def measure(model: str, batch: int, context: int, capacity: int, block: int, gra
                   tree_budget=tree_budget or "", mode="graph" if graphs else "eager")
     rows = [{**config, **summarize(engine, step, context, account(engine, step, context), launch_us)}
             for step in ("draft", "verify")]
+    sync_ms = HOST_READS_PER_ROUND * HOST_SYNC_US / 1e3
+    round_ms = sum(r["predicted_ms_h200"] for r in rows) + sync_ms
     for r in rows:  # the cost of one launch: replayed (assumed), or eager (measured host cost, on average)
         r["launch_us"] = launch_us if graphs else r["launch_ms_h200"] * 1e3 / max(1, r["launches"])
+        r.update(host_syncs_per_round=HOST_READS_PER_ROUND, sync_ms_h200=sync_ms, round_ms_h200=round_ms)
     return rows
 
 
@@ -530,7 +541,7 @@ def check_args(args) -> None:
 
 COLUMNS = ["model", "draft", "batch", "context", "tree_budget", "step", "launches", "launches_per_layer",
            "launches_outside_layers", "bytes_GB", "floor_GB", "ratio", "GFLOP", "merge_ms_h200", "predicted_ms_h200",
-           "floor_ms_h200",
+           "floor_ms_h200", "host_syncs_per_round", "round_ms_h200",
            "goal_ratio", "goal_per_layer", "goal_outside"]
 
 
@@ -557,6 +568,9 @@ def print_human(s: dict, top: int) -> None:
               f"{s['roofline_ms_h200']:.3f} + split-KV merge tails {s['merge_ms_h200']:.3f}, and the host's "
               f"{s['launch_ms_h200']:.3f} ({s['launch_us']:.2f} us a launch: measured on this CPU + "
               f"{CUDA_LAUNCH_API_US} us assumed); floor {s['floor_ms_h200']:.3f} ms")
+    if s["step"] == "verify":
+        print(f"model H200 round {s['round_ms_h200']:.3f} ms = draft + verify + {s['host_syncs_per_round']} host "
+              f"sync(s) a round (counted: the engine's packed read) x {HOST_SYNC_US} us (assumed)")
     print(goal_text(s["step"]))
     print(common.table(op_rows(s, top), OP_COLUMNS))
 

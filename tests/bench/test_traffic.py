@@ -264,3 +264,18 @@ def test_qwen3_8b_dflash2_draft_step(batch):
     added = draft["ops"]["dflash.grouped_dynamic_conv"]["bytes"] + projections + selector
     excess = (draft["bytes"] - draft["floor_bytes"]) - (plain["bytes"] - plain["floor_bytes"])
     assert 0 < excess <= added, (excess, added)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_round_rows_charge_the_engines_counted_host_syncs(graphs):
+    """A round = draft + verify + the engine's host syncs per round (counted by
+    tests/runtime/test_graphs_host_syncs.py) x the assumed sync cost, on both rows; the steps leave it out."""
+    from dflash.engine import HOST_READS_PER_ROUND
+
+    draft, verify = traffic.measure("tiny", batch=2, context=32, capacity=128, block=16, graphs=graphs)
+    sync_ms = HOST_READS_PER_ROUND * traffic.HOST_SYNC_US / 1e3
+    assert HOST_READS_PER_ROUND == 1 and sync_ms > 0
+    for s in (draft, verify):
+        assert s["host_syncs_per_round"] == HOST_READS_PER_ROUND
+        assert s["sync_ms_h200"] == pytest.approx(sync_ms)
+        assert s["round_ms_h200"] == pytest.approx(draft["predicted_ms_h200"] + verify["predicted_ms_h200"] + sync_ms)

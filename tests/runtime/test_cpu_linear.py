@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -732,3 +735,15 @@ def test_bf16_route_avx2(monkeypatch, bf16_calls):
     torch.ops.dflash_cpu.linear_avx2(x, [w], [b], want)
     assert torch.equal(got, want)
     assert bf16_calls["bf16"] == [9]
+
+
+def test_bf16_route_on_an_avx2_only_cpu():
+    """DFLASH_CPU_ISA=avx2 (as on a CPU without AVX-512; in a subprocess: the choice is made once, at load): the
+    bf16-packed tests above and the native forward's routes pass on the AVX2 build alone."""
+    if "avx2" not in cpu_native.isas() or os.environ.get("DFLASH_CPU_ISA"):
+        pytest.skip("needs AVX2 + FMA, uncapped")
+    forward_tests = os.path.join(os.path.dirname(__file__), "test_native_forward.py")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, forward_tests,
+                           "-k", "bf16 and not avx2_only or each_fp32_kernel_route"],
+                          env={**os.environ, "DFLASH_CPU_ISA": "avx2"}, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]

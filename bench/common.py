@@ -27,9 +27,10 @@ if str(ROOT) not in sys.path:  # run as a plain script (python bench/x.py) from 
 
 # ---------------------------------------------------------------------------------------- device
 @contextlib.contextmanager
-def cpu_kernels(*, native: bool = True, amx: bool = True, native_forward: bool = True, argmax_screen: bool = True):
+def cpu_kernels(*, native: bool = True, amx: bool = True, native_forward: bool = True, argmax_screen: bool = True,
+                bf16: bool = True):
     """For the calls inside: the "cpu" backend's native kernels (``DFLASH_CPU_NATIVE``), ``cpu_linear``'s AMX path,
-    the lean target's native forward (``dflash_kernels.cpu.forward``; off: its op path) and ``cpu_linear.linear_argmax``'s
+    its bf16-packed weights (``cpu_linear.set_bf16``; off: bf16-exact weights stream as fp32), the lean target's native forward (``dflash_kernels.cpu.forward``; off: its op path) and ``cpu_linear.linear_argmax``'s
     screen (off: a greedy verify's whole LM head, then its argmax) on or off (A/B runs in one process); the settings
     restored after."""
     from dflash_kernels.cpu import linear as cpu_linear
@@ -39,6 +40,7 @@ def cpu_kernels(*, native: bool = True, amx: bool = True, native_forward: bool =
     before = os.environ.get(cpu_native.ENV)
     os.environ[cpu_native.ENV] = "1" if native else "0"
     amx_before = cpu_linear.set_amx(amx)
+    bf16_before = cpu_linear.set_bf16(bf16)
     nf_before = nf.set_enabled(native_forward)
     screen_before = cpu_linear.set_argmax_screen(argmax_screen)
     try:
@@ -46,6 +48,7 @@ def cpu_kernels(*, native: bool = True, amx: bool = True, native_forward: bool =
     finally:
         cpu_linear.set_argmax_screen(screen_before)
         nf.set_enabled(nf_before)
+        cpu_linear.set_bf16(bf16_before)
         cpu_linear.set_amx(amx_before)
         if before is None:
             del os.environ[cpu_native.ENV]

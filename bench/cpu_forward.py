@@ -12,8 +12,12 @@ streaming keeps the KV cache in L3, for one), so their costs need not add up to 
 is everything else measured directly. The configurations run interleaved, rep by rep; each cell is a median over
 reps (a shared machine's speed can drift by 10-20 %: a difference under ~2 ms is noise).
 
-Floor: the bytes of the weights a forward reads (every projection and the LM head: fp32, or bf16 tiles on the AMX
-path) over the read bandwidth measured here (``torch.dot`` of a 1 GiB vector with itself, larger than the L3, 2
+native_forward: the whole forward as decoding runs it (the lean target's native forward, one C++ call a layer,
+where it applies), next to the op path's whole. The bf16-packed setting is the fp32 GEMM reading SmolLM2's
+bf16-exact weights from their bf16 copies (``cpu_linear.bf16_rows``: the same bits).
+
+Floor: the bytes of the weights a forward reads (every projection and the LM head: fp32, or bf16 on the AMX path and
+the bf16-packed one) over the read bandwidth measured here (``torch.dot`` of a 1 GiB vector with itself, larger than the L3, 2
 threads) - the time the projections cannot beat.
 
 Usage: python bench/cpu_forward.py [--rows 1,8,16] [--reps 25] [--threads 2] [--read-mib 1024] [--out FILE.md]
@@ -115,37 +119,44 @@ def main(argv=None) -> int:
     floor_ms = weight_bytes / (gbps * 1e9) * 1e3
 
     rows_list = common.parse_ints(args.rows)
-    # (label, native CPU kernels on, AMX path on); the AMX rows only where the CPU has it
-    settings = [("native + AMX", True, True)] * cpu_linear.amx_active() + [("native, fp32 GEMM", True, False),
-                                                                          ("torch formulas", False, False)]
+    # (label, native CPU kernels on, AMX path on, bf16-packed weights on); the AMX rows only where the CPU has it
+    settings = [("native + AMX", True, True, True)] * cpu_linear.amx_active() + [
+        ("native, bf16-packed GEMM", True, False, True), ("native, fp32 GEMM", True, False, False),
+        ("torch formulas", False, False, False)]
     times: dict = {}
     for rep in range(args.reps + 2):  # two warm-up reps, not kept
         for q in rows_list:
             ids = torch.randint(0, target.config.vocab_size, (1, q))
             start = torch.tensor([CONTEXT])
-            for label, native, amx in settings:
-                with common.cpu_kernels(native=native, amx=amx, native_forward=False):  # stand-ins need the ops
-                    for name, parts in stand_ins.items():
+            for label, native, amx, bf16 in settings:
+                with common.cpu_kernels(native=native, amx=amx, native_forward=False, bf16=bf16):  # stand-ins
+                    for name, parts in stand_ins.items():  # need the ops
                         ms = forward(ids, start, parts)
                         if rep >= 2:
                             times.setdefault((q, label, name), []).append(ms)
+                with common.cpu_kernels(native=native, amx=amx, bf16=bf16):  # the whole, as decoding runs it
+                    ms = forward(ids, start, {})
+                    if rep >= 2:
+                        times.setdefault((q, label, "native forward"), []).append(ms)
         print(f"[cpu_forward] rep {rep + 1}/{args.reps + 2}", file=sys.stderr, flush=True)
 
     rows = []
     for q in rows_list:
-        for label, _native, amx in settings:
-            med = {name: statistics.median(times[(q, label, name)]) for name in stand_ins}
+        for label, _native, amx, bf16 in settings:
+            med = {name: statistics.median(times[(q, label, name)]) for name in (*stand_ins, "native forward")}
             parts = {name: med["whole"] - med[name] for name in ("projections", "attention", "norms")}
             rows.append({"rows": q, "cpu kernels": label,
+                         "native_forward_ms": round(med["native forward"], 1),
+                         "native_forward_min_ms": round(min(times[(q, label, "native forward")]), 1),
                          "whole_ms": round(med["whole"], 1), "without_projections_ms": round(med["projections"], 1),
                          "projections_ms": round(parts["projections"], 1), "attention_ms": round(parts["attention"], 1),
                          "norms_ms": round(parts["norms"], 1),
-                         "weights_floor_ms": round(floor_ms / 2 if amx else floor_ms, 1)})
+                         "weights_floor_ms": round(floor_ms / 2 if amx or bf16 else floor_ms, 1)})
     env = common.environment(torch.device("cpu"))
     head = (f"SmolLM2-135M lean target forward, {CONTEXT} cached tokens, fp32, {args.reps} reps (medians); "
             f"weights {weight_bytes / 2**20:.0f} MiB fp32, read bandwidth {gbps:.1f} GB/s (torch.dot, {args.read_mib} MiB); "
             f"{env['hardware']}, torch {env['torch']}, commit {env['commit']}, {env['date']}")
-    columns = ["rows", "cpu kernels", "whole_ms", "without_projections_ms", "projections_ms", "attention_ms",
+    columns = ["rows", "cpu kernels", "native_forward_ms", "native_forward_min_ms", "whole_ms", "without_projections_ms", "projections_ms", "attention_ms",
                "norms_ms", "weights_floor_ms"]
     common.report(head, rows, columns, args.out)
     return 0

@@ -1,6 +1,7 @@
 """CPU skinny GEMMs of SmolLM2-135M in fp32: candidates per projection shape and rows.
 
 usage: python bench/cpu_gemm.py [--threads 2] [--rows 1,2,4,8,16] [--out bench/results] [--parts gemm,e2e]
+       [--candidates F.linear,fp32_kernel,bf16_kernel]
 
 gemm: every projection shape the runtime uses on SmolLM2 (merged QKV, o_proj, merged gate/up, down,
 LM head, a 10k draft-vocab head) x rows. Each candidate's time per call is the median over rounds of
@@ -11,7 +12,9 @@ Candidates: F.linear; torch.mm with a pre-transposed weight; one GEMV per row; o
 (mkldnn._reorder_linear_weight + _linear_pointwise); MKL-packed (mkl._mkl_reorder_linear_weight +
 _mkl_linear, what inductor emits for an fp32 linear under freezing); torch.compile with freezing of a
 module holding all the copies; dflash_kernels.cpu.linear.linear with its AMX path (where the CPU has AMX-BF16) and
-with its fp32 kernel (AMX off), and the fp32 kernel's AVX2 build. The weights are random values rounded to bf16
+with its fp32 kernel (AMX and bf16-packed weights off: its route, F.linear outside 2-16 rows); the loaded fp32 kernel
+called directly at every row count, on the fp32 weights and on their bf16-packed copies (cpu_linear.bf16_rows: the
+same bits, half the bytes), and the same two of the AVX2 build. The weights are random values rounded to bf16
 (as SmolLM2's are: the AMX path takes only such weights; the others do not care). Each is checked against fp64
 with the 2x rule of tests/helpers/tol.py (ok column; err_x = its max error / F.linear's).
 
@@ -99,9 +102,17 @@ def candidates(ws: list[torch.Tensor], x: torch.Tensor, with_compile: bool) -> d
 
     def without_amx(run):
         def call():
-            with cpu_kernels(amx=False):
+            with cpu_kernels(amx=False, bf16=False):
                 return run()
         return call
+
+    def kernel_pass(isa: str | None, packed: bool):
+        """The fp32 kernel of ``isa`` (None: the loaded one) called directly, on the fp32 weights or on their
+        bf16-packed copies."""
+        isa = isa or cpu_linear.isa()
+        op = getattr(torch.ops.dflash_cpu, f"linear_{isa}_bf16" if packed else f"linear_{isa}")
+        weights = [cpu_linear.bf16_rows(w) for w in ws] if packed else ws
+        return per_copy(lambda i: cpu_linear._run(op, x, weights[i], None))
 
     def amx_pass():
         reason = cpu_linear.amx_unavailable_reason()
@@ -120,14 +131,11 @@ def candidates(ws: list[torch.Tensor], x: torch.Tensor, with_compile: bool) -> d
         "compile_freezing": compiled,
         "dflash_cpu_linear_amx": amx_pass,
         "dflash_cpu_linear": lambda: without_amx(per_copy(lambda i: cpu_linear.linear(x, ws[i]))),
-        "dflash_cpu_linear_avx2": lambda: avx2_pass(),
+        "fp32_kernel": lambda: kernel_pass(None, False),
+        "bf16_kernel": lambda: kernel_pass(None, True),
+        "fp32_kernel_avx2": lambda: kernel_pass("avx2", False),
+        "bf16_kernel_avx2": lambda: kernel_pass("avx2", True),
     }
-
-    def avx2_pass():  # the AVX2 + FMA build (CPUs without AVX-512) on this CPU, next to the loaded kernel
-        if m < cpu_linear.MIN_ROWS or m > cpu_linear.MAX_ROWS:
-            return per_copy(lambda i: F.linear(x, ws[i]))
-        kernel, _ = cpu_linear._build("avx2")
-        return per_copy(lambda i: cpu_linear._run(kernel, x, ws[i], None))
     if not with_compile:
         del out["compile_freezing"]
     return out
@@ -141,7 +149,10 @@ def bench_shape(name: str, k: int, n: int, m: int, args) -> list[dict]:
     ref = x.double() @ ws[0].double().T
     base = F.linear(x, ws[0])
     passes, rows = {}, {}
+    wanted = args.candidates.split(",") if args.candidates else None
     for cname, setup in candidates(ws, x, args.compile).items():
+        if wanted and cname not in wanted and cname != "F.linear_1row":
+            continue
         t0 = time.perf_counter()
         try:
             passes[cname] = setup()
@@ -321,6 +332,7 @@ def main(argv=None):
     p.add_argument("--working-set-mb", type=int, default=400)
     p.add_argument("--rounds", type=int, default=21)
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile candidate")
+    p.add_argument("--candidates", default=None, help="comma list of the candidates to run (default: all)")
     p.add_argument("--e2e-rounds", type=int, default=30)
     p.add_argument("--generate-rounds", type=int, default=7)
     p.add_argument("--tag", default=None, help="file name stem (default <date>-cpu-gemm)")

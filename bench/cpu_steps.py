@@ -8,7 +8,8 @@ over all rounds of all reps of the one-token step (the autoregressive verify), t
 draft step, plus τ and whether every output equals HF's. ``--backends torch`` is the ops' PyTorch references
 with ``F.linear`` (the CPU path before the ``"cpu"`` backend); ``cpu`` is the default on CPU now;
 ``cpu-no-native`` is ``cpu`` with its native kernels off (``DFLASH_CPU_NATIVE=0``: the torch formulas);
-``cpu-no-amx`` is ``cpu`` with ``cpu_linear``'s AMX path off (its fp32 kernel); ``cpu-op-path`` is ``cpu`` with the
+``cpu-no-amx`` is ``cpu`` with ``cpu_linear``'s AMX path off (its fp32 kernel); ``cpu-no-bf16`` is ``cpu`` with
+``cpu_linear``'s bf16-packed weights off (bf16-exact weights stream as fp32); ``cpu-op-path`` is ``cpu`` with the
 lean target's native forward off (``dflash_kernels.cpu.forward``: the forward through the ops, one Python call each).
 
 Usage: python bench/cpu_steps.py [--reps 5] [--threads 2] [--max-new 128] [--backends torch,cpu,cpu-no-amx,cpu-op-path]
@@ -38,6 +39,7 @@ from dflash_kernels.cpu import native as cpu_native  # noqa: E402
 
 NO_NATIVE = "-no-native"
 NO_AMX = "-no-amx"
+NO_BF16 = "-no-bf16"
 OP_PATH = "-op-path"
 
 
@@ -83,9 +85,10 @@ def main(argv=None) -> int:
 
     def ours(n, b, kb):
         with common.cpu_kernels(native=not kb.endswith(NO_NATIVE), amx=not kb.endswith(NO_AMX),
-                                native_forward=not kb.endswith(OP_PATH)):
+                                native_forward=not kb.endswith(OP_PATH), bf16=not kb.endswith(NO_BF16)):
             return generate(target, draft, ids, n, block_size=b, stop_token_ids=stops, backend="fast",
-                            kernel_backend=kb.removesuffix(NO_NATIVE).removesuffix(NO_AMX).removesuffix(OP_PATH))
+                            kernel_backend=kb.removesuffix(NO_NATIVE).removesuffix(NO_AMX).removesuffix(OP_PATH)
+                            .removesuffix(NO_BF16))
 
     runs = [("HF generate", None, None)] + [(f"{kind} ({kb})", kb, b) for kb in backends
                                             for kind, b in (("autoregressive", 1), (f"DFlash B={block}", block))]

@@ -6,7 +6,7 @@
 // Instruction sets are chosen here, at load: isas() lists those of this CPU that the build has kernels for
 // (__builtin_cpu_supports / CPUID; $DFLASH_CPU_ISA caps them), and the vector ops run the widest table (kAvx512,
 // else kAvx2). The fp32 linear kernel has one op per instruction set (linear_avx512, linear_avx2): Python picks
-// one, honouring DFLASH_CPU_LINEAR_ISA.
+// one, honouring DFLASH_CPU_LINEAR_ISA; linear_<isa>_bf16 is the same kernel on a weight's bf16-packed copy.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/from_blob.h>
@@ -20,6 +20,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -176,20 +177,35 @@ void tree_compact(const Tensor& k_cache, const Tensor& v_cache, const Tensor& pa
                             k_cache.size(2), row_bytes});
 }
 
-// x [M, K] contiguous, up to three weight row blocks [N_i, K] (unit stride along K) and their biases (or None), out
-// [M, sum N_i] contiguous; the kernels of the table `kernels`.
-template <const dflash_cpu::VectorKernels* kernels>
+// A weight block's element pointer: the fp32 weight, or its bf16-packed copy (int16 storage, read as uint16_t).
+const float* weight_ptr(const Tensor& w, const float*) { return ptr<float>(w); }
+const uint16_t* weight_ptr(const Tensor& w, const uint16_t*) {
+  return reinterpret_cast<const uint16_t*>(ptr<int16_t>(w));
+}
+
+// weights [n, K] (unit stride along K; fp32, or int16 for the bf16-packed copies) and their biases (or None) as
+// kernel blocks.
+template <typename W>
+dflash_cpu::LinearBlockOf<W> linear_block(const Tensor& w, const OptTensor& bias) {
+  return {weight_ptr(w, static_cast<const W*>(nullptr)), w.stride(0), w.size(0), ptr<float>(bias)};
+}
+
+// x [M, K] contiguous, up to three weight row blocks [N_i, K] (unit stride along K; fp32 for W = float, the
+// bf16-packed int16 copies for W = uint16_t) and their biases (or None), out [M, sum N_i] contiguous; the kernels of
+// the table `kernels`.
+template <const dflash_cpu::VectorKernels* kernels, typename W>
 void linear(const Tensor& x, at::TensorList weights, const c10::List<OptTensor>& biases, const Tensor& out) {
   TORCH_CHECK(weights.size() >= 1 && weights.size() <= 3 && biases.size() == weights.size(),
               "dflash_cpu::linear: 1 to 3 weight blocks, one bias (or None) each");
-  dflash_cpu::LinearBlock blocks[3];
-  for (size_t i = 0; i < weights.size(); ++i) {
-    const OptTensor bias = biases.get(i);
-    blocks[i] = {ptr<float>(weights[i]), weights[i].stride(0), weights[i].size(0), ptr<float>(bias)};
-  }
+  dflash_cpu::LinearBlockOf<W> blocks[3];
+  for (size_t i = 0; i < weights.size(); ++i) blocks[i] = linear_block<W>(weights[i], biases.get(i));
   const int64_t k = x.size(-1);
-  kernels->linear({ptr<float>(x), x.numel() / k, k, blocks, static_cast<int>(weights.size()), ptr<float>(out),
-                   at::get_num_threads()});
+  const dflash_cpu::LinearArgsOf<W> args{ptr<float>(x), x.numel() / k, k, blocks, static_cast<int>(weights.size()),
+                                         ptr<float>(out), at::get_num_threads()};
+  if constexpr (std::is_same_v<W, float>)
+    kernels->linear(args);
+  else
+    kernels->linear_bf16(args);
 }
 
 // 0 when the OS granted this process the AMX tile state.
@@ -260,19 +276,21 @@ void projections(at::IntArrayRef routes, at::IntArrayRef nblocks, at::TensorList
   TORCH_CHECK(routes.size() == 4 && nblocks.size() == 4, "dflash_cpu::forward_layer: four projections");
   size_t block = 0;
   for (size_t p = 0; p < 4; ++p) {
-    TORCH_CHECK(routes[p] >= 0 && routes[p] <= 3 && nblocks[p] >= 1 && nblocks[p] <= 3 &&
+    TORCH_CHECK(routes[p] >= 0 && routes[p] <= 5 && nblocks[p] >= 1 && nblocks[p] <= 3 &&
                     block + nblocks[p] <= weights.size() && weights.size() == block_rows.size() &&
                     weights.size() == biases.size(),
-                "dflash_cpu::forward_layer: a route 0-3 and 1 to 3 blocks a projection, one rows and bias a block");
+                "dflash_cpu::forward_layer: a route 0-5 and 1 to 3 blocks a projection, one rows and bias a block");
     dflash_cpu::Projection& proj = out[p];
-    proj = {static_cast<dflash_cpu::Route>(routes[p]), static_cast<int>(nblocks[p]), {}, {}};
+    proj = {static_cast<dflash_cpu::Route>(routes[p]), static_cast<int>(nblocks[p]), {}, {}, {}};
     for (int i = 0; i < proj.nblocks; ++i, ++block) {
       const OptTensor bias = biases.get(block);
       if (proj.route == dflash_cpu::Route::kAmx)
         proj.tiles[i] = {reinterpret_cast<const uint16_t*>(ptr<int16_t>(weights[block])), block_rows[block],
                          ptr<float>(bias)};
+      else if (proj.route == dflash_cpu::Route::kAvx512Bf16 || proj.route == dflash_cpu::Route::kAvx2Bf16)
+        proj.packed[i] = linear_block<uint16_t>(weights[block], bias);
       else
-        proj.blocks[i] = {ptr<float>(weights[block]), weights[block].stride(0), block_rows[block], ptr<float>(bias)};
+        proj.blocks[i] = linear_block<float>(weights[block], bias);
     }
   }
 }
@@ -328,7 +346,7 @@ TORCH_LIBRARY(dflash_cpu, m) {
         "Tensor(c!) bonus) -> ()");
   m.def("tree_compact(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor path, Tensor accepted, Tensor start, "
         "Tensor rows) -> ()");
-  for (const char* isa : {"avx512", "avx2"})
+  for (const char* isa : {"avx512", "avx2", "avx512_bf16", "avx2_bf16"})
     m.def((std::string("linear_") + isa + "(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor(a!) out) -> ()")
               .c_str());
   m.def("amx_request() -> int", &amx_request);
@@ -352,8 +370,10 @@ TORCH_LIBRARY_IMPL(dflash_cpu, CPU, m) {
   m.impl("tree_ancestor_mask", &tree_ancestor_mask);
   m.impl("tree_walk_tokens", &tree_walk_tokens);
   m.impl("tree_compact", &tree_compact);
-  m.impl("linear_avx512", &linear<&dflash_cpu::kAvx512>);
-  m.impl("linear_avx2", &linear<&dflash_cpu::kAvx2>);
+  m.impl("linear_avx512", &linear<&dflash_cpu::kAvx512, float>);
+  m.impl("linear_avx2", &linear<&dflash_cpu::kAvx2, float>);
+  m.impl("linear_avx512_bf16", &linear<&dflash_cpu::kAvx512, uint16_t>);
+  m.impl("linear_avx2_bf16", &linear<&dflash_cpu::kAvx2, uint16_t>);
   m.impl("amx_pack", &amx_pack);
   m.impl("amx_column_norms", &amx_column_norms);
   m.impl("amx_linear", &amx_linear);

@@ -80,23 +80,31 @@ struct InjectKvArgs {
   int threads;
 };
 
-// One block of weight rows: n rows [n, K] at w with row stride ldw, and their bias (or null).
-struct LinearBlock {
-  const float* w;
+// One block of weight rows: n rows [n, K] at w with row stride ldw, and their bias (or null). W is float (the fp32
+// weight in place) or uint16_t (a packed bf16 copy of a weight whose fp32 values are all bf16 values: the upper
+// halves of their bits, widened to the same fp32 values in registers).
+template <typename W>
+struct LinearBlockOf {
+  const W* w;
   long ldw, n;
   const float* b;
 };
+typedef LinearBlockOf<float> LinearBlock;
+typedef LinearBlockOf<uint16_t> Bf16Block;
 
 // y [M, N] = x [M, K] times the weight made of nblocks row blocks stacked in order (N = their total rows); x and y
 // contiguous.
-struct LinearArgs {
+template <typename W>
+struct LinearArgsOf {
   const float* x;
   long M, K;
-  const LinearBlock* blocks;
+  const LinearBlockOf<W>* blocks;
   int nblocks;
   float* y;
   int threads;
 };
+typedef LinearArgsOf<float> LinearArgs;
+typedef LinearArgsOf<uint16_t> Bf16LinearArgs;
 
 // One instruction set's build of the vector kernels. The status results: 0, or 1 (nothing computed) when the
 // kernel's scratch memory cannot be allocated.
@@ -107,6 +115,7 @@ struct VectorKernels {
   int (*block_attention)(const BlockAttentionArgs&);
   void (*inject_kv)(const InjectKvArgs&);
   void (*linear)(const LinearArgs&);
+  void (*linear_bf16)(const Bf16LinearArgs&);  // the same kernel (same bits) reading bf16-packed weights
 };
 
 extern const VectorKernels kAvx512;  // AVX-512F/BW/DQ/VL + FMA (isa_avx512.cpp)
@@ -210,18 +219,21 @@ long amx_argmax(const AmxArgmaxArgs& a);
 // ---- the lean target's decoder layer as one call (forward.cpp; dflash_kernels.cpu.forward)
 
 // How a projection is computed, decided by the caller with dflash_kernels.cpu.linear's rule for these rows: the AMX
-// tiles, the fp32 kernel of one instruction set, or `fallback` (torch's linear, as F.linear computes it).
-enum class Route : int { kAmx = 0, kAvx512 = 1, kAvx2 = 2, kFallback = 3 };
+// tiles, the fp32 kernel of one instruction set on the fp32 weights or on their bf16-packed copies, or `fallback`
+// (torch's linear, as F.linear computes it).
+enum class Route : int { kAmx = 0, kAvx512 = 1, kAvx2 = 2, kFallback = 3, kAvx512Bf16 = 4, kAvx2Bf16 = 5 };
 
 // y [M, sum n_i] = x [M, K] times the blocks (their biases added), contiguous: torch's linear of each block into its
 // columns. Returns 0.
 typedef int (*LinearFallback)(const float* x, long M, long K, const LinearBlock* blocks, int nblocks, float* y);
 
-// One projection: up to three row blocks, as fp32 weights (kAvx512, kAvx2, kFallback) or AMX tiles (kAmx).
+// One projection: up to three row blocks, as fp32 weights (kAvx512, kAvx2, kFallback), bf16-packed weights
+// (kAvx512Bf16, kAvx2Bf16) or AMX tiles (kAmx).
 struct Projection {
   Route route;
   int nblocks;
   LinearBlock blocks[3];
+  Bf16Block packed[3];
   AmxBlock tiles[3];
 };
 

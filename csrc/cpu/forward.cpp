@@ -21,6 +21,10 @@ int project(const LayerArgs& a, const Projection& p, const float* x, long K, flo
     case Route::kAvx2:
       (p.route == Route::kAvx512 ? kAvx512 : kAvx2).linear({x, a.M, K, p.blocks, p.nblocks, y, a.threads});
       return 0;
+    case Route::kAvx512Bf16:
+    case Route::kAvx2Bf16:
+      (p.route == Route::kAvx512Bf16 ? kAvx512 : kAvx2).linear_bf16({x, a.M, K, p.packed, p.nblocks, y, a.threads});
+      return 0;
     case Route::kFallback:
       return a.fallback(x, a.M, K, p.blocks, p.nblocks, y) ? 2 : 0;
   }

@@ -19,4 +19,4 @@
 #include "norm_silu.h"
 
 const dflash_cpu::VectorKernels dflash_cpu::kAvx2 = {"avx2", add_rms_norm, silu_mul, block_attention, inject_kv,
-                                                     linear};
+  linear<float>, linear<uint16_t>};

@@ -18,4 +18,4 @@
 #include "norm_silu.h"
 
 const dflash_cpu::VectorKernels dflash_cpu::kAvx512 = {"avx512", add_rms_norm, silu_mul, block_attention, inject_kv,
-                                                       linear};
+  linear<float>, linear<uint16_t>};

@@ -1,6 +1,9 @@
 // The fp32 linear kernel (dflash_kernels.cpu.linear's "fp32 SIMD" path) for the instruction set of the
 // translation unit that includes this, chosen by its DFLASH_CPU_AVX512 / DFLASH_CPU_AVX2 (isa_avx512.cpp,
-// isa_avx2.cpp); internal linkage.
+// isa_avx2.cpp); internal linkage. One kernel for two weight storages: fp32 (float) and bf16-packed (uint16_t, the
+// upper halves of the bits of a weight whose fp32 values are all bf16 values). A packed weight is widened to the
+// same fp32 values in registers (shift left by 16: exact), and everything else (the loop, the products, the order
+// of the sums) is shared, so both give the same bits; the packed one streams half the bytes.
 #pragma once
 
 #include <immintrin.h>
@@ -25,6 +28,13 @@ enum { VL = 16, NW = 4, MR = 4 };
 inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline vec vload_first(const float* p, long n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
+inline vec vload(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline vec vload_first(const uint16_t* p, long n) {
+  __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 // Lane i of the result = the sum of v[i]'s 16 lanes: a transpose-and-add tree (15 adds and 30 shuffles for all
 // 16 sums, where one reduction per vector takes 4 adds and 4 shuffles each).
@@ -52,6 +62,14 @@ inline vec vload_first(const float* p, long n) {  // lanes >= n read as 0 and ar
   __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lane));
 }
+inline vec vload(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline vec vload_first(const uint16_t* p, long n) {  // AVX2 has no 16-bit masked load: via a zeroed copy
+  alignas(16) uint16_t t[VL] = {0};
+  for (long i = 0; i < n; ++i) t[i] = p[i];
+  return vload(t);
+}
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline float vsum(vec a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -62,11 +80,11 @@ inline float vsum(vec a) {
 #error "linear_f32.h needs DFLASH_CPU_AVX512 or DFLASH_CPU_AVX2 set by its translation unit"
 #endif
 
-// y[m, j] = sum_k x[m, k] w[j, k] (+ b[j]) for R <= MR rows of x and the nw <= NW weight rows at w.
-template <int R>
-void tile(const float* x, long ldx, const float* w, long ldw, long K, int nw, const float* b, float* y,
-                 long ldy) {
-  const float* wr[NW];
+// y[m, j] = sum_k x[m, k] w[j, k] (+ b[j]) for R <= MR rows of x and the nw <= NW weight rows at w (W: float or
+// bf16-packed uint16_t).
+template <typename W, int R>
+void tile(const float* x, long ldx, const W* w, long ldw, long K, int nw, const float* b, float* y, long ldy) {
+  const W* wr[NW];
   for (int j = 0; j < NW; ++j) wr[j] = w + (j < nw ? j : nw - 1) * ldw;  // a missing last row re-reads row nw-1
   vec acc[NW][R];
 #pragma GCC unroll 8
@@ -109,19 +127,19 @@ void tile(const float* x, long ldx, const float* w, long ldw, long K, int nw, co
 #endif
 }
 
-typedef void (*tile_fn)(const float*, long, const float*, long, long, int, const float*, float*, long);
-const tile_fn TILES[MR + 1] = {0, tile<1>, tile<2>, tile<3>, tile<4>
-#if !DFLASH_CPU_AVX512
-                                      , tile<5>, tile<6>, tile<7>, tile<8>
-#endif
-};
-
-// LinearArgs (dflash_cpu.h): each thread takes a contiguous range of NW-row groups of each block (no barrier
+// LinearArgsOf (dflash_cpu.h): each thread takes a contiguous range of NW-row groups of each block (no barrier
 // between blocks) and runs the x rows over each group in passes of at most MR.
-void linear(const dflash_cpu::LinearArgs& a) {
+template <typename W>
+void linear(const dflash_cpu::LinearArgsOf<W>& a) {
+  typedef void (*tile_fn)(const float*, long, const W*, long, long, int, const float*, float*, long);
+  static const tile_fn tiles[MR + 1] = {0, tile<W, 1>, tile<W, 2>, tile<W, 3>, tile<W, 4>
+#if !DFLASH_CPU_AVX512
+                                        , tile<W, 5>, tile<W, 6>, tile<W, 7>, tile<W, 8>
+#endif
+  };
   const float* x = a.x;
   const long M = a.M, K = a.K;
-  const dflash_cpu::LinearBlock* blk = a.blocks;
+  const dflash_cpu::LinearBlockOf<W>* blk = a.blocks;
   const int nblk = a.nblocks, threads = a.threads;
   float* y = a.y;
   long N = 0;
@@ -130,7 +148,7 @@ void linear(const dflash_cpu::LinearArgs& a) {
   {
     long col = 0;
     for (int s = 0; s < nblk; ++s) {
-      const dflash_cpu::LinearBlock r = blk[s];
+      const dflash_cpu::LinearBlockOf<W> r = blk[s];
       long groups = (r.n + NW - 1) / NW;
 #pragma omp for schedule(static) nowait
       for (long p = 0; p < groups; ++p) {
@@ -138,7 +156,7 @@ void linear(const dflash_cpu::LinearArgs& a) {
         int nw = r.n - n < NW ? (int)(r.n - n) : (int)NW;
         for (long m = 0; m < M; m += MR) {
           int mr = M - m < MR ? (int)(M - m) : (int)MR;
-          TILES[mr](x + m * K, K, r.w + n * r.ldw, r.ldw, K, nw, r.b ? r.b + n : 0, y + m * N + col + n, N);
+          tiles[mr](x + m * K, K, r.w + n * r.ldw, r.ldw, K, nw, r.b ? r.b + n : 0, y + m * N + col + n, N);
         }
       }
       col += r.n;

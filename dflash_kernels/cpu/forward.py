@@ -11,7 +11,8 @@ forward as the embedding, the RoPE tables, then one ``torch.ops.dflash_cpu.forwa
 arguments of the op path (``LeanTarget``'s layer loop), so the same bits.
 
 Each projection takes the route ``cpu_linear.linear`` would take at these rows (``cpu_linear.route``, the one rule):
-the AMX tiles of a bf16-exact weight, the fp32 kernel (AVX-512 or AVX2), or torch's linear (``F.linear``'s
+the AMX tiles of a bf16-exact weight, the fp32 kernel (AVX-512 or AVX2) on a bf16-exact weight's bf16-packed copy
+or on the fp32 weight, or torch's linear (``F.linear``'s
 arithmetic, in C++). Applies where the op path runs the native kernels: the "cpu" backend, fp32, the native CPU
 kernels available (:func:`dflash_kernels.cpu.native.enabled`), head dim a multiple of 16 (at most 512), no sliding
 window, nothing watching (no ``torch.compile`` tracing, dispatch mode or autograd: those must see the ops), and at
@@ -19,7 +20,7 @@ most :data:`MAX_ROWS` rows a request (decode, verify and tree steps; a long pref
 per-call cost is small next to its work). Elsewhere ``forward`` returns None and ``LeanTarget`` runs its op path.
 ``DFLASH_NATIVE_FORWARD=0`` (or :func:`set_enabled`) turns it off (A/B runs, tests).
 
-The routes (and the weights' AMX tiles: ``cpu_linear.bf16_tiles``, a dict hit unless a weight was updated in
+The routes (and the weights' packed forms: ``cpu_linear.bf16_tiles`` / ``bf16_rows``, a dict hit unless a weight was updated in
 place, which repacks it) are looked up on every forward, so an in-place update or a switched setting is seen as on
 the op path.
 """
@@ -37,7 +38,7 @@ from dflash_kernels.cpu.rope import rope_tables_cpu
 ENV = "DFLASH_NATIVE_FORWARD"
 MAX_ROWS = 64
 # cpu_linear.route's answers as forward_layer's route codes (dflash_cpu::Route, csrc/cpu/dflash_cpu.h)
-ROUTES = {"amx": 0, "avx512": 1, "avx2": 2, "torch": 3}
+ROUTES = {"amx": 0, "avx512": 1, "avx2": 2, "torch": 3, "avx512_bf16": 4, "avx2_bf16": 5}
 _on = os.environ.get(ENV, "1") != "0"
 
 

@@ -20,6 +20,15 @@ the tests hold them to the 2x error rule against fp64):
   exactness) and kept while the weight lives; an in-place update (which bumps the tensor's version) repacks.
   C++: ``csrc/cpu/linear_amx.cpp``.
 * **fp32 SIMD** (AVX-512 or AVX2 + FMA) for 2-16 rows of any fp32 weight (``csrc/cpu/linear_f32.h``).
+* **fp32 SIMD on bf16-packed weights**, where there is no AMX, for 1-16 rows of a weight whose values are all bf16
+  values: the same kernel reading a copy of the weight that keeps the upper half of each value's bits
+  (:func:`bf16_rows`), widened back to the same fp32 values in registers, so the same bits as the fp32 kernel at
+  half the bytes to stream. Measured on SmolLM2 (2-core AMD EPYC, AVX-512, no AMX, 2 threads, in one run): the
+  one-token step 9.4 against 24.3 ms (its bf16 weight floor: 9.0), the 8-row step 10.7 against 17.9, the 16-row
+  15.7 against 22.5 (``bench/results/*-cpu-smollm2-bf16-weights.md``). At one row it also replaces ``F.linear``
+  (MKL's GEMV streams fp32 at 3-4x the bf16 floor there): those projections' sums change order, within the
+  2x rule. Memory: the copy, 2 bytes a weight next to the fp32 weight (SmolLM2: 270 MB), made on first use and
+  kept as the AMX tiles are. ``DFLASH_CPU_LINEAR_BF16=0`` (or :func:`set_bf16`) turns it off.
 
 The fp32 kernel reads the weight in place, in its own ``[N, K]`` layout. On AVX-512
 one tile is 4 weight rows x up to 4 input rows (16 lanes; 8 rows take two passes, the second finding the
@@ -55,8 +64,9 @@ Falls back to ``F.linear`` (same result up to fp32 rounding order; row blocks: o
 concatenation) for: non-CPU or non-fp32 tensors, a weight or bias whose last dimension is not contiguous, autograd
 (grad enabled and a ``requires_grad`` input), tracing under ``torch.compile``, an active ``TorchDispatchMode``
 (the graph emulator of ``dflash.graphs`` records dispatched ops and replays them: it must see ``F.linear``), and,
-off the AMX path, fewer than :data:`MIN_ROWS` rows (row blocks: from one row the kernel runs) or more than
-:data:`MAX_ROWS` rows (``F.linear`` is as fast at 1 row and faster for many).
+off the AMX path, fewer than :data:`MIN_ROWS` rows (row blocks: from one row the kernel runs; a bf16-exact weight:
+from :data:`BF16_MIN_ROWS`) or more than :data:`MAX_ROWS` rows (:data:`BF16_MAX_ROWS`) (``F.linear`` of an fp32
+weight is as fast at 1 row and faster for many).
 """
 from __future__ import annotations
 
@@ -75,6 +85,11 @@ from dflash_kernels.cpu.argmax import argmax_cpu
 
 MIN_ROWS = 2
 MAX_ROWS = 16
+# The rows at which a bf16-exact weight takes the fp32 kernel on its bf16-packed copy (bf16_rows), when that is on:
+# measured faster than the fp32 kernel and F.linear on every SmolLM2 projection at 1, 8 and 16 rows
+# (bench/cpu_gemm.py, bench/cpu_forward.py); more rows not measured.
+BF16_MIN_ROWS = 1
+BF16_MAX_ROWS = 16
 ISAS = cpu_native.VECTOR_ISAS  # the fp32 kernel's instruction sets, widest first
 ISA_ENV = "DFLASH_CPU_LINEAR_ISA"
 
@@ -193,6 +208,18 @@ def set_argmax_screen(enabled: bool) -> bool:
     return before
 
 
+BF16_ENV = "DFLASH_CPU_LINEAR_BF16"
+_bf16_on = os.environ.get(BF16_ENV, "1") != "0"
+
+
+def set_bf16(enabled: bool) -> bool:
+    """Turn the bf16-packed weights of the fp32 kernel on or off for this process (A/B runs;
+    ``DFLASH_CPU_LINEAR_BF16=0`` starts it off); returns the previous setting."""
+    global _bf16_on
+    before, _bf16_on = _bf16_on, bool(enabled)
+    return before
+
+
 def amx_active() -> bool:
     """Whether :func:`linear` takes the AMX path for weights that are exactly bf16 (available and turned on)."""
     return amx_library() is not None
@@ -204,8 +231,9 @@ def amx_library():
     return _load_amx() if _amx_on else None
 
 
-# id(weight) -> [weak reference, version, data pointer, tiles or None, column norms or None (made on first use by
-# the argmax)]: one packing per tensor and version.
+# id(weight) -> [weak reference, version, data pointer, {form: tensor or None}]: the packed forms of one tensor and
+# version, each made on first use ("tiles": bf16_tiles, "norms": their column norms for the argmax, "bf16":
+# bf16_rows; None: the weight is not exactly bf16).
 _packed: dict[int, list] = {}
 
 
@@ -216,40 +244,70 @@ def _version(t: torch.Tensor):
         return None
 
 
+def _forms(weight: torch.Tensor) -> dict:
+    """The packed forms kept for ``weight`` at its current version and storage (emptied when either changed)."""
+    key = id(weight)
+    entry = _packed.get(key)
+    version = _version(weight)
+    if entry is not None and entry[0]() is weight and entry[1] == version and entry[2] == weight.data_ptr():
+        return entry[3]
+    forms: dict = {}
+    # The callback drops the entry with the tensor (a later tensor may reuse its id).
+    _packed[key] = [weakref.ref(weight, lambda _ref, key=key: _packed.pop(key, None)), version,
+                    weight.data_ptr(), forms]
+    return forms
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    return (weight.numel() > 0 and weight.dim() == 2 and weight.is_cpu and weight.dtype == torch.float32
+            and weight.stride(1) == 1)
+
+
 def bf16_tiles(weight: torch.Tensor) -> torch.Tensor | None:
     """The AMX tiles of ``weight`` [N, K] (fp32 on the CPU, unit stride along K), or None when any of its values
     is not exactly a bf16 value (or the AMX path is unavailable). Packed on first use (one C pass, checking
     exactness as it goes) and kept while the tensor lives: an in-place update (which bumps its version) or a new
     storage repacks; a write that bypasses the version counter (``weight.data.copy_``, or any in-place write to an
     inference-mode tensor, which has no counter) is not seen."""
-    key = id(weight)
-    entry = _packed.get(key)
-    version = _version(weight)
-    if entry is not None and entry[0]() is weight and entry[1] == version and entry[2] == weight.data_ptr():
-        return entry[3]
-    lib = _load_amx()
-    tiles = None
-    if (lib is not None and weight.numel() and weight.dim() == 2 and weight.is_cpu and weight.dtype == torch.float32
-            and weight.stride(1) == 1):
-        n, k = weight.shape
-        tiles = torch.empty(-(-n // 16) * -(-k // 32) * 512, dtype=torch.int16)
-        inexact = lib.amx_pack(weight, tiles)
-        tiles = None if inexact else tiles
-    # The callback drops the entry with the tensor (a later tensor may reuse its id).
-    _packed[key] = [weakref.ref(weight, lambda _ref, key=key: _packed.pop(key, None)), version,
-                    weight.data_ptr(), tiles, None]
-    return tiles
+    forms = _forms(weight)
+    if "tiles" not in forms:
+        lib = _load_amx()
+        tiles = None
+        if lib is not None and _packable(weight):
+            n, k = weight.shape
+            tiles = torch.empty(-(-n // 16) * -(-k // 32) * 512, dtype=torch.int16)
+            inexact = lib.amx_pack(weight, tiles)
+            tiles = None if inexact else tiles
+        forms["tiles"] = tiles
+    return forms["tiles"]
+
+
+def bf16_rows(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [N, K] (fp32 on the CPU, unit stride along K) packed as bf16: int16 [N, K] contiguous, the upper
+    half of each value's bits, or None when any value is not exactly a bf16 value (a low half not zero). The fp32
+    kernel reads it widened back to the same fp32 values (``linear_<isa>_bf16``): the same bits at half the bytes.
+    Made on first use (a view check and one copy: 2 bytes a weight, next to the fp32 weight) and kept as
+    :func:`bf16_tiles` keeps its tiles, with the same rule for in-place updates."""
+    forms = _forms(weight)
+    if "bf16" not in forms:
+        rows = None
+        if _packable(weight):
+            halves = weight.detach().view(torch.int16)  # x86 is little-endian: [low, high] halves of each value
+            if not halves[:, 0::2].any():
+                rows = halves[:, 1::2].contiguous()
+        forms["bf16"] = rows
+    return forms["bf16"]
 
 
 def _column_norms(weight: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
     """The norms of ``weight``'s rows (fp64, rounded up) from its current ``tiles`` (:func:`bf16_tiles`), kept with
     them."""
-    entry = _packed[id(weight)]
-    if entry[4] is None:
+    forms = _forms(weight)
+    if forms.get("norms") is None:
         norms = torch.empty(weight.shape[0], dtype=torch.float64)
         _amx.amx_column_norms(tiles, weight.shape[0], weight.shape[1], norms)
-        entry[4] = norms
-    return entry[4]
+        forms["norms"] = norms
+    return forms["norms"]
 
 
 class RowBlocks:
@@ -345,31 +403,40 @@ def linear(x: torch.Tensor, weight: torch.Tensor | RowBlocks, bias: torch.Tensor
 def route(sources: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], rows: int,
           min_rows: int) -> tuple[str, list[torch.Tensor]]:
     """How :func:`linear` computes ``rows`` rows of a CPU fp32 input nothing watches times the row blocks
-    ``weights`` (``sources``: the tensors their AMX tiles are kept for; a plain weight is one block, with
+    ``weights`` (``sources``: the tensors their packed forms are kept for; a plain weight is one block, with
     ``min_rows`` :data:`MIN_ROWS`, row blocks 1): ``("amx", tiles)`` when every block is exactly bf16 and the AMX
-    path is on, ``(isa(), weights)`` for the fp32 kernel from ``min_rows`` to :data:`MAX_ROWS` rows, else
-    ``("torch", weights)`` (``F.linear``). The one rule of the choice: ``dflash_kernels.cpu.forward`` plans its
-    projections with it."""
+    path is on; ``(isa() + "_bf16", bf16 rows)`` when every block is exactly bf16 at :data:`BF16_MIN_ROWS` to
+    :data:`BF16_MAX_ROWS` rows (:func:`set_bf16`); ``(isa(), weights)`` for the fp32 kernel from ``min_rows`` to
+    :data:`MAX_ROWS` rows; else ``("torch", weights)`` (``F.linear``). The one rule of the choice:
+    ``dflash_kernels.cpu.forward`` plans its projections with it."""
     if amx_active():
         tiles = [bf16_tiles(w) for w in sources]
         if all(t is not None for t in tiles):
             return "amx", tiles
-    if min_rows <= rows <= MAX_ROWS and (_kernel is not None or _load() is not None):
+    if _kernel is None and _load() is None:
+        return "torch", list(weights)
+    if _bf16_on and BF16_MIN_ROWS <= rows <= BF16_MAX_ROWS:
+        packed = [bf16_rows(w) for w in sources]
+        if all(p is not None for p in packed):
+            return _isa + "_bf16", packed
+    if min_rows <= rows <= MAX_ROWS:
         return _isa, list(weights)
     return "torch", list(weights)
 
 
 def _compute(how: str, x: torch.Tensor, tensors, sizes, biases) -> torch.Tensor:
     """``x`` times the blocks of ``sizes`` rows (their biases added) by :func:`route`'s ``(how, tensors)``, on the
-    AMX or fp32 kernel."""
+    AMX kernel, the fp32 kernel or the fp32 kernel on bf16-packed weights."""
     x = x.contiguous()
     rows, n = x.numel() // x.shape[-1], sum(sizes)
     out = x.new_empty(x.shape[:-1] + (n,))
     if how == "amx":
         if _amx.amx_linear(x.view(rows, x.shape[-1]), tensors, sizes, biases, out):
             raise MemoryError(f"cpu_linear: no memory for the split input rows ({rows} x {x.shape[-1]})")
-    else:
+    elif how == _isa:
         _kernel(x, tensors, biases, out)
+    else:
+        getattr(torch.ops.dflash_cpu, "linear_" + how)(x, tensors, biases, out)
     return out
 
 

@@ -207,17 +207,21 @@ def test_tree_bench_compares_drafts(tmp_path):
 
 
 def test_cpu_forward_bench_smoke(tmp_path):
-    """bench/cpu_forward.py at one row, one rep: every setting of the native kernels and the AMX path, every part's
-    column, the weights' floor; the environment restored."""
+    """bench/cpu_forward.py at one row, one rep: every setting of the native kernels, the AMX path and the
+    bf16-packed weights, every part's column, the native forward, the weights' floor (halved for bf16 storage); the
+    environment restored."""
     # a 16 MiB read: the suite's process must stay small (test_traffic bounds its peak memory)
     text, header, rows = _smollm2_bench_table(
         "cpu_forward", ["--rows", "1", "--reps", "1", "--threads", "1", "--read-mib", "16"], tmp_path / "forward.md")
     from dflash_kernels.cpu import linear as cpu_linear
 
     amx = ["native + AMX"] if cpu_linear.amx_active() else []
-    assert [r[header.index("cpu kernels")] for r in rows] == amx + ["native, fp32 GEMM", "torch formulas"], text
-    assert all(float(r[header.index("whole_ms")]) > 0 and float(r[header.index("weights_floor_ms")]) > 0
-               for r in rows), text
+    assert [r[header.index("cpu kernels")] for r in rows] == amx + ["native, bf16-packed GEMM", "native, fp32 GEMM",
+                                                                    "torch formulas"], text
+    assert all(float(r[header.index(c)]) > 0 for r in rows
+               for c in ("whole_ms", "native_forward_ms", "weights_floor_ms")), text
+    floors = [float(r[header.index("weights_floor_ms")]) for r in rows]
+    assert floors[len(amx)] < floors[-1], text  # bf16 bytes under fp32's
     assert "MiB" in text and os.environ.get("DFLASH_CPU_NATIVE") is None
 
 

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -359,10 +362,9 @@ def test_amx_only_for_bf16_values(amx_calls):
     assert amx_calls == {"amx": [8], "fp32": [8, 8]}
 
 
-@needs_amx
-def test_amx_sees_in_place_updates(amx_calls):
-    """The packed copy follows the tensor's version: updates in place repack (and one that leaves the bf16 grid
-    goes to the fp32 kernel); a new tensor at a reused id is not mistaken for the old one."""
+def _check_in_place_updates():
+    """Seven calls of 4 rows on bf16-exact weights, updated in place or fresh between them (a stale packed copy
+    gives the old weight's product and fails the rule), then one on a weight moved off the bf16 grid."""
     k, n = 64, 40
     w, x = _bf16_values(torch.randn(n, k)), torch.randn(4, k)
     _check(x, w)
@@ -378,6 +380,13 @@ def test_amx_sees_in_place_updates(amx_calls):
     _check(x, w, what="off the bf16 grid")
     for _ in range(3):  # fresh tensors (ids may repeat once the last one is freed)
         _check(x, _bf16_values(torch.randn(n, k)), what="fresh weight")
+
+
+@needs_amx
+def test_amx_sees_in_place_updates(amx_calls):
+    """The packed copy follows the tensor's version: updates in place repack (and one that leaves the bf16 grid
+    goes to the fp32 kernel); a new tensor at a reused id is not mistaken for the old one."""
+    _check_in_place_updates()
     assert amx_calls == {"amx": [4] * 7, "fp32": [4]}
 
 
@@ -580,3 +589,161 @@ def test_argmax_sees_in_place_updates():
     assert (norms() >= w.double().norm(dim=1)).all()
     assert torch.equal(cpu_linear.linear_argmax(x, w), cpu_linear.linear(x, w).argmax(-1))
     assert int(cpu_linear.linear_argmax(x[:1], w)) == 7
+
+
+# -------------------------------------------------------------------- bf16-packed weights on the fp32 kernel
+BF16_SHAPES = [(1, 1), (5, 3), (15, 17), (17, 33), (33, 4), (100, 7), (577, 61), (576, 960)]
+
+
+def _kernels_of(isa: str):
+    """The fp32 kernel of ``isa`` on fp32 weights and on bf16-packed ones (``linear_<isa>``, ``linear_<isa>_bf16``)."""
+    if isa not in cpu_native.isas():
+        pytest.skip(f"this CPU lacks {isa}")
+    ops = torch.ops.dflash_cpu
+    return getattr(ops, f"linear_{isa}"), getattr(ops, f"linear_{isa}_bf16")
+
+
+def _nan_out(rows: int, n: int) -> torch.Tensor:
+    return torch.full((rows, n), float("nan"))
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_bf16_kernel_is_the_fp32_kernel_bit_for_bit(isa, seed):
+    """On a weight of bf16 values, the kernel reading the bf16-packed copy writes the fp32 kernel's bits, at every
+    row count 1-32, ugly K and N (tails of the 16 / 8 lanes and of the 4-row weight tile), with and without bias,
+    into NaN-prefilled outputs; and both keep the 2x rule against fp64."""
+    fp32, bf16 = _kernels_of(isa)
+    g = torch.Generator().manual_seed(seed)
+    for k, n in BF16_SHAPES:
+        w = _bf16_values(torch.randn(n, k, generator=g) * k**-0.5)
+        packed = cpu_linear.bf16_rows(w)
+        assert packed is not None and packed.dtype == torch.int16 and packed.shape == (n, k)
+        b = torch.randn(n, generator=g)
+        for rows in range(1, 33):
+            x = torch.randn(rows, k, generator=g)
+            bias = b if rows % 2 else None
+            want, got = _nan_out(rows, n), _nan_out(rows, n)
+            fp32(x, [w], [bias], want)
+            bf16(x, [packed], [bias], got)
+            assert torch.equal(got, want), f"{isa} K={k} N={n} rows={rows}"
+            ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            assert_within_rule(got, ref, F.linear(x, w, bias), f"{isa} bf16 K={k} N={n} rows={rows}")
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_bf16_kernel_row_blocks_bit_for_bit(isa, name, seed):
+    """Row blocks (a layer's q/k/v, gate/up, ugly block sizes), packed block by block: the fp32 kernel's bits."""
+    fp32, bf16 = _kernels_of(isa)
+    k, sizes = BLOCKS[name]
+    g = torch.Generator().manual_seed(seed)
+    ws = [_bf16_values(torch.randn(n, k, generator=g) * k**-0.5) for n in sizes]
+    packed = [cpu_linear.bf16_rows(w) for w in ws]
+    bs = [torch.randn(n, generator=g) for n in sizes]
+    for rows in (1, 3, 8, 17, 32):
+        x = torch.randn(rows, k, generator=g)
+        for biases in ([None] * len(ws), bs):
+            want, got = _nan_out(rows, sum(sizes)), _nan_out(rows, sum(sizes))
+            fp32(x, ws, biases, want)
+            bf16(x, packed, biases, got)
+            assert torch.equal(got, want), f"{isa} {name} rows={rows}"
+
+
+def test_bf16_rows_only_for_bf16_values():
+    """bf16_rows: the upper halves of the bits when every value is a bf16 value (also inf, NaN and -0 of bf16), else
+    None (one value a ulp off the grid, an fp32 denormal below bf16's); other dtypes and layouts: None."""
+    w = _bf16_values(torch.randn(6, 40))
+    w[0, :4] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0])
+    packed = cpu_linear.bf16_rows(w)
+    assert torch.equal(packed, w.view(torch.int32).bitwise_right_shift(16).to(torch.int16))
+    near = w.clone()
+    near[5, 7] = torch.nextafter(near[5, 7], torch.tensor(9.0))
+    assert cpu_linear.bf16_rows(near) is None
+    tiny = torch.zeros(2, 3)
+    tiny[1, 2] = 1e-45
+    assert cpu_linear.bf16_rows(tiny) is None
+    assert cpu_linear.bf16_rows(w.double()) is None
+    assert cpu_linear.bf16_rows(w.t()) is None  # not unit stride along K
+    strided = _bf16_values(torch.randn(6, 80))[:, :40]  # a row stride past K: packed contiguous
+    assert torch.equal(cpu_linear.bf16_rows(strided), cpu_linear.bf16_rows(strided.contiguous()))
+
+
+@pytest.fixture
+def bf16_calls(monkeypatch):
+    """The rows of each call that reached the bf16-packed kernel, and of each that reached the fp32 kernel."""
+    calls = {"bf16": [], "fp32": []}
+    ops = torch.ops.dflash_cpu
+
+    class Counted:  # torch.ops.dflash_cpu with the bf16 kernels counted
+        def __getattr__(self, name):
+            op = getattr(ops, name)
+            return _spy(op, calls["bf16"]) if name.endswith("_bf16") else op
+    monkeypatch.setattr(torch.ops, "dflash_cpu", Counted())
+    monkeypatch.setattr(cpu_linear, "_kernel", _spy(cpu_linear._kernel, calls["fp32"]))
+    monkeypatch.setattr(cpu_linear, "_amx_on", False)  # the path of CPUs without AMX
+    return calls
+
+
+@needs_fast
+def test_bf16_route(bf16_calls):
+    """linear() takes the bf16-packed kernel for a bf16-exact weight at BF16_MIN_ROWS-BF16_MAX_ROWS rows (bits: the
+    fp32 kernel's), the fp32 kernel for a weight off the grid or with set_bf16(False); F.linear above."""
+    k, n = 64, 48
+    w, b = _bf16_values(torch.randn(n, k)), torch.randn(n)
+    lo, hi = cpu_linear.BF16_MIN_ROWS, cpu_linear.BF16_MAX_ROWS
+    for rows in (lo, 8, hi):
+        x = torch.randn(rows, k)
+        got = _check(x, w, b, f"bf16 rows={rows}")
+        before = cpu_linear.set_bf16(False)
+        try:
+            want = cpu_linear.linear(x, w, b)
+        finally:
+            assert cpu_linear.set_bf16(before) is False
+        if rows >= cpu_linear.MIN_ROWS:
+            assert torch.equal(got, want), rows
+    _check(torch.randn(hi + 1, k), w, b, "many rows")
+    near = w.clone()
+    near[5, 7] = torch.nextafter(near[5, 7], torch.tensor(9.0))
+    _check(torch.randn(8, k), near, b, "one value off the bf16 grid")
+    blocks = cpu_linear.RowBlocks([w[:20], w[20:]], [b[:20], b[20:]])
+    torch.testing.assert_close(cpu_linear.linear(torch.randn(1, k), blocks).shape, (1, n))
+    fp32_rows = [r for r in (lo, 8, hi) if r >= cpu_linear.MIN_ROWS]
+    assert bf16_calls == {"bf16": [lo, 8, hi, 1], "fp32": fp32_rows + [8]}
+
+
+@needs_fast
+def test_bf16_copy_follows_in_place_updates(bf16_calls):
+    """The packed copy follows the tensor's version: an update in place repacks (one that leaves the bf16 grid goes
+    to the fp32 kernel); a stale copy would give the old weight's product and fail the rule."""
+    _check_in_place_updates()
+    assert bf16_calls == {"bf16": [4] * 7, "fp32": [4]}
+
+
+@pytest.mark.skipif(not FAST or "avx2" not in cpu_native.isas(), reason="needs the kernel and AVX2 + FMA")
+def test_bf16_route_avx2(monkeypatch, bf16_calls):
+    """DFLASH_CPU_LINEAR_ISA=avx2: bf16-exact weights take the AVX2 build's bf16-packed kernel, same bits as its
+    fp32 kernel."""
+    monkeypatch.setattr(cpu_linear, "_tried", False)
+    monkeypatch.setattr(cpu_linear, "_isa", None)
+    monkeypatch.setenv(cpu_linear.ISA_ENV, "avx2")
+    assert cpu_linear.isa() == "avx2"
+    k, n = 577, 61
+    w, b = _bf16_values(torch.randn(n, k)), torch.randn(n)
+    x = torch.randn(9, k)
+    got = _check(x, w, b, "avx2 bf16")
+    want = _nan_out(9, n)
+    torch.ops.dflash_cpu.linear_avx2(x, [w], [b], want)
+    assert torch.equal(got, want)
+    assert bf16_calls["bf16"] == [9]
+
+
+def test_bf16_route_on_an_avx2_only_cpu():
+    """DFLASH_CPU_ISA=avx2 (as on a CPU without AVX-512; in a subprocess: the choice is made once, at load): the
+    bf16-packed tests above and the native forward's routes pass on the AVX2 build alone."""
+    if "avx2" not in cpu_native.isas() or os.environ.get("DFLASH_CPU_ISA"):
+        pytest.skip("needs AVX2 + FMA, uncapped")
+    forward_tests = os.path.join(os.path.dirname(__file__), "test_native_forward.py")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, forward_tests,
+                           "-k", "bf16 and not avx2_only or each_fp32_kernel_route"],
+                          env={**os.environ, "DFLASH_CPU_ISA": "avx2"}, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]

@@ -132,21 +132,42 @@ def test_argmax_head_is_the_logits_argmax(target, native, seed):
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
 def test_each_fp32_kernel_route_bit_equal(target, native, monkeypatch, isa):
-    """With the AMX path off, the projections of 2-16 rows take the fp32 kernel of the instruction set cpu_linear
-    loaded (DFLASH_CPU_LINEAR_ISA), below and above it torch's linear: the native forward follows, bit for bit."""
+    """With the AMX path off, the projections take the fp32 kernel of the instruction set cpu_linear loaded
+    (DFLASH_CPU_LINEAR_ISA): on the bf16-packed copies of these bf16-exact weights at cpu_linear.BF16_MIN_ROWS to
+    BF16_MAX_ROWS rows, on the fp32 weights at 2-16 rows with set_bf16(False), torch's linear elsewhere. The native
+    forward follows, bit for bit, and the packed route gives the fp32 route's bits."""
     if isa not in cpu_native.isas():
         pytest.skip(f"this CPU lacks {isa}")
     kernel, got = cpu_linear._build(isa)
     for name, value in (("_kernel", kernel), ("_isa", got), ("_tried", True)):
         monkeypatch.setattr(cpu_linear, name, value)
     monkeypatch.setattr(cpu_linear, "_amx_on", False)
+    routes = []
+    plan = native_forward._Projection.plan
+
+    def recorded(self, rows, out):
+        plan(self, rows, out)
+        routes.append(out[0][-1])
+    monkeypatch.setattr(native_forward._Projection, "plan", recorded)
     g = torch.Generator().manual_seed(5)
     for rows in (1, 5, 16, 17):
-        a, b = _pair(target)
         ids = torch.randint(0, VOCAB, (1, rows), generator=g)
-        _assert_same(_forward(a, True, ids, torch.tensor([0]), rows), _forward(b, False, ids, torch.tensor([0]), rows),
-                     a, b)
-    assert native == [True] * 4
+        outs = []
+        for bf16 in (True, False):
+            before = cpu_linear.set_bf16(bf16)
+            try:
+                a, b = _pair(target)
+                outs.append((_forward(a, True, ids, torch.tensor([0]), rows), a))
+                _assert_same(outs[-1][0], _forward(b, False, ids, torch.tensor([0]), rows), a, b)
+            finally:
+                cpu_linear.set_bf16(before)
+        if rows >= 2:  # below, the fp32 route's plain weights (o, down) take torch's linear: other sums
+            _assert_same(outs[0][0], outs[1][0], outs[0][1], outs[1][1])
+    packed = native_forward.ROUTES[isa + "_bf16"]
+    per_forward = 4 * 3  # four projections a layer, three layers
+    assert routes[:per_forward] == [packed] * per_forward  # rows=1, bf16 on
+    assert set(routes[per_forward:2 * per_forward]) == {native_forward.ROUTES["torch"], native_forward.ROUTES[isa]}
+    assert native == [True] * 8
 
 
 def test_steps_aside(target, native):

@@ -128,17 +128,17 @@ def _build(wanted: str | None = None):
 
 
 def _load():
+    """The fp32 kernel picked on first use. No lock of its own: the extension loads under cpu_native's, and the
+    pick is a pure function of the CPU and the environment, so racing first calls set the same values (``_tried``
+    last)."""
     global _kernel, _reason, _tried, _isa
-    if _tried:
-        return _kernel
-    with _lock:
-        if not _tried:
-            _tried = True
-            try:
-                _kernel, _isa = _build()
-            except RuntimeError as e:
-                _reason = f"dflash_kernels.cpu.linear: the fast CPU kernel is unavailable ({e}); using F.linear"
-                warnings.warn(_reason, RuntimeWarning, stacklevel=3)
+    if not _tried:
+        try:
+            _kernel, _isa = _build()
+        except RuntimeError as e:
+            _reason = f"dflash_kernels.cpu.linear: the fast CPU kernel is unavailable ({e}); using F.linear"
+            warnings.warn(_reason, RuntimeWarning, stacklevel=3)
+        _tried = True
     return _kernel
 
 

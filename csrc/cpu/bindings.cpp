@@ -197,10 +197,26 @@ template <const dflash_cpu::VectorKernels* kernels, typename W>
 void linear(const Tensor& x, at::TensorList weights, const c10::List<OptTensor>& biases, const Tensor& out) {
   TORCH_CHECK(weights.size() >= 1 && weights.size() <= 3 && biases.size() == weights.size(),
               "dflash_cpu::linear: 1 to 3 weight blocks, one bias (or None) each");
+  // The extents the kernel's pointers walk, checked before any is read (data_ptr<T> checks the dtypes).
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && x.is_contiguous() && out.is_contiguous() && x.is_cpu() &&
+                  out.is_cpu(),
+              "dflash_cpu::linear: x [..., K] (K > 0) and out contiguous CPU tensors");
+  const int64_t k = x.size(-1), rows = x.numel() / k;
+  int64_t n = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const Tensor& w = weights[i];
+    const OptTensor bias = biases.get(i);
+    TORCH_CHECK(w.is_cpu() && w.dim() == 2 && w.size(1) == k && (w.stride(1) == 1 || k == 1) &&
+                    (w.size(0) <= 1 || w.stride(0) >= k),
+                "dflash_cpu::linear: weight block ", i, " must be [N, K=", k, "] with unit stride along K");
+    TORCH_CHECK(!bias.has_value() || (bias->is_cpu() && bias->is_contiguous() && bias->numel() == w.size(0)),
+                "dflash_cpu::linear: bias ", i, " must be contiguous with one value per row of its weight block");
+    n += w.size(0);
+  }
+  TORCH_CHECK(out.numel() == rows * n, "dflash_cpu::linear: out must hold ", rows, " x ", n, " values");
   dflash_cpu::LinearBlockOf<W> blocks[3];
   for (size_t i = 0; i < weights.size(); ++i) blocks[i] = linear_block<W>(weights[i], biases.get(i));
-  const int64_t k = x.size(-1);
-  const dflash_cpu::LinearArgsOf<W> args{ptr<float>(x), x.numel() / k, k, blocks, static_cast<int>(weights.size()),
+  const dflash_cpu::LinearArgsOf<W> args{ptr<float>(x), rows, k, blocks, static_cast<int>(weights.size()),
                                          ptr<float>(out), at::get_num_threads()};
   if constexpr (std::is_same_v<W, float>)
     kernels->linear(args);

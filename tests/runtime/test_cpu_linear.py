@@ -747,3 +747,23 @@ def test_bf16_route_on_an_avx2_only_cpu():
                            "-k", "bf16 and not avx2_only or each_fp32_kernel_route"],
                           env={**os.environ, "DFLASH_CPU_ISA": "avx2"}, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
+
+
+@needs_fast
+@pytest.mark.parametrize("bad", ["k", "out", "bias", "stride"])
+def test_native_linear_checks_extents(bad):
+    """The native entry points themselves refuse extents their pointers would walk past (a caller that skips
+    ``linear``'s checks gets an error, not a read outside the tensors)."""
+    x, w, b, out = torch.randn(3, 16), torch.randn(5, 16), torch.randn(5), torch.full((3, 5), float("nan"))
+    if bad == "k":
+        w = torch.randn(5, 8)
+    elif bad == "out":
+        out = torch.empty(3, 4)
+    elif bad == "bias":
+        b = torch.randn(4)
+    else:
+        w = torch.randn(16, 5).t()
+    ops = [getattr(torch.ops.dflash_cpu, f"linear_{isa}") for isa in cpu_native.isas() if isa != "amx"]
+    for op in ops:
+        with pytest.raises(RuntimeError, match="dflash_cpu::linear"):
+            op(x, [w], [b], out)

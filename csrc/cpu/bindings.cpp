@@ -231,9 +231,10 @@ void expect_amx_tiles(const char* op) {
 int64_t amx_tile_values(const char* op, int64_t n, int64_t k) {
   expect_size(op, "the weight's rows", n, 0);
   expect_size(op, "the weight's columns", k, 0);
+  const int64_t groups = n / 16 + (n % 16 != 0), steps = k / 32 + (k % 32 != 0);
   int64_t values = 0;
-  TORCH_CHECK(!__builtin_mul_overflow((n + 15) / 16, (k + 31) / 32 * 512, &values), "dflash_cpu::", op,
-              ": a [", n, ", ", k, "] weight's tiles would overflow int64");
+  TORCH_CHECK(!__builtin_mul_overflow(groups, steps, &values) && !__builtin_mul_overflow(values, 512, &values),
+              "dflash_cpu::", op, ": a [", n, ", ", k, "] weight's tiles would overflow int64");
   return values;
 }
 

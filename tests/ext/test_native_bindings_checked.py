@@ -60,7 +60,9 @@ def silu_args():
 
 
 def attention_args(n=2, b=3, nh=4, kvh=2, d=16, batch=3, cap=12, write_kv=True):
-    heads = lambda h: torch.randn(n, b, h + 1, d)[:, :, :h]  # noqa: E731  (heads contiguous, rows strided)
+    def heads(h):  # heads contiguous, rows at a stride
+        return torch.randn(n, b, h + 1, d)[:, :, :h]
+
     return dict(q=heads(nh), k=heads(kvh), v=heads(kvh), k_cache=torch.randn(batch, cap, kvh, d),
                 v_cache=torch.randn(batch, cap, kvh, d), lens=idx(*([cap - b] + [1] * (n - 1))),
                 rows=idx(*range(n - 1, -1, -1)), block_lens=None, q_norm=torch.rand(d) + 0.5,
@@ -278,9 +280,11 @@ BAD = {
                                            v_cache=torch.randn(1, 12, 2, 16)), "without rows"),
     "attn-block-lens-past": ("block_attention", draft_args, lambda a: replace(a, block_lens=idx(4, 0)),
                              r"block_lens\[0\] = 4"),
-    "attn-tree-words": ("block_attention", attention_args, lambda a: replace(a, tree_mask=torch.zeros(2, 3, 0, dtype=I64)),
+    "attn-tree-words": ("block_attention", attention_args,
+                        lambda a: replace(a, tree_mask=torch.zeros(2, 3, 0, dtype=I64)),
                         "tree_mask's 0 words"),
-    "attn-tree-shape": ("block_attention", attention_args, lambda a: replace(a, tree_mask=torch.zeros(2, 2, 1, dtype=I64)),
+    "attn-tree-shape": ("block_attention", attention_args,
+                        lambda a: replace(a, tree_mask=torch.zeros(2, 2, 1, dtype=I64)),
                         "tree_mask must be"),
     # inject_context_kv
     "inject-offsets-start": ("inject_context_kv", inject_args, lambda a: replace(a, offsets=idx(1, 2, 6)),
@@ -336,7 +340,8 @@ BAD = {
                              lambda a: replace(a, parents=a["parents"].t().contiguous().t()), "parents must be"),
     # tree_walk_tokens
     "walk-no-nodes": ("tree_walk_tokens", walk_args,
-                      lambda a: replace(a, **{k: torch.zeros(2, 0, dtype=I64) for k in ("target", "tokens", "parents")}),
+                      lambda a: replace(a, **dict.fromkeys(("target", "tokens", "parents"),
+                                                           torch.zeros(2, 0, dtype=I64))),
                       "nodes T"),
     "walk-no-depths": ("tree_walk_tokens", walk_args, lambda a: replace(a, path=torch.zeros(2, 0, dtype=I64)),
                        "depths B"),
@@ -356,10 +361,11 @@ BAD = {
     "compact-accepted-negative": ("tree_compact", compact_args, lambda a: replace(a, accepted=idx(2, -1)),
                                   r"accepted\[1\] = -1"),
     "compact-path-below-depth": ("tree_compact", compact_args,
-                                 lambda a: replace(a, path=idx(0, 0, -1, -1, 0, 1, -1, -1).view(2, 4), accepted=idx(1, 1),
-                                                   start=idx(7, 4)), r"path\[0, 1\] = 0"),
+                                 lambda a: replace(a, path=idx(0, 0, -1, -1, 0, 1, -1, -1).view(2, 4),
+                                                   accepted=idx(1, 1), start=idx(7, 4)), r"path\[0, 1\] = 0"),
     "compact-path-negative": ("tree_compact", compact_args,
-                              lambda a: replace(a, path=idx(0, 2, 3, -1, 0, -5, -1, -1).view(2, 4)), r"path\[1, 1\] = -5"),
+                              lambda a: replace(a, path=idx(0, 2, 3, -1, 0, -5, -1, -1).view(2, 4)),
+                              r"path\[1, 1\] = -5"),
     "compact-path-not-increasing": ("tree_compact", compact_args,
                                     lambda a: replace(a, path=idx(0, 3, 3, -1, 0, 1, -1, -1).view(2, 4)),
                                     r"path\[0, 2\] = 3"),

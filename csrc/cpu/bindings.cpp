@@ -254,10 +254,11 @@ int64_t expect_weight_block(const char* op, int64_t block, const Tensor& w, cons
   return w.size(0);
 }
 
-// Block `block` of a weight as AMX tiles: amx_pack's tiles of its [n, k] rows, and its bias (or None).
-void expect_tile_block(const char* op, int64_t block, const Tensor& tiles, int64_t n, const OptTensor& bias,
-                       int64_t k) {
-  expect_values(op, {"tiles", block}, tiles, at::kShort, amx_tile_values(op, n, k));
+// Block `block` of a weight as AMX tiles (the op's tensor list `list`): amx_pack's tiles of its [n, k] rows, and its
+// bias (or None).
+void expect_tile_block(const char* op, const char* list, int64_t block, const Tensor& tiles, int64_t n,
+                       const OptTensor& bias, int64_t k) {
+  expect_values(op, {list, block}, tiles, at::kShort, amx_tile_values(op, n, k));
   expect_bias(op, block, bias, n);
 }
 
@@ -580,7 +581,7 @@ int64_t amx_linear(const Tensor& x, at::TensorList tiles, at::IntArrayRef rows, 
   int64_t n = 0;
   for (size_t i = 0; i < tiles.size(); ++i) {
     const OptTensor bias = biases.get(i);
-    expect_tile_block(op, static_cast<int64_t>(i), tiles[i], rows[i], bias, x.size(1));
+    expect_tile_block(op, "tiles", static_cast<int64_t>(i), tiles[i], rows[i], bias, x.size(1));
     a.blocks[i] = {reinterpret_cast<const uint16_t*>(ptr<int16_t>(tiles[i])), rows[i], ptr<float>(bias)};
     n += rows[i];
   }
@@ -672,7 +673,7 @@ void projections(at::IntArrayRef routes, at::IntArrayRef nblocks, at::TensorList
       const OptTensor bias = biases.get(block);
       const auto index = static_cast<int64_t>(block);
       if (route == dflash_cpu::Route::kAmx) {
-        expect_tile_block(op, index, w, block_rows[block], bias, depth[p]);
+        expect_tile_block(op, "weights", index, w, block_rows[block], bias, depth[p]);
         proj.tiles[i] = {reinterpret_cast<const uint16_t*>(ptr<int16_t>(w)), block_rows[block], ptr<float>(bias)};
       } else {
         TORCH_CHECK(expect_weight_block(op, index, w, bias, depth[p], packed ? at::kShort : at::kFloat) ==

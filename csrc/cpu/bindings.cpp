@@ -1,7 +1,7 @@
 // torch.ops.dflash_cpu.*: the native CPU kernels of dflash_cpu.h as torch ops (the one file here with torch
-// headers). Each op builds its kernel's argument struct from the tensors; the Python wrappers
-// (dflash_kernels/cpu/native.py, linear.py, forward.py) check every extent and index before they call, so the
-// only checks here are the dtypes that data_ptr<T>() enforces.
+// headers). Each op checks everything its kernel's pointers walk (the checks below: any caller's input, not only
+// what the Python wrappers dflash_kernels/cpu/native.py, linear.py, forward.py pass) and then builds the kernel's
+// argument struct from the tensors.
 //
 // Instruction sets are chosen here, at load: isas() lists those of this CPU that the build has kernels for
 // (__builtin_cpu_supports / CPUID; $DFLASH_CPU_ISA caps them), and the vector ops run the widest table (kAvx512,
@@ -16,9 +16,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <optional>
+#include <ostream>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -92,32 +95,257 @@ T* ptr(const OptTensor& t) {
 
 std::vector<std::string> isas() { return cpu_isas(); }
 
-// x [rows, H] with a row stride (unit stride along H).
-void add_rms_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight, const Tensor& out, double eps) {
-  vector_kernels()->add_rms_norm({ptr<float>(x), x.stride(0), ptr<float>(residual), ptr<float>(weight),
-                                  ptr<float>(out), x.size(0), x.size(1), static_cast<float>(eps),
-                                  at::get_num_threads()});
+// ---- The checks. Every op validates, before any pointer is read, what its kernel walks: dtypes, the CPU device,
+// dims and sizes (each tensor covers the extent the kernel walks, given its strides), contiguity where the kernel
+// assumes it, the CPU features its code needs, and the values of the index tensors that address memory. Those are
+// copied once (they are small) and the kernel reads the copy, so the values checked are the values used. An error
+// names the op and the argument and says what is expected.
+
+constexpr int64_t kAny = -1;  // a size that `expect` leaves free
+
+// An argument's name in an error: "x", or "taps[2]" for an element of a tensor list.
+struct Arg {
+  Arg(const char* name, int64_t index = -1) : name(name), index(index) {}  // NOLINT: implicit from a name
+  const char* name;
+  int64_t index;
+};
+
+std::ostream& operator<<(std::ostream& os, const Arg& a) {
+  os << a.name;
+  if (a.index >= 0) os << "[" << a.index << "]";
+  return os;
 }
 
-// gate_up [rows, 2I] with a row stride, out [rows, I].
+// Whether dims [from, dim) of t are laid out contiguously (a dim of size 1 takes no step: any stride).
+bool contiguous_from(const Tensor& t, int64_t from) {
+  if (from == 0) return t.is_contiguous();
+  int64_t step = 1;
+  for (int64_t d = t.dim() - 1; d >= from; --d) {
+    if (t.size(d) != 1 && t.stride(d) != step) return false;
+    step *= t.size(d);
+  }
+  return true;
+}
+
+std::string shape_text(at::IntArrayRef sizes) {
+  std::string s = "[";
+  for (size_t d = 0; d < sizes.size(); ++d)
+    s += (d ? ", " : "") + (sizes[d] == kAny ? std::string("*") : std::to_string(sizes[d]));
+  return s + "]";
+}
+
+std::string layout_text(int64_t packed, int64_t dims) {
+  return packed == 0 ? ", contiguous" : packed < dims ? ", contiguous from dim " + std::to_string(packed) + " on" : "";
+}
+
+// t: a CPU `dtype` tensor of shape `sizes` (kAny: any size in that dim) whose dims from `packed` on are laid out
+// contiguously (0: the whole tensor; sizes.size(): any strides; the kernel then walks the tensor's own strides).
+void expect(const char* op, Arg arg, const Tensor& t, at::ScalarType dtype, at::IntArrayRef sizes,
+            int64_t packed = 0) {
+  const int64_t dims = static_cast<int64_t>(sizes.size());
+  bool ok = t.is_cpu() && t.scalar_type() == dtype && t.dim() == dims;
+  for (int64_t d = 0; ok && d < dims; ++d) ok = sizes[d] == kAny || t.size(d) == sizes[d];
+  TORCH_CHECK(ok && contiguous_from(t, packed), "dflash_cpu::", op, ": ", arg, " must be a CPU ", dtype,
+              " tensor of shape ", shape_text(sizes), layout_text(packed, dims), "; got ", t.scalar_type(), " ",
+              t.sizes(), " strides ", t.strides(), " on ", t.device());
+}
+
+void expect(const char* op, Arg arg, const OptTensor& t, at::ScalarType dtype, at::IntArrayRef sizes,
+            int64_t packed = 0) {
+  if (t.has_value()) expect(op, arg, *t, dtype, sizes, packed);
+}
+
+// t: a contiguous CPU `dtype` tensor of `numel` values, of any shape (a weight vector, a buffer the kernel reads
+// flat).
+void expect_values(const char* op, Arg arg, const Tensor& t, at::ScalarType dtype, int64_t numel) {
+  TORCH_CHECK(t.is_cpu() && t.scalar_type() == dtype && t.is_contiguous() && t.numel() == numel, "dflash_cpu::", op,
+              ": ", arg, " must be a contiguous CPU ", dtype, " tensor of ", numel, " values; got ", t.scalar_type(),
+              " ", t.sizes(), " strides ", t.strides(), " on ", t.device());
+}
+
+void expect_values(const char* op, Arg arg, const OptTensor& t, at::ScalarType dtype, int64_t numel) {
+  if (t.has_value()) expect_values(op, arg, *t, dtype, numel);
+}
+
+// A size argument (not a tensor's): at least `least`.
+void expect_size(const char* op, const char* arg, int64_t value, int64_t least) {
+  TORCH_CHECK(value >= least, "dflash_cpu::", op, ": ", arg, " = ", value, " must be at least ", least);
+}
+
+// The values of an int64 index tensor of shape `sizes` (contiguous), copied once: the kernel reads the copy.
+using Index = c10::SmallVector<int64_t, 16>;
+
+Index index_copy(const char* op, const char* arg, const Tensor& t, at::IntArrayRef sizes) {
+  expect(op, arg, t, at::kLong, sizes);
+  const int64_t* p = t.data_ptr<int64_t>();
+  return Index(p, p + t.numel());
+}
+
+// Every value of the index `arg` in [lo, hi]; `what`: what the bounds are.
+void expect_within(const char* op, const char* arg, const Index& values, int64_t lo, int64_t hi, const char* what) {
+  for (size_t i = 0; i < values.size(); ++i)
+    TORCH_CHECK(values[i] >= lo && values[i] <= hi, "dflash_cpu::", op, ": ", arg, "[", i, "] = ", values[i],
+                " must be in [", lo, ", ", hi, "] (", what, ")");
+}
+
+// The caches' rows of n requests: `rows` (each one of the caches' `batch` rows), copied; absent, rows 0..n-1 (n <=
+// batch) and an empty copy.
+Index cache_rows(const char* op, const OptTensor& rows, int64_t n, int64_t batch) {
+  if (!rows.has_value()) {
+    TORCH_CHECK(n <= batch, "dflash_cpu::", op, ": without rows, request i uses cache row i, but there are ", n,
+                " requests and ", batch, " cache rows; pass rows");
+    return {};
+  }
+  Index values = index_copy(op, "rows", *rows, {n});
+  expect_within(op, "rows", values, 0, batch - 1, "a row of the caches");
+  return values;
+}
+
+const int64_t* index_ptr(const OptTensor& t, const Index& values) { return t.has_value() ? values.data() : nullptr; }
+
+// The instruction sets the kernels are compiled for: the code of one runs only where the CPU has it.
+enum class Isa { kAvx2, kAvx512, kAmx };
+
+bool cpu_has(Isa isa) {
+  static const bool has[] = {has_avx2(), has_avx512(), has_amx()};
+  return has[static_cast<int>(isa)];
+}
+
+void expect_isa(const char* op, Isa isa) {
+  static const char* const names[] = {"AVX2 + FMA", "AVX-512 (F, BW, DQ, VL) + FMA", "AMX-TILE + AMX-BF16"};
+  TORCH_CHECK(cpu_has(isa), "dflash_cpu::", op, ": this CPU lacks ", names[static_cast<int>(isa)],
+              ", which its code needs (isas() lists what it has)");
+}
+
+// Whether amx_request() got this process the AMX tile state (tile instructions fault without it).
+std::atomic<bool> amx_granted{false};
+
+void expect_amx_tiles(const char* op) {
+  TORCH_CHECK(amx_granted.load(std::memory_order_relaxed), "dflash_cpu::", op,
+              ": the AMX tile state is not granted to this process: call amx_request() first (it fails where the "
+              "CPU lacks AMX-TILE / AMX-BF16 or the OS refuses)");
+}
+
+// The values of amx_pack's tiles of a [n, k] weight (dflash_cpu.h): ceil(n / 16) column groups x ceil(k / 32)
+// steps x 512.
+int64_t amx_tile_values(const char* op, int64_t n, int64_t k) {
+  expect_size(op, "the weight's rows", n, 0);
+  expect_size(op, "the weight's columns", k, 0);
+  const int64_t groups = n / 16 + (n % 16 != 0), steps = k / 32 + (k % 32 != 0);
+  int64_t values = 0;
+  TORCH_CHECK(!__builtin_mul_overflow(groups, steps, &values) && !__builtin_mul_overflow(values, 512, &values),
+              "dflash_cpu::", op, ": a [", n, ", ", k, "] weight's tiles would overflow int64");
+  return values;
+}
+
+// A bias of a block of n weight rows: None, or n contiguous fp32 values.
+void expect_bias(const char* op, int64_t block, const OptTensor& bias, int64_t n) {
+  expect_values(op, {"biases", block}, bias, at::kFloat, n);
+}
+
+// Block `block` of a weight for the vector kernels: [n, k] of `dtype` (fp32, or int16 for a bf16-packed copy) with
+// unit stride along k and rows that do not overlap, and its bias (or None). Returns n.
+int64_t expect_weight_block(const char* op, int64_t block, const Tensor& w, const OptTensor& bias, int64_t k,
+                            at::ScalarType dtype) {
+  expect(op, {"weights", block}, w, dtype, {kAny, k}, 1);
+  TORCH_CHECK(w.size(0) <= 1 || w.stride(0) >= k, "dflash_cpu::", op, ": weights[", block, "] rows overlap (stride ",
+              w.stride(0), " < K = ", k, ")");
+  expect_bias(op, block, bias, w.size(0));
+  return w.size(0);
+}
+
+// Block `block` of a weight as AMX tiles (the op's tensor list `list`): amx_pack's tiles of its [n, k] rows, and its
+// bias (or None).
+void expect_tile_block(const char* op, const char* list, int64_t block, const Tensor& tiles, int64_t n,
+                       const OptTensor& bias, int64_t k) {
+  expect_values(op, {list, block}, tiles, at::kShort, amx_tile_values(op, n, k));
+  expect_bias(op, block, bias, n);
+}
+
+// The inter width I of [gate (I) | up (I)] rows t [rows, 2I].
+int64_t half_width(const char* op, const char* arg, const Tensor& t) {
+  TORCH_CHECK(t.size(1) % 2 == 0, "dflash_cpu::", op, ": ", arg, "'s rows must be [gate | up], an even width; got ",
+              t.size(1));
+  return t.size(1) / 2;
+}
+
+// x [rows, H] with a row stride (unit stride along H).
+void add_rms_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight, const Tensor& out, double eps) {
+  const char* op = "add_rms_norm";
+  expect(op, "x", x, at::kFloat, {kAny, kAny}, 1);
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  expect_values(op, "residual", residual, at::kFloat, rows * hidden);
+  expect_values(op, "weight", weight, at::kFloat, hidden);
+  expect_values(op, "out", out, at::kFloat, rows * hidden);
+  vector_kernels()->add_rms_norm({ptr<float>(x), x.stride(0), ptr<float>(residual), ptr<float>(weight),
+                                  ptr<float>(out), rows, hidden, static_cast<float>(eps), at::get_num_threads()});
+}
+
+// gate_up [rows, 2I] with a row stride (unit stride along 2I), out [rows, I] contiguous.
 void silu_mul(const Tensor& gate_up, const Tensor& out) {
+  const char* op = "silu_mul";
+  expect(op, "gate_up", gate_up, at::kFloat, {kAny, kAny}, 1);
+  expect(op, "out", out, at::kFloat, {gate_up.size(0), half_width(op, "gate_up", gate_up)});
   vector_kernels()->silu_mul({ptr<float>(gate_up), gate_up.stride(0), ptr<float>(out), gate_up.size(0),
                               out.size(1), at::get_num_threads()});
 }
 
+// The checked copies of the block attention's index tensors (empty where absent).
+struct AttentionIndex {
+  Index lens, rows, block_lens;
+};
+
+// Everything BlockAttentionArgs' pointers walk (dflash_cpu.h): q [N, B, nH, D], k / v [N, B, kvH, D] (rows at
+// strides, heads contiguous), caches [R, cap, kvH, D] contiguous, D a multiple of 16 up to kMaxHeadDim, nH a
+// multiple of kvH, lens [N] in [0, cap] (less B with write_kv), rows [N] in [0, R) (absent: N <= R), block_lens
+// [N] in [0, B], norms [D], tables [N * B, D], tree_mask [N, B, W] with 64 W >= B, out [N, B, nH, D] contiguous.
+AttentionIndex check_attention(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
+                               const Tensor& k_cache, const Tensor& v_cache, const Tensor& lens,
+                               const OptTensor& rows, const OptTensor& block_lens, const OptTensor& q_norm,
+                               const OptTensor& k_norm, const Tensor& cos, const Tensor& sin_signed,
+                               const OptTensor& tree_mask, bool write_kv, const Tensor& out) {
+  expect(op, "q", q, at::kFloat, {kAny, kAny, kAny, kAny}, 2);
+  const int64_t n = q.size(0), b = q.size(1), nh = q.size(2), d = q.size(3);
+  expect(op, "k_cache", k_cache, at::kFloat, {kAny, kAny, kAny, d});
+  const int64_t batch = k_cache.size(0), cap = k_cache.size(1), kvh = k_cache.size(2);
+  TORCH_CHECK(kvh >= 1 && nh % kvh == 0, "dflash_cpu::", op, ": q's ", nh, " heads must be a multiple of the "
+              "caches' ", kvh, " KV heads (at least one)");
+  TORCH_CHECK(d % 16 == 0 && d <= dflash_cpu::kMaxHeadDim, "dflash_cpu::", op, ": the head dim ", d,
+              " must be a multiple of 16, at most ", dflash_cpu::kMaxHeadDim);
+  expect(op, "v_cache", v_cache, at::kFloat, {batch, cap, kvh, d});
+  expect(op, "k", k, at::kFloat, {n, b, kvh, d}, 2);
+  expect(op, "v", v, at::kFloat, {n, b, kvh, d}, 2);
+  expect_values(op, "q_norm", q_norm, at::kFloat, d);
+  expect_values(op, "k_norm", k_norm, at::kFloat, d);
+  expect(op, "cos", cos, at::kFloat, {n * b, d});
+  expect(op, "sin_signed", sin_signed, at::kFloat, {n * b, d});
+  expect(op, "tree_mask", tree_mask, at::kLong, {n, b, kAny});
+  TORCH_CHECK(!tree_mask.has_value() || tree_mask->size(2) * 64 >= b, "dflash_cpu::", op, ": tree_mask's ",
+              tree_mask->size(2), " words a row must hold a bit for each of the ", b, " block rows");
+  expect(op, "out", out, at::kFloat, {n, b, nh, d});
+  AttentionIndex index{index_copy(op, "lens", lens, {n}), cache_rows(op, rows, n, batch), {}};
+  expect_within(op, "lens", index.lens, 0, write_kv ? cap - b : cap,
+                write_kv ? "a cache length with room for the block's rows" : "a cache length");
+  if (block_lens.has_value()) {
+    index.block_lens = index_copy(op, "block_lens", *block_lens, {n});
+    expect_within(op, "block_lens", index.block_lens, 0, b, "the block rows seen");
+  }
+  return index;
+}
+
 dflash_cpu::BlockAttentionArgs attention_args(const Tensor& q, const Tensor& k, const Tensor& v,
-                                              const Tensor& k_cache, const Tensor& v_cache, const Tensor& lens,
-                                              const OptTensor& rows, const OptTensor& block_lens,
-                                              const OptTensor& q_norm, const OptTensor& k_norm, double eps,
-                                              const Tensor& cos, const Tensor& sin_signed,
-                                              const OptTensor& tree_mask, bool causal, bool write_kv, double scale,
-                                              const Tensor& out) {
+                                              const Tensor& k_cache, const Tensor& v_cache,
+                                              const AttentionIndex& index, const OptTensor& rows,
+                                              const OptTensor& block_lens, const OptTensor& q_norm,
+                                              const OptTensor& k_norm, double eps, const Tensor& cos,
+                                              const Tensor& sin_signed, const OptTensor& tree_mask, bool causal,
+                                              bool write_kv, double scale, const Tensor& out) {
   return {ptr<float>(q), ptr<float>(k), ptr<float>(v), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-          v.stride(0), v.stride(1), ptr<float>(k_cache), ptr<float>(v_cache), k_cache.size(1), ptr<int64_t>(lens),
-          ptr<int64_t>(rows), ptr<int64_t>(block_lens), ptr<float>(q_norm), ptr<float>(k_norm),
-          static_cast<float>(eps), ptr<float>(cos), ptr<float>(sin_signed), ptr<int64_t>(tree_mask),
-          tree_mask.has_value() ? tree_mask->size(2) : 0, causal, write_kv, ptr<float>(out), q.size(0), q.size(1),
-          q.size(2), k.size(2), q.size(3), static_cast<float>(scale), at::get_num_threads()};
+          v.stride(0), v.stride(1), ptr<float>(k_cache), ptr<float>(v_cache), k_cache.size(1), index.lens.data(),
+          index_ptr(rows, index.rows), index_ptr(block_lens, index.block_lens), ptr<float>(q_norm),
+          ptr<float>(k_norm), static_cast<float>(eps), ptr<float>(cos), ptr<float>(sin_signed),
+          ptr<int64_t>(tree_mask), tree_mask.has_value() ? tree_mask->size(2) : 0, causal, write_kv, ptr<float>(out),
+          q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), static_cast<float>(scale), at::get_num_threads()};
 }
 
 // q [N, B, nH, D], k / v [N, B, kvH, D] (heads contiguous), caches [R, cap, kvH, D]: BlockAttentionArgs. 0, or 1
@@ -127,54 +355,146 @@ int64_t block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const
                         const OptTensor& block_lens, const OptTensor& q_norm, const OptTensor& k_norm, double eps,
                         const Tensor& cos, const Tensor& sin_signed, const OptTensor& tree_mask, bool causal,
                         bool write_kv, double scale, const Tensor& out) {
-  return vector_kernels()->block_attention(attention_args(q, k, v, k_cache, v_cache, lens, rows, block_lens, q_norm,
+  const AttentionIndex index = check_attention("block_attention", q, k, v, k_cache, v_cache, lens, rows, block_lens,
+                                               q_norm, k_norm, cos, sin_signed, tree_mask, write_kv, out);
+  return vector_kernels()->block_attention(attention_args(q, k, v, k_cache, v_cache, index, rows, block_lens, q_norm,
                                                           k_norm, eps, cos, sin_signed, tree_mask, causal, write_kv,
                                                           scale, out));
 }
 
-// k / v [M, kvH, D] (rows at a stride), offsets [N + 1], lens / rows [N]: InjectKvArgs.
+// k / v [M, kvH, D] (rows at a stride, heads contiguous), offsets [N + 1] (0, non-decreasing, at most M), lens [N]
+// (>= 0; rows past the capacity are dropped), rows [N], tables [offsets[N], D], caches [R, cap, kvH, D]
+// contiguous: InjectKvArgs.
 void inject_context_kv(const Tensor& k, const Tensor& v, const Tensor& k_norm, double eps, const Tensor& offsets,
                        const Tensor& lens, const OptTensor& rows, const Tensor& cos, const Tensor& sin_signed,
                        const Tensor& k_cache, const Tensor& v_cache) {
+  const char* op = "inject_context_kv";
+  expect(op, "k", k, at::kFloat, {kAny, kAny, kAny}, 1);
+  const int64_t m = k.size(0), kvh = k.size(1), d = k.size(2);
+  TORCH_CHECK(d <= dflash_cpu::kMaxHeadDim, "dflash_cpu::inject_context_kv: the head dim ", d, " must be at most ",
+              dflash_cpu::kMaxHeadDim);
+  expect(op, "v", v, at::kFloat, {m, kvh, d}, 1);
+  expect_values(op, "k_norm", k_norm, at::kFloat, d);
+  expect(op, "k_cache", k_cache, at::kFloat, {kAny, kAny, kvh, d});
+  const int64_t batch = k_cache.size(0), cap = k_cache.size(1);
+  expect(op, "v_cache", v_cache, at::kFloat, {batch, cap, kvh, d});
+  const Index lens_v = index_copy(op, "lens", lens, {kAny});
+  const int64_t n = static_cast<int64_t>(lens_v.size());
+  const Index cu = index_copy(op, "offsets", offsets, {n + 1});
+  for (int64_t i = 0; i <= n; ++i)
+    TORCH_CHECK(i == 0 ? cu[0] == 0 : cu[i] >= cu[i - 1] && cu[i] <= m, "dflash_cpu::", op, ": offsets[", i, "] = ",
+                cu[i], ": offsets must start at 0 and not decrease, up to k's ", m, " rows");
+  // (lens + a request's rows stays an int64: the kernel compares it with the capacity)
+  expect_within(op, "lens", lens_v, 0, std::numeric_limits<int64_t>::max() - m, "a cache length");
+  const Index rows_v = cache_rows(op, rows, n, batch);
+  expect(op, "cos", cos, at::kFloat, {cu[n], d});
+  expect(op, "sin_signed", sin_signed, at::kFloat, {cu[n], d});
   vector_kernels()->inject_kv({ptr<float>(k), ptr<float>(v), k.stride(0), v.stride(0), ptr<float>(k_norm),
-                               static_cast<float>(eps), ptr<int64_t>(offsets), ptr<int64_t>(lens),
-                               ptr<int64_t>(rows), lens.numel(), ptr<float>(cos), ptr<float>(sin_signed),
-                               ptr<float>(k_cache), ptr<float>(v_cache), k_cache.size(1), k.size(1), k.size(2),
-                               at::get_num_threads()});
+                               static_cast<float>(eps), cu.data(), lens_v.data(), index_ptr(rows, rows_v), n,
+                               ptr<float>(cos), ptr<float>(sin_signed), ptr<float>(k_cache), ptr<float>(v_cache), cap,
+                               kvh, d, at::get_num_threads()});
 }
 
-// logits [R, P, V] (unit stride along V), lse [R, P], tokens / parents / depths [R, T]: BuildTreeArgs' status.
+// The nodes below the root of a full tree of `depths` levels with k children a node, or `limit` if that is fewer.
+int64_t tree_capacity(int64_t k, int64_t depths, int64_t limit) {
+  int64_t total = 0, level = 1;
+  for (int64_t depth = 1; depth <= depths && total < limit; ++depth) {
+    level = level > limit / k ? limit : level * k;
+    total += level;
+  }
+  return total < limit ? total : limit;
+}
+
+// logits [R, P, V] (unit stride along V), lse [R, P], anchor [R], vocab_ids [V], tokens / parents / depths [R, T]
+// with 1 <= k <= V and T - 1 nodes in the tree of P levels of k children: BuildTreeArgs' status.
 int64_t build_tree(const Tensor& logits, const Tensor& lse, int64_t k, const Tensor& anchor,
                    const OptTensor& vocab_ids, const Tensor& tokens, const Tensor& parents, const Tensor& depths) {
-  return dflash_cpu::build_tree({ptr<float>(logits), logits.stride(0), logits.stride(1), logits.size(0),
-                                 logits.size(1), logits.size(2), ptr<float>(lse), k, tokens.size(1),
-                                 ptr<int64_t>(anchor), ptr<int64_t>(vocab_ids), ptr<int64_t>(tokens),
+  const char* op = "build_tree";
+  expect(op, "logits", logits, at::kFloat, {kAny, kAny, kAny}, 2);
+  const int64_t r = logits.size(0), p = logits.size(1), v = logits.size(2);
+  expect_size(op, "logits' depths P", p, 1);
+  TORCH_CHECK(k >= 1 && k <= v, "dflash_cpu::build_tree: k = ", k, " must be in [1, V = ", v,
+              "] (the children kept a node)");
+  expect(op, "lse", lse, at::kFloat, {r, p});
+  expect(op, "anchor", anchor, at::kLong, {r});
+  expect(op, "vocab_ids", vocab_ids, at::kLong, {v});
+  expect(op, "tokens", tokens, at::kLong, {r, kAny});
+  const int64_t t = tokens.size(1);
+  expect(op, "parents", parents, at::kLong, {r, t});
+  expect(op, "depths", depths, at::kLong, {r, t});
+  expect_size(op, "tokens' nodes T", t, 1);
+  TORCH_CHECK(tree_capacity(k, p, t) >= t - 1, "dflash_cpu::build_tree: T = ", t, " nodes need ", t - 1,
+              " below the root, more than a tree of ", p, " levels of k = ", k, " children has");
+  return dflash_cpu::build_tree({ptr<float>(logits), logits.stride(0), logits.stride(1), r, p, v, ptr<float>(lse), k,
+                                 t, ptr<int64_t>(anchor), ptr<int64_t>(vocab_ids), ptr<int64_t>(tokens),
                                  ptr<int64_t>(parents), ptr<int64_t>(depths)});
 }
 
-// parents [R, T] (row stride), mask [R, T, W]: the first bad request * T + node, or -1.
+// parents [R, T] (row stride), mask [R, T, W] with 64 W >= T: the first bad request * T + node, or -1 (the kernel
+// checks each parent before it follows it).
 int64_t tree_ancestor_mask(const Tensor& parents, const Tensor& mask) {
-  return dflash_cpu::tree_ancestor_mask(ptr<int64_t>(parents), parents.stride(0), parents.size(0),
-                                        parents.size(1), mask.size(2), ptr<int64_t>(mask));
+  const char* op = "tree_ancestor_mask";
+  expect(op, "parents", parents, at::kLong, {kAny, kAny}, 1);
+  const int64_t r = parents.size(0), t = parents.size(1);
+  expect(op, "mask", mask, at::kLong, {r, t, kAny});
+  TORCH_CHECK(mask.size(2) * 64 >= t, "dflash_cpu::tree_ancestor_mask: mask's ", mask.size(2),
+              " words a node must hold a bit for each of the ", t, " nodes");
+  return dflash_cpu::tree_ancestor_mask(ptr<int64_t>(parents), parents.stride(0), r, t, mask.size(2),
+                                        ptr<int64_t>(mask));
 }
 
-// target / tokens / parents [R, T] (row strides), path [R, B], accepted / bonus [R]: TreeWalkArgs.
+// target / tokens / parents [R, T] (row strides, T >= 1), path [R, B] (B >= 1), accepted / bonus [R]: TreeWalkArgs.
 void tree_walk_tokens(const Tensor& target, const Tensor& tokens, const Tensor& parents, const Tensor& path,
                       const Tensor& accepted, const Tensor& bonus) {
+  const char* op = "tree_walk_tokens";
+  expect(op, "tokens", tokens, at::kLong, {kAny, kAny}, 1);
+  const int64_t r = tokens.size(0), t = tokens.size(1);
+  expect(op, "target", target, at::kLong, {r, t}, 1);
+  expect(op, "parents", parents, at::kLong, {r, t}, 1);
+  expect(op, "path", path, at::kLong, {r, kAny});
+  expect(op, "accepted", accepted, at::kLong, {r});
+  expect(op, "bonus", bonus, at::kLong, {r});
+  if (r > 0) {  // each request's walk starts at its root, node 0 of T, written at path depth 0 of B
+    expect_size(op, "tokens' nodes T", t, 1);
+    expect_size(op, "path's depths B", path.size(1), 1);
+  }
   dflash_cpu::tree_walk_tokens({ptr<int64_t>(target), target.stride(0), ptr<int64_t>(tokens), tokens.stride(0),
-                                ptr<int64_t>(parents), parents.stride(0), tokens.size(0), tokens.size(1),
-                                path.size(1), ptr<int64_t>(path), ptr<int64_t>(accepted), ptr<int64_t>(bonus)});
+                                ptr<int64_t>(parents), parents.stride(0), r, t, path.size(1), ptr<int64_t>(path),
+                                ptr<int64_t>(accepted), ptr<int64_t>(bonus)});
 }
 
-// caches [L, Nb, cap, ...] contiguous, path [R, B] contiguous, accepted / start / rows [R]: TreeCompactArgs.
+// caches [L, Nb, cap, ...] contiguous (one shape and dtype), path [R, B] a walk's path up to accepted (d <=
+// path[r, d] < path[r, d + 1]), accepted [R] in [0, B), start [R] >= 0, rows [R] in [0, Nb): TreeCompactArgs.
 void tree_compact(const Tensor& k_cache, const Tensor& v_cache, const Tensor& path, const Tensor& accepted,
                   const Tensor& start, const Tensor& rows) {
+  const char* op = "tree_compact";
+  TORCH_CHECK(k_cache.dim() >= 3, "dflash_cpu::tree_compact: k_cache must be [L, Nb, cap, ...]; got ",
+              k_cache.sizes());
+  expect(op, "k_cache", k_cache, k_cache.scalar_type(), k_cache.sizes());
+  expect(op, "v_cache", v_cache, k_cache.scalar_type(), k_cache.sizes());
+  const Index acc = index_copy(op, "accepted", accepted, {kAny});
+  const int64_t r = static_cast<int64_t>(acc.size());
+  const Index paths = index_copy(op, "path", path, {r, kAny});
+  const int64_t b = path.size(1);
+  const Index starts = index_copy(op, "start", start, {r});
+  const Index rows_v = index_copy(op, "rows", rows, {r});
+  expect_within(op, "accepted", acc, 0, b - 1, "a depth of path");
+  expect_within(op, "start", starts, 0, std::numeric_limits<int64_t>::max(), "a cache length");
+  expect_within(op, "rows", rows_v, 0, k_cache.size(1) - 1, "a row of the caches");
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t d = 1; d <= acc[i]; ++d) {
+      const int64_t src = paths[i * b + d];
+      int64_t row = 0;
+      TORCH_CHECK(src >= d && (d == 1 || src > paths[i * b + d - 1]), "dflash_cpu::tree_compact: path[", i, ", ",
+                  d, "] = ", src, ": a walk's path has d <= path[r, d] < path[r, d + 1] up to accepted[r]");
+      TORCH_CHECK(!__builtin_add_overflow(starts[i], src, &row), "dflash_cpu::tree_compact: start[", i,
+                  "] + path[", i, ", ", d, "] overflows int64");
+    }
   int64_t row_bytes = k_cache.element_size();
   for (int64_t d = 3; d < k_cache.dim(); ++d) row_bytes *= k_cache.size(d);
   dflash_cpu::tree_compact({static_cast<char*>(k_cache.data_ptr()), static_cast<char*>(v_cache.data_ptr()),
-                            ptr<int64_t>(path), path.size(1), ptr<int64_t>(accepted), ptr<int64_t>(start),
-                            ptr<int64_t>(rows), accepted.numel(), k_cache.size(0), k_cache.size(1),
-                            k_cache.size(2), row_bytes});
+                            paths.data(), b, acc.data(), starts.data(), rows_v.data(), r, k_cache.size(0),
+                            k_cache.size(1), k_cache.size(2), row_bytes});
 }
 
 // A weight block's element pointer: the fp32 weight, or its bf16-packed copy (int16 storage, read as uint16_t).
@@ -190,30 +510,27 @@ dflash_cpu::LinearBlockOf<W> linear_block(const Tensor& w, const OptTensor& bias
   return {weight_ptr(w, static_cast<const W*>(nullptr)), w.stride(0), w.size(0), ptr<float>(bias)};
 }
 
+// The storage of W's weight blocks: fp32, or int16 for the bf16-packed copies.
+template <typename W>
+constexpr at::ScalarType weight_dtype = std::is_same_v<W, float> ? at::kFloat : at::kShort;
+
 // x [M, K] contiguous, up to three weight row blocks [N_i, K] (unit stride along K; fp32 for W = float, the
 // bf16-packed int16 copies for W = uint16_t) and their biases (or None), out [M, sum N_i] contiguous; the kernels of
 // the table `kernels`.
 template <const dflash_cpu::VectorKernels* kernels, typename W>
 void linear(const Tensor& x, at::TensorList weights, const c10::List<OptTensor>& biases, const Tensor& out) {
+  const char* op = "linear";
   TORCH_CHECK(weights.size() >= 1 && weights.size() <= 3 && biases.size() == weights.size(),
               "dflash_cpu::linear: 1 to 3 weight blocks, one bias (or None) each");
-  // The extents the kernel's pointers walk, checked before any is read (data_ptr<T> checks the dtypes).
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && x.is_contiguous() && out.is_contiguous() && x.is_cpu() &&
-                  out.is_cpu(),
-              "dflash_cpu::linear: x [..., K] (K > 0) and out contiguous CPU tensors");
+  TORCH_CHECK(x.is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) > 0 && x.is_contiguous(),
+              "dflash_cpu::linear: x must be a contiguous CPU Float tensor [..., K] (K > 0); got ", x.scalar_type(),
+              " ", x.sizes(), " strides ", x.strides());
   const int64_t k = x.size(-1), rows = x.numel() / k;
   int64_t n = 0;
-  for (size_t i = 0; i < weights.size(); ++i) {
-    const Tensor& w = weights[i];
-    const OptTensor bias = biases.get(i);
-    TORCH_CHECK(w.is_cpu() && w.dim() == 2 && w.size(1) == k && (w.stride(1) == 1 || k == 1) &&
-                    (w.size(0) <= 1 || w.stride(0) >= k),
-                "dflash_cpu::linear: weight block ", i, " must be [N, K=", k, "] with unit stride along K");
-    TORCH_CHECK(!bias.has_value() || (bias->is_cpu() && bias->is_contiguous() && bias->numel() == w.size(0)),
-                "dflash_cpu::linear: bias ", i, " must be contiguous with one value per row of its weight block");
-    n += w.size(0);
-  }
-  TORCH_CHECK(out.numel() == rows * n, "dflash_cpu::linear: out must hold ", rows, " x ", n, " values");
+  for (size_t i = 0; i < weights.size(); ++i)
+    n += expect_weight_block(op, static_cast<int64_t>(i), weights[i], biases.get(i), k, weight_dtype<W>);
+  expect_values(op, "out", out, at::kFloat, rows * n);
+  expect_isa(op, kernels == &dflash_cpu::kAvx512 ? Isa::kAvx512 : Isa::kAvx2);
   dflash_cpu::LinearBlockOf<W> blocks[3];
   for (size_t i = 0; i < weights.size(); ++i) blocks[i] = linear_block<W>(weights[i], biases.get(i));
   const dflash_cpu::LinearArgsOf<W> args{ptr<float>(x), rows, k, blocks, static_cast<int>(weights.size()),
@@ -224,47 +541,71 @@ void linear(const Tensor& x, at::TensorList weights, const c10::List<OptTensor>&
     kernels->linear_bf16(args);
 }
 
-// 0 when the OS granted this process the AMX tile state.
-int64_t amx_request() { return dflash_cpu::amx_request(); }
+// 0 when the OS granted this process the AMX tile state (then the amx_linear / amx_argmax ops run).
+int64_t amx_request() {
+  const int status = dflash_cpu::amx_request();
+  if (status == 0 && cpu_has(Isa::kAmx)) amx_granted.store(true, std::memory_order_relaxed);
+  return status;
+}
 
 // weight [N, K] (unit stride along K) -> tiles (dflash_cpu::amx_pack): how many values are not bf16.
 int64_t amx_pack(const Tensor& weight, const Tensor& tiles) {
+  const char* op = "amx_pack";
+  expect(op, "weight", weight, at::kFloat, {kAny, kAny}, 1);
+  expect_values(op, "tiles", tiles, at::kShort, amx_tile_values(op, weight.size(0), weight.size(1)));
+  expect_isa(op, Isa::kAmx);
   return dflash_cpu::amx_pack(ptr<float>(weight), weight.stride(0), weight.size(0), weight.size(1),
                               reinterpret_cast<uint16_t*>(ptr<int16_t>(tiles)), at::get_num_threads());
 }
 
+// tiles of a [n, k] weight -> norms [n].
 void amx_column_norms(const Tensor& tiles, int64_t n, int64_t k, const Tensor& norms) {
+  const char* op = "amx_column_norms";
+  expect_values(op, "tiles", tiles, at::kShort, amx_tile_values(op, n, k));
+  expect_values(op, "norms", norms, at::kDouble, n);
+  expect_isa(op, Isa::kAmx);
   dflash_cpu::amx_column_norms(reinterpret_cast<const uint16_t*>(ptr<int16_t>(tiles)), n, k, ptr<double>(norms),
                                at::get_num_threads());
 }
 
-dflash_cpu::AmxLinearArgs amx_linear_args(const Tensor& x, at::TensorList tiles, at::IntArrayRef rows,
-                                          const c10::List<OptTensor>& biases, const Tensor& out) {
-  TORCH_CHECK(tiles.size() >= 1 && tiles.size() <= 3 && rows.size() == tiles.size() && biases.size() == tiles.size(),
-              "dflash_cpu::amx_linear: 1 to 3 tile blocks, their rows and one bias (or None) each");
-  dflash_cpu::AmxLinearArgs a{ptr<float>(x), x.stride(0), x.size(0), x.size(1), {}, ptr<float>(out),
-                              at::get_num_threads()};
-  for (size_t i = 0; i < tiles.size(); ++i) {
-    const OptTensor bias = biases.get(i);
-    a.blocks[i] = {reinterpret_cast<const uint16_t*>(ptr<int16_t>(tiles[i])), rows[i], ptr<float>(bias)};
-  }
-  return a;
-}
-
-// x [M, K] (row stride, unit stride along K), tiles of up to three row blocks of rows[i] rows, out [M, sum rows]
-// contiguous: 0, or -1 without memory for the split input rows.
+// x [M, K] (M >= 1, row stride, unit stride along K), tiles of up to three row blocks of rows[i] rows and their
+// biases (or None), out [M, sum rows] contiguous: 0, or -1 without memory for the split input rows.
 int64_t amx_linear(const Tensor& x, at::TensorList tiles, at::IntArrayRef rows, const c10::List<OptTensor>& biases,
                    const Tensor& out) {
-  return dflash_cpu::amx_linear(amx_linear_args(x, tiles, rows, biases, out));
+  const char* op = "amx_linear";
+  TORCH_CHECK(tiles.size() >= 1 && tiles.size() <= 3 && rows.size() == tiles.size() && biases.size() == tiles.size(),
+              "dflash_cpu::amx_linear: 1 to 3 tile blocks, their rows and one bias (or None) each");
+  expect(op, "x", x, at::kFloat, {kAny, kAny}, 1);
+  expect_size(op, "x's rows M", x.size(0), 1);
+  dflash_cpu::AmxLinearArgs a{ptr<float>(x), x.stride(0), x.size(0), x.size(1), {}, nullptr, at::get_num_threads()};
+  int64_t n = 0;
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    const OptTensor bias = biases.get(i);
+    expect_tile_block(op, "tiles", static_cast<int64_t>(i), tiles[i], rows[i], bias, x.size(1));
+    a.blocks[i] = {reinterpret_cast<const uint16_t*>(ptr<int16_t>(tiles[i])), rows[i], ptr<float>(bias)};
+    n += rows[i];
+  }
+  expect_values(op, "out", out, at::kFloat, x.size(0) * n);
+  expect_amx_tiles(op);
+  a.y = ptr<float>(out);
+  return dflash_cpu::amx_linear(a);
 }
 
-// x [M, K] (row stride), the tiles and column norms [N] of one weight, ids [M]: the exactly computed (row, group)
-// pairs, or -1 without memory.
+// x [M, K] (row stride, unit stride along K), the tiles and column norms [N] of one weight [N, K], its bias [N] (or
+// None), ids [M]: the exactly computed (row, group) pairs, or -1 without memory.
 int64_t amx_argmax(const Tensor& x, const Tensor& tiles, const OptTensor& bias, const Tensor& norms,
                    const Tensor& ids) {
+  const char* op = "amx_argmax";
+  expect(op, "x", x, at::kFloat, {kAny, kAny}, 1);
+  expect(op, "norms", norms, at::kDouble, {kAny});
+  const int64_t n = norms.size(0);
+  expect_values(op, "tiles", tiles, at::kShort, amx_tile_values(op, n, x.size(1)));
+  expect_values(op, "bias", bias, at::kFloat, n);
+  expect(op, "ids", ids, at::kLong, {x.size(0)});
+  expect_amx_tiles(op);
   return dflash_cpu::amx_argmax({ptr<float>(x), x.stride(0), x.size(0), x.size(1),
-                                 reinterpret_cast<const uint16_t*>(ptr<int16_t>(tiles)), norms.size(0),
-                                 ptr<float>(bias), ptr<double>(norms), ptr<int64_t>(ids), at::get_num_threads()});
+                                 reinterpret_cast<const uint16_t*>(ptr<int16_t>(tiles)), n, ptr<float>(bias),
+                                 ptr<double>(norms), ptr<int64_t>(ids), at::get_num_threads()});
 }
 
 // LinearFallback: torch's linear of each block (F.linear's arithmetic) into its columns of y.
@@ -285,35 +626,76 @@ int linear_fallback(const float* x, long M, long K, const dflash_cpu::LinearBloc
   return 0;
 }
 
-// The projections of forward_layer: routes[p] (dflash_cpu::Route) and nblocks[p] for p = q/k/v, o, gate/up, down;
-// weights / block_rows / biases: every block in order (weights: AMX tiles on the AMX route, fp32 [n, K] else).
-void projections(at::IntArrayRef routes, at::IntArrayRef nblocks, at::TensorList weights, at::IntArrayRef block_rows,
-                 const c10::List<OptTensor>& biases, dflash_cpu::Projection* out) {
-  TORCH_CHECK(routes.size() == 4 && nblocks.size() == 4, "dflash_cpu::forward_layer: four projections");
-  size_t block = 0;
-  for (size_t p = 0; p < 4; ++p) {
-    TORCH_CHECK(routes[p] >= 0 && routes[p] <= 5 && nblocks[p] >= 1 && nblocks[p] <= 3 &&
-                    block + nblocks[p] <= weights.size() && weights.size() == block_rows.size() &&
-                    weights.size() == biases.size(),
-                "dflash_cpu::forward_layer: a route 0-5 and 1 to 3 blocks a projection, one rows and bias a block");
-    dflash_cpu::Projection& proj = out[p];
-    proj = {static_cast<dflash_cpu::Route>(routes[p]), static_cast<int>(nblocks[p]), {}, {}, {}};
-    for (int i = 0; i < proj.nblocks; ++i, ++block) {
-      const OptTensor bias = biases.get(block);
-      if (proj.route == dflash_cpu::Route::kAmx)
-        proj.tiles[i] = {reinterpret_cast<const uint16_t*>(ptr<int16_t>(weights[block])), block_rows[block],
-                         ptr<float>(bias)};
-      else if (proj.route == dflash_cpu::Route::kAvx512Bf16 || proj.route == dflash_cpu::Route::kAvx2Bf16)
-        proj.packed[i] = linear_block<uint16_t>(weights[block], bias);
-      else
-        proj.blocks[i] = linear_block<float>(weights[block], bias);
-    }
+// That this process runs a projection route's code: its instruction set, or the AMX tile state.
+void expect_route(const char* op, dflash_cpu::Route route) {
+  switch (route) {
+    case dflash_cpu::Route::kAmx:
+      expect_amx_tiles(op);
+      break;
+    case dflash_cpu::Route::kAvx512:
+    case dflash_cpu::Route::kAvx512Bf16:
+      expect_isa(op, Isa::kAvx512);
+      break;
+    case dflash_cpu::Route::kAvx2:
+    case dflash_cpu::Route::kAvx2Bf16:
+      expect_isa(op, Isa::kAvx2);
+      break;
+    case dflash_cpu::Route::kFallback:
+      break;
   }
 }
 
-// One decoder layer (dflash_cpu::forward_layer): buffers h, x, delta [M, H], qkv [N, B, width], attn [N, B, nH, D],
-// gu [M, 2I], act [M, I]; taps: [M, H] views (row stride) the residual stream is copied to after the input norm;
-// the layer's caches, norms and projections. 0, 1 (attention scratch) or 2 (projection memory) as the kernel.
+// The projections of forward_layer: routes[p] (dflash_cpu::Route) and nblocks[p] for p = q/k/v, o, gate/up, down,
+// projection p reading rows of depth[p] values and writing rows of width[p]; weights / block_rows / biases: every
+// block in order (weights: AMX tiles on the AMX route, bf16-packed int16 [n, K] on the bf16 routes, fp32 [n, K]
+// else).
+void projections(at::IntArrayRef routes, at::IntArrayRef nblocks, at::TensorList weights, at::IntArrayRef block_rows,
+                 const c10::List<OptTensor>& biases, const int64_t (&depth)[4], const int64_t (&width)[4],
+                 dflash_cpu::Projection* out) {
+  const char* op = "forward_layer";
+  TORCH_CHECK(routes.size() == 4 && nblocks.size() == 4, "dflash_cpu::forward_layer: four projections");
+  TORCH_CHECK(weights.size() == block_rows.size() && weights.size() == biases.size(),
+              "dflash_cpu::forward_layer: one block_rows and one bias (or None) a weight block");
+  size_t block = 0;
+  for (size_t p = 0; p < 4; ++p) {
+    TORCH_CHECK(routes[p] >= 0 && routes[p] <= 5 && nblocks[p] >= 1 && nblocks[p] <= 3 &&
+                    block + nblocks[p] <= weights.size(),
+                "dflash_cpu::forward_layer: projection ", p, " needs a route 0-5 and 1 to 3 blocks of the ",
+                weights.size() - block, " weight blocks left");
+    const auto route = static_cast<dflash_cpu::Route>(routes[p]);
+    expect_route(op, route);
+    const bool packed = route == dflash_cpu::Route::kAvx512Bf16 || route == dflash_cpu::Route::kAvx2Bf16;
+    dflash_cpu::Projection& proj = out[p];
+    proj = {route, static_cast<int>(nblocks[p]), {}, {}, {}};
+    int64_t rows = 0;
+    for (int i = 0; i < proj.nblocks; ++i, ++block) {
+      const Tensor& w = weights[block];
+      const OptTensor bias = biases.get(block);
+      const auto index = static_cast<int64_t>(block);
+      if (route == dflash_cpu::Route::kAmx) {
+        expect_tile_block(op, "weights", index, w, block_rows[block], bias, depth[p]);
+        proj.tiles[i] = {reinterpret_cast<const uint16_t*>(ptr<int16_t>(w)), block_rows[block], ptr<float>(bias)};
+      } else {
+        TORCH_CHECK(expect_weight_block(op, index, w, bias, depth[p], packed ? at::kShort : at::kFloat) ==
+                        block_rows[block],
+                    "dflash_cpu::forward_layer: block_rows[", block, "] = ", block_rows[block], " must be weights[",
+                    block, "]'s ", w.size(0), " rows");
+        if (packed)
+          proj.packed[i] = linear_block<uint16_t>(w, bias);
+        else
+          proj.blocks[i] = linear_block<float>(w, bias);
+      }
+      rows += block_rows[block];
+    }
+    TORCH_CHECK(rows == width[p], "dflash_cpu::forward_layer: projection ", p, "'s blocks have ", rows,
+                " rows in all; its output rows have ", width[p], " values");
+  }
+}
+
+// One decoder layer (dflash_cpu::forward_layer) of M = N * B rows: buffers h, x, delta [M, H], qkv [N, B, (nH + 2
+// kvH) D], attn [N, B, nH, D], gu [M, 2I], act [M, I] (contiguous); taps: [M, H] views (row stride) the residual
+// stream is copied to after the input norm; the layer's caches [R, cap, kvH, D], norms [H] and projections (the
+// attention's rules: check_attention). 0, 1 (attention scratch) or 2 (projection memory) as the kernel.
 int64_t forward_layer(const Tensor& h, const Tensor& x, const Tensor& delta, const Tensor& qkv, const Tensor& attn,
                       const Tensor& gu, const Tensor& act, at::TensorList taps, const Tensor& k_cache,
                       const Tensor& v_cache, const Tensor& lens, const OptTensor& rows, const Tensor& cos,
@@ -321,26 +703,43 @@ int64_t forward_layer(const Tensor& h, const Tensor& x, const Tensor& delta, con
                       const Tensor& post_norm, double post_eps, const OptTensor& q_norm, const OptTensor& k_norm,
                       double qk_eps, double scale, bool first, at::IntArrayRef routes, at::IntArrayRef nblocks,
                       at::TensorList weights, at::IntArrayRef block_rows, const c10::List<OptTensor>& biases) {
-  const int64_t nh = attn.size(2), kvh = k_cache.size(2), d = attn.size(3);
+  const char* op = "forward_layer";
+  expect(op, "h", h, at::kFloat, {kAny, kAny});
+  const int64_t m = h.size(0), hidden = h.size(1);
+  expect_size(op, "h's rows M", m, 1);
+  expect(op, "x", x, at::kFloat, {m, hidden});
+  expect(op, "delta", delta, at::kFloat, {m, hidden});
+  expect_values(op, "input_norm", input_norm, at::kFloat, hidden);
+  expect_values(op, "post_norm", post_norm, at::kFloat, hidden);
+  expect(op, "attn", attn, at::kFloat, {kAny, kAny, kAny, kAny});
+  const int64_t n = attn.size(0), b = attn.size(1), nh = attn.size(2), d = attn.size(3);
+  TORCH_CHECK(n * b == m, "dflash_cpu::forward_layer: attn's ", n, " x ", b, " rows must be h's ", m, " rows");
+  expect(op, "k_cache", k_cache, at::kFloat, {kAny, kAny, kAny, d});
+  const int64_t kvh = k_cache.size(2);
+  expect(op, "qkv", qkv, at::kFloat, {n, b, (nh + 2 * kvh) * d});
+  expect(op, "gu", gu, at::kFloat, {m, kAny});
+  const int64_t inter = half_width(op, "gu", gu);
+  expect(op, "act", act, at::kFloat, {m, inter});
+  std::vector<dflash_cpu::TapCopy> tap_copies;
+  for (size_t t = 0; t < taps.size(); ++t) {
+    expect(op, {"taps", static_cast<int64_t>(t)}, taps[t], at::kFloat, {m, hidden}, 1);
+    tap_copies.push_back({ptr<float>(taps[t]), taps[t].stride(0)});
+  }
   const Tensor q = qkv.narrow(2, 0, nh * d).unflatten(2, {nh, d});
   const Tensor k = qkv.narrow(2, nh * d, kvh * d).unflatten(2, {kvh, d});
   const Tensor v = qkv.narrow(2, (nh + kvh) * d, kvh * d).unflatten(2, {kvh, d});
-  std::vector<dflash_cpu::TapCopy> tap_copies;
-  for (const Tensor& t : taps) tap_copies.push_back({ptr<float>(t), t.stride(0)});
-  dflash_cpu::LayerArgs a{vector_kernels(), linear_fallback, ptr<float>(h), ptr<float>(x), ptr<float>(delta),
-                          ptr<float>(qkv), ptr<float>(attn), ptr<float>(gu), ptr<float>(act), h.size(0), h.size(1),
-                          act.size(1), first, ptr<float>(input_norm), ptr<float>(post_norm),
-                          static_cast<float>(input_eps), static_cast<float>(post_eps), tap_copies.data(),
-                          static_cast<int>(tap_copies.size()),
-                          attention_args(q, k, v, k_cache, v_cache, lens, rows, std::nullopt, q_norm, k_norm, qk_eps,
-                                         cos, sin_signed, tree_mask, true, true, scale, attn),
-                          {}, {}, {}, {}, at::get_num_threads()};
+  const AttentionIndex index = check_attention(op, q, k, v, k_cache, v_cache, lens, rows, std::nullopt, q_norm,
+                                               k_norm, cos, sin_signed, tree_mask, true, attn);
   dflash_cpu::Projection proj[4];
-  projections(routes, nblocks, weights, block_rows, biases, proj);
-  a.qkv_proj = proj[0];
-  a.o_proj = proj[1];
-  a.gate_up_proj = proj[2];
-  a.down_proj = proj[3];
+  projections(routes, nblocks, weights, block_rows, biases, {hidden, nh * d, hidden, inter},
+              {(nh + 2 * kvh) * d, hidden, 2 * inter, hidden}, proj);
+  dflash_cpu::LayerArgs a{vector_kernels(), linear_fallback, ptr<float>(h), ptr<float>(x), ptr<float>(delta),
+                          ptr<float>(qkv), ptr<float>(attn), ptr<float>(gu), ptr<float>(act), m, hidden, inter, first,
+                          ptr<float>(input_norm), ptr<float>(post_norm), static_cast<float>(input_eps),
+                          static_cast<float>(post_eps), tap_copies.data(), static_cast<int>(tap_copies.size()),
+                          attention_args(q, k, v, k_cache, v_cache, index, rows, std::nullopt, q_norm, k_norm, qk_eps,
+                                         cos, sin_signed, tree_mask, true, true, scale, attn),
+                          proj[0], proj[1], proj[2], proj[3], at::get_num_threads()};
   return dflash_cpu::forward_layer(a);
 }
 

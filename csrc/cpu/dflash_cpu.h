@@ -1,7 +1,7 @@
 // The native CPU kernels of the "cpu" backend (dflash_kernels.cpu.native, dflash_kernels.cpu.linear,
 // dflash_kernels.cpu.forward): torch-free C++, one struct of arguments per kernel. bindings.cpp registers them as
-// torch.ops.dflash_cpu.* and builds these structs from the tensors; the Python wrappers check every extent and
-// index first, so the kernels trust their arguments.
+// torch.ops.dflash_cpu.* and builds these structs from the tensors after checking every extent and index they
+// address, so the kernels trust their arguments.
 //
 // The vector kernels are compiled once per instruction set, each in its own translation unit (isa_avx512.cpp,
 // isa_avx2.cpp: a `#pragma GCC target` at the top), into a table of entry points (VectorKernels); bindings.cpp
@@ -34,6 +34,10 @@ struct SiluMulArgs {
   long rows, inter;
   int threads;
 };
+
+// The largest head dim D of the attention kernels (norm_rope's per-head stack buffer, simd16.h);
+// dflash_kernels.cpu.native.MAX_HEAD_DIM.
+constexpr long kMaxHeadDim = 512;
 
 // The block attention of the draft and verify steps (dflash_kernels.cpu.native.block_attention). q [N, B, nH, D],
 // k / v [N, B, kvH, D]: rows at strides (sq_n, sq_b) etc., heads contiguous; caches [R, cap, kvH, D] contiguous;

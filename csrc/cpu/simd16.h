@@ -58,7 +58,7 @@ inline float rstd(const float* x, long n, float eps) { return 1.f / sqrtf(dot(x,
 
 // y = RoPE(RMSNorm(x) * w) (w null: no norm) of one head of D floats; cos / sin_signed rows of the tables.
 inline void norm_rope(const float* x, const float* w, float eps, const float* cs, const float* sn, long D, float* y) {
-  float t[512];
+  float t[dflash_cpu::kMaxHeadDim];
   const float* h = x;
   if (w) {
     float r = rstd(x, D, eps);

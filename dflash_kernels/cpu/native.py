@@ -190,8 +190,8 @@ def block_attention(q, k, v, k_cache, v_cache, lens: list[int], rows: list[int] 
     kvh = k.shape[2]
     cap = k_cache.shape[1]
     norms = [t for t in (q_norm_weight, k_norm_weight) if t is not None]
-    # Every extent and index the kernel uses, checked here whatever the op validated: a mismatch falls back to
-    # the torch formula (which raises) instead of reaching memory past a buffer.
+    # Whether the kernel applies to every extent and index: where not, the torch formula runs instead and raises
+    # the op's own error (the native op refuses the same inputs too, with a less specific one).
     shapes_ok = (k.shape == v.shape == (n, b, kvh, d) and nh % kvh == 0 and k_cache.dim() == 4
                  and k_cache.shape[2:] == (kvh, d) and v_cache.shape == k_cache.shape
                  and len(lens) == n and all(t.numel() == d for t in norms)
@@ -252,7 +252,7 @@ def build_tree(draft_logits: torch.Tensor, lse: torch.Tensor, anchor: torch.Tens
     logits, or a NaN / +inf logit (the reference then decides by torch.topk's NaN rule)."""
     r, p, v = draft_logits.shape
     i64 = torch.int64
-    # Every extent the kernel indexes with, whatever the op validated (its unchecked path).
+    # Whether the kernel applies to these extents (also on the op's unchecked path); where not, the reference runs.
     if not (enabled() and draft_logits.dtype == torch.float32 and draft_logits.stride(2) == 1 and budget >= 1
             and v >= 1 and p >= 1 and anchor.dtype == i64 and anchor.shape == (r,) and lse.shape == (r, p)
             and (vocab_ids is None or (vocab_ids.dtype == i64 and vocab_ids.shape == (v,)))):

@@ -185,13 +185,12 @@ def test_runtimes_choose_and_refuse_clearly():
     for kernel_backend in ("cpu", "triton"):  # the engine's DFlash2 ops: references, then the Triton kernels
         fast = generate(target, draft, prompt, 12, backend="fast", kernel_backend=kernel_backend)
         assert torch.equal(fast.sequences, expected) and fast.acceptance_lengths == ref.acceptance_lengths
-    sampled = generate(target, draft, prompt, 12, temperature=0.7, seed=3)  # auto: the reference
+    sampled = generate(target, draft, prompt, 12, temperature=0.7, seed=3)  # auto: the engine, sampling too
     assert torch.equal(sampled.sequences, generate(target, draft, prompt, 12, temperature=0.7, seed=3,
-                                                   backend="reference").sequences)
-    with pytest.raises(ValueError, match="runs DFlash2 drafts greedily only"):
-        generate(target, draft, prompt, 12, temperature=0.7, backend="fast")
-    with pytest.raises(ValueError, match="tree_budget needs a DFlash draft"):
-        generate(target, draft, prompt, 12, backend="reference", tree_budget=4)
+                                                   backend="fast").sequences)
+    for backend in ("reference", "fast"):
+        with pytest.raises(ValueError, match="tree_budget needs a DFlash draft.*pass tree_budget=None"):
+            generate(target, draft, prompt, 12, backend=backend, tree_budget=4)
     with pytest.raises(TypeError, match="select_block"):
         draft.propose(torch.zeros(1, 8, 32), target.lm_head)
 

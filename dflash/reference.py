@@ -153,12 +153,12 @@ def reference_generate(target: TargetAdapter, draft: DraftModel, input_ids: torc
             proposals = block[:, 1:]
             if sampling.greedy:
                 accepted, bonus = verify_greedy(verify.logits, proposals, backend="torch")
-            else:
-                sparse = draft.config.dflash2 is not None and verify_len > 1
+            else:  # a DFlash2 block's proposals were drawn from the selector's q over its candidates
+                drawn = (dict(draft_probs=draft_q, draft_indices=candidates)
+                         if draft.config.dflash2 is not None and verify_len > 1 else {})
                 accepted, bonus = verify_sample(verify.logits, proposals, temperature=sampling.temperature,
                                                 top_k=sampling.top_k, top_p=sampling.top_p, seed=seed,
-                                                offset=offset, draft_probs=draft_q if sparse else None,
-                                                draft_indices=candidates if sparse else None, backend="torch")
+                                                offset=offset, backend="torch", **drawn)
             path = torch.arange(verify_len, **long)[None]  # the block is the path: row d at depth d
         else:
             if draft_logits is None:  # v = 1: the tree is the root alone

@@ -28,6 +28,7 @@ from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, as_index_tensor, check_index_values, check_last_dim_contiguous, check_shape, check_tensor,
     interpreting, next_pow2,
 )
+from dflash_kernels import verify
 from dflash_kernels.verify import _rng_for
 
 CANDIDATE_SELECT = "candidate_select"
@@ -253,9 +254,11 @@ def _candidate_select_op(logits: torch.Tensor, projected: torch.Tensor, predeces
                          successor: torch.Tensor, anchor: torch.Tensor, top_k: int, temperature: Optional[torch.Tensor],
                          seed: torch.Tensor, offset: torch.Tensor,
                          backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``torch.ops.dflash.candidate_select``: :func:`candidate_select` after validation."""
+    """``torch.ops.dflash.candidate_select``: :func:`candidate_select` after validation. Under a CUDA graph capture
+    the "torch" backend runs the Triton kernel: the reference's candidates have a host-sized step (``nonzero``)
+    and its random stream a generator seeded from host ints, which a capture cannot hold."""
     chosen = resolve_backend(CANDIDATE_SELECT, backend, logits.device, available=_BACKENDS)
-    if chosen == "torch":
+    if chosen == "torch" and not verify.cuda_capturing(logits.device):
         path, candidates, q = candidate_select_reference(logits, projected, predecessor, successor, anchor, top_k,
                                                          temperature, seed, offset)
         return path, candidates, q.contiguous()

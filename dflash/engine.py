@@ -25,13 +25,13 @@ write):
                the layer's context cache (inject_context_kv: k_norm + RoPE + cache write) before its
                attention: eight kernels per draft layer. A DFlash2 draft also convolves each request's block
                rows around attention and around the MLP (the kernel projections by the steps' GEMM, the four
-               convolutions of a layer by ``grouped_dynamic_conv``) and proposes the
-               candidate selector's walk from the anchor (``candidate_select``: argmax, or sampled, when sampling,
-               with the candidates and their q kept for the verify step's rejection sampling).
+               convolutions of a layer by ``grouped_dynamic_conv``) and proposes the candidate selector's
+               walk from the anchor (``candidate_select``: its argmax, or when sampling its draws, whose
+               candidates and q the verify step's rejection sampling takes).
   verify step  lean target forward over [anchor, proposals] at positions[r] (verify_attention writes
                the block's K/V into the target cache; taps into a buffer), verify_greedy /
-               verify_sample (a DFlash2 draft's q over its candidates as draft_probs), commit_round (tokens, lengths, positions, anchor, stop and length
-               limits, done flags).
+               verify_sample (a DFlash2 draft's q over its candidates as draft_probs), commit_round (tokens,
+               lengths, positions, anchor, stop and length limits, done flags).
 
 Tree mode (``tree_budget=N``, DDTree): the draft step keeps the block's logits instead of their argmax;
 the verify step builds each request's tree of T = N + 1 nodes from them (build_tree, then its ancestor

@@ -869,7 +869,8 @@ def _verify_sample_triton(logits, draft_tokens, temp_t, topk_t, topp_t, seed_t, 
         stride_dj=excluded.stride(1) if b > 1 else 0, stride_param=stride_param, CHUNK=chunk, S=s, FILTER=filt,
         BLOCK_ROWS=br, BLOCK_V=block_v, K=k, stride_dk=excluded.stride(2) if sparse else 0, SPARSE=sparse,
     )
-    block_req = min(next_pow2(n), 1024) if interpreting() else min(next_pow2(n), 64)
+    # a sparse row holds [BLOCK_REQ, K, K] id comparisons: 16 requests a program keep them in registers on sm_90
+    block_req = min(next_pow2(n), 1024) if interpreting() else min(next_pow2(n), 16 if sparse else 64)
     sparse_args = dict(cand_ptr=draft_indices, q_ptr=draft_probs, K=k, stride_cn=draft_indices.stride(0),
                        stride_cj=draft_indices.stride(1), stride_qn=draft_probs.stride(0),
                        stride_qj=draft_probs.stride(1), SPARSE=True, BLOCK_K=next_pow2(k)) if sparse else {}

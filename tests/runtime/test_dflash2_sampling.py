@@ -6,6 +6,8 @@ that must fail). The engine draws as the reference runtime does (the ops' refere
 on the "cpu" kernels both give the same tokens until the first block shortened by the length limit."""
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -14,7 +16,10 @@ import dflash.reference as reference_module
 from dflash import generate
 from dflash.config import DFlash2Settings
 from test_dflash2_model import VOCAB, make_dflash2
-from test_sampling import assert_lossless, assert_wrong_rule_fails, peaked_target, wrong_verify_sample
+from test_sampling import (
+    assert_lossless, assert_wrong_rule_fails, chi2_rejects, exact_target_distribution, peaked_target,
+    wrong_verify_sample,
+)
 from helpers.tiny_models import make_target
 
 
@@ -38,6 +43,23 @@ def verify_ignoring_q(logits, draft_tokens, *, draft_probs=None, draft_indices=N
     ("reference", 1.0, 1.0, 0), ("reference", 0.8, 0.9, 3), ("fast", 1.0, 1.0, 0), ("fast", 0.8, 0.9, 3)])
 def test_dflash2_sampling_is_lossless(dflash2_pair, backend, temperature, top_p, top_k):
     assert_lossless(dflash2_pair, temperature, top_p, top_k, backend)
+
+
+@pytest.mark.slow
+def test_dflash2_sampling_is_lossless_in_a_ragged_captured_batch(dflash2_pair):
+    """The engine with emulated graphs on a ragged batch of two (the chi-square prompt and a longer one with its own
+    limit): the first request's continuations still follow the target's exact marginals."""
+    target, draft, ids = dflash2_pair
+    other = torch.tensor([2, 0, 1, 3, 1, 2])
+    n, temperature, top_p, top_k = 1000, 0.8, 0.9, 3
+    counts = Counter()
+    for i in range(n):
+        out = generate(target, draft, [ids[0], other], [3, 5], temperature=temperature, top_p=top_p, top_k=top_k,
+                       seed=i, backend="fast", use_cuda_graphs="emulate")
+        counts[tuple(out.sequences[0][ids.shape[1]:].tolist())] += 1
+    expected = exact_target_distribution(target, ids, 3, temperature, top_p, top_k)
+    rejects, stat, crit = chi2_rejects(counts, expected, n)
+    assert not rejects, (stat, crit)
 
 
 @pytest.mark.slow

@@ -235,7 +235,7 @@ def generate(
     target = as_target(target, draft)
     if seed is None:  # unseeded calls still differ from each other, following torch's global RNG
         seed = int(torch.randint(2**62, ()))
-    reason = unsupported_reason(target, draft, sampling)  # why the engine cannot run this call, or None
+    reason = unsupported_reason(target, draft)  # why the engine cannot run this pair, or None
     if backend == "auto":
         backend = "reference" if reason else "fast"
     if backend == "reference":

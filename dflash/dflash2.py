@@ -16,8 +16,8 @@ Differences from DFlash, all over the block rows of one draft call (the context 
   ``selector_rank`` codebooks over the full target vocabulary); temperature 0 takes the best score (the first
   candidate on ties), T > 0 samples from ``softmax(score / T)``; ``prev`` becomes the chosen token.
 * **Sampled verification**: the draft distribution of position i is sparse, q_i over its k candidates, so the
-  rejection test uses ``q_i(d_i)`` and the residual ``max(p - q_i, 0)``
-  (:func:`dflash.sampling.rejection_sample_candidates`).
+  rejection test uses ``q_i(d_i)`` and the residual ``max(p - q_i, 0)`` (``dflash_kernels.verify_sample`` with
+  ``draft_probs`` / ``draft_indices``).
 
 Checkpoint format (z-lab layout; H hidden, K taps, G group, V vocabulary, r rank), beside DFlash's tensors::
 

@@ -25,14 +25,13 @@ write):
                the layer's context cache (inject_context_kv: k_norm + RoPE + cache write) before its
                attention: eight kernels per draft layer. A DFlash2 draft also convolves each request's block
                rows around attention and around the MLP (the kernel projections by the steps' GEMM, the four
-               convolutions of a layer by ``grouped_dynamic_conv``) and proposes the
-               candidate selector's greedy walk from the anchor (``candidate_select``; on a host-eager backend
-               the official module's walk, whose tie order is torch's CPU topk); sampling with one is left to the
-               reference.
+               convolutions of a layer by ``grouped_dynamic_conv``) and proposes the candidate selector's
+               walk from the anchor (``candidate_select``: its argmax, or when sampling its draws, whose
+               candidates and q the verify step's rejection sampling takes).
   verify step  lean target forward over [anchor, proposals] at positions[r] (verify_attention writes
                the block's K/V into the target cache; taps into a buffer), verify_greedy /
-               verify_sample, commit_round (tokens, lengths, positions, anchor, stop and length
-               limits, done flags).
+               verify_sample (a DFlash2 draft's q over its candidates as draft_probs), commit_round (tokens,
+               lengths, positions, anchor, stop and length limits, done flags).
 
 Tree mode (``tree_budget=N``, DDTree): the draft step keeps the block's logits instead of their argmax;
 the verify step builds each request's tree of T = N + 1 nodes from them (build_tree, then its ancestor
@@ -153,6 +152,10 @@ class DFlashEngine:
         self.context_start = torch.zeros(batch, **long)  # written by draft_round_setup at each draft step
         self.block_lens = torch.zeros(batch, **long)
         self.proposals = torch.zeros(batch, B - 1, **long)
+        if cfg.dflash2 is not None:  # the selector's candidates and its distribution over them (sampled verify)
+            top_k = draft.candidate_selector.top_k
+            self.candidates = torch.zeros(batch, B - 1, top_k, **long)
+            self.draft_q = torch.zeros(batch, B - 1, top_k, dtype=torch.float32, device=device)
         if tree_budget is not None:  # the draft's block logits (the LM head's dtype, or the draft's for a subset)
             vocab = cfg.draft_vocab_size or target_model.lm_head.weight.shape[0]
             logits_dtype = dtype if cfg.draft_vocab_size else target_model.lm_head.weight.dtype
@@ -332,17 +335,18 @@ class DFlashEngine:
             if dflash2:
                 delta = grouped_dynamic_conv(delta, kernel, layer.mlp_conv.base_kernel[1], backend=self.backend)
         x = add_rms_norm(delta, draft.norm.weight, draft.norm.eps, residual=h, backend=self.backend)
-        if dflash2 and self.traits.host_eager:
-            # The official walk itself: its candidates come in torch.topk(sorted=False) order, which the walk
-            # depends on where scores tie (equal logits) and which only torch's CPU topk reproduces.
-            self.proposals.copy_(draft.select_block(x, self.target_model.lm_head, self.anchor, linear=self.linear)[0])
-        elif dflash2:  # the selector's greedy walk from each request's anchor (rows past a tail block: unused)
+        if dflash2:  # the selector's walk from each request's anchor (rows past a tail block: unused)
             selector = draft.candidate_selector
-            path = candidate_select(draft.block_logits(x, self.target_model.lm_head, self.linear),
-                                    self.linear(x, selector.hidden_projection.weight)[:, 1:],  # x: no copy
-                                    selector.predecessor_codebook, selector.successor_codebook, self.anchor,
-                                    top_k=selector.top_k, backend=self.backend)[0]
+            path, candidates, q = candidate_select(
+                draft.block_logits(x, self.target_model.lm_head, self.linear),
+                self.linear(x, selector.hidden_projection.weight)[:, 1:],  # x: no copy
+                selector.predecessor_codebook, selector.successor_codebook, self.anchor, top_k=selector.top_k,
+                temperature=None if self.sampling.greedy else self.temperature, seed=self.seed, offset=self.offset,
+                backend=self.backend)
             self.proposals.copy_(path)
+            if not self.sampling.greedy:
+                self.candidates.copy_(candidates)
+                self.draft_q.copy_(q)
         elif self.tree_budget is None:
             draft.propose(x, self.target_model.lm_head, out=self.proposals, linear=self.linear)
         else:  # tree mode: the verify step builds the tree from all of the block's logits
@@ -364,6 +368,9 @@ class DFlashEngine:
                 accepted, bonus = verify_greedy_tokens(head, self.proposals, backend=self.backend)
             elif self.sampling.greedy:
                 accepted, bonus = verify_greedy(head, self.proposals, backend=self.backend)
+            elif self.draft.config.dflash2 is not None:  # proposals drawn from the selector's q over candidates
+                accepted, bonus = verify_sample(head, self.proposals, draft_probs=self.draft_q,
+                                                draft_indices=self.candidates, **sample_args)
             else:
                 accepted, bonus = verify_sample(head, self.proposals, **sample_args)
             if feats is not None:
@@ -404,8 +411,8 @@ class DFlashEngine:
     # ------------------------------------------------------------------ running the steps
     def graph_key(self, name: str) -> tuple:
         """Everything that changes a captured step's work; batch and block size are fixed per engine."""
-        if name == "draft":
-            return (name,)
+        if name == "draft":  # a DFlash2 selector picks by argmax or samples
+            return (name,) if self.draft.config.dflash2 is None else (name, self.sampling.greedy)
         return (name, self.sampling.greedy, self.sampling.filtered, self.stop_width)
 
     def run_step(self, name: str) -> None:
@@ -435,6 +442,8 @@ class DFlashEngine:
         """The buffers a step writes (besides the caches' scratch rows beyond each request's length)."""
         state = [self.out_tokens, self.lengths, self.positions, self.anchor, self.done, self.num_new,
                  self.proposals, self.features, self.offset]
+        if self.draft.config.dflash2 is not None:
+            state += [self.candidates, self.draft_q]
         return state if self.tree_budget is None else state + [self.draft_logits]
 
     def host_snapshot(self, n: int, tokens: bool) -> HostSnapshot:
@@ -592,8 +601,8 @@ def clear_engine_cache() -> None:
         _drop_cached_engine()
 
 
-def unsupported_reason(target, draft: DraftModel, sampling: SamplingParams | None = None) -> str | None:
-    """Why backend='fast' cannot run this pair (with these sampling settings, when given), or None."""
+def unsupported_reason(target, draft: DraftModel) -> str | None:
+    """Why backend='fast' cannot run this pair, or None."""
     model = target.model if hasattr(target, "layer_ids") else target
     try:
         check_lean_target(model)
@@ -601,7 +610,4 @@ def unsupported_reason(target, draft: DraftModel, sampling: SamplingParams | Non
         return str(exc)
     if draft.config.attention_bias:
         return "draft uses attention_bias"
-    if draft.config.dflash2 is not None and sampling is not None and not sampling.greedy:
-        return ("the fast engine runs DFlash2 drafts greedily only (temperature 0); sampling with them runs on "
-                "backend='reference', which backend='auto' picks")
     return None

@@ -15,9 +15,10 @@ loop. Per round (block size B, ``start`` = position of the anchor, the last comm
    and the features of the committed rows become the next round's new context.
 
 DFlash2 drafts change step 1 and, when sampling, step 3: the proposals are the candidate selector's walk from
-the anchor (``draft.select_block``: argmax, or a sample from softmax(score / T) over each position's top-k
-candidates), and sampled verification is rejection sampling over that sparse draft distribution
-(``rejection_sample_candidates``).
+the anchor (greedy: ``draft.select_block``, the official module's argmax walk; sampling: ``candidate_select``'s
+reference, a sample from softmax(score / T) over each position's top-k candidates keyed by (seed, round), as the
+engine draws it), and sampled verification is rejection sampling over that sparse draft distribution
+(``verify_sample`` with ``draft_probs`` / ``draft_indices``, z-lab's ``_rejection_sample``).
 
 Tree rounds (``tree_budget=N``, DDTree) change steps 1-4 only where the block becomes a tree:
 
@@ -38,11 +39,11 @@ import torch.nn.functional as F
 
 from dflash.draft import DraftKVCache, DraftModel
 from dflash.results import GenerateResult, device_clock
-from dflash.sampling import SamplingParams, rejection_sample_candidates, sample
+from dflash.sampling import SamplingParams, sample
 from dflash.target import TargetAdapter
 from dflash_kernels import (
-    build_tree, commit_round, distinct_prefixes, first_token_done, tree_accept_greedy, tree_accept_sample,
-    verify_greedy, verify_sample,
+    build_tree, candidate_select, commit_round, distinct_prefixes, first_token_done, tree_accept_greedy,
+    tree_accept_sample, verify_greedy, verify_sample,
 )
 
 MAX_TREE_BUDGET = 64  # tree nodes besides the root: the verify kernels hold up to 65 block rows
@@ -130,10 +131,15 @@ def reference_generate(target: TargetAdapter, draft: DraftModel, input_ids: torc
                 past_key_values=draft_cache,
             )
             draft_cache.crop(start)
-            if draft.config.dflash2 is not None:  # proposals walked by the candidate selector
-                block[:, 1:], candidates, draft_q = draft.select_block(hidden, target.lm_head, anchor,
-                                                                       0.0 if sampling.greedy else sampling.temperature,
-                                                                       generator)
+            if draft.config.dflash2 is not None and sampling.greedy:  # proposals walked by the candidate selector
+                block[:, 1:] = draft.select_block(hidden, target.lm_head, anchor)[0]
+            elif draft.config.dflash2 is not None:  # a sampled walk; its q over the candidates goes to verification
+                selector = draft.candidate_selector
+                block[:, 1:], candidates, draft_q = candidate_select(
+                    draft.block_logits(hidden, target.lm_head), selector.hidden_projection(hidden[:, 1:]),
+                    selector.predecessor_codebook, selector.successor_codebook, anchor, top_k=selector.top_k,
+                    temperature=torch.tensor([sampling.temperature], device=device), seed=seed,
+                    offset=len(result.acceptance_lengths), backend="torch")
             elif tree_budget is None:
                 block[:, 1:] = draft.propose(hidden, target.lm_head)
             else:
@@ -147,13 +153,12 @@ def reference_generate(target: TargetAdapter, draft: DraftModel, input_ids: torc
             proposals = block[:, 1:]
             if sampling.greedy:
                 accepted, bonus = verify_greedy(verify.logits, proposals, backend="torch")
-            elif draft.config.dflash2 is not None and verify_len > 1:
-                accepted, bonus = rejection_sample_candidates(verify.logits, proposals, candidates, draft_q,
-                                                              sampling, generator)
-            else:
+            else:  # a DFlash2 block's proposals were drawn from the selector's q over its candidates
+                drawn = (dict(draft_probs=draft_q, draft_indices=candidates)
+                         if draft.config.dflash2 is not None and verify_len > 1 else {})
                 accepted, bonus = verify_sample(verify.logits, proposals, temperature=sampling.temperature,
                                                 top_k=sampling.top_k, top_p=sampling.top_p, seed=seed,
-                                                offset=offset, backend="torch")
+                                                offset=offset, backend="torch", **drawn)
             path = torch.arange(verify_len, **long)[None]  # the block is the path: row d at depth d
         else:
             if draft_logits is None:  # v = 1: the tree is the root alone

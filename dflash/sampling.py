@@ -1,8 +1,9 @@
 """Sampling settings and z-lab's ``sample``.
 
 The rules themselves live once, in :mod:`dflash_kernels.verify`: the temperature/top-k/top-p filter
-(``filter_logits_reference``) and the lossless acceptance of one-hot (argmax) proposals
-(``verify_sample``). Both runtimes use them through the kernel library.
+(``filter_logits_reference``) and the lossless acceptance of proposals, one-hot (argmax) or drawn from a
+sparse draft distribution (DFlash2's selector) (``verify_sample``). Both runtimes use them through the kernel
+library.
 """
 from __future__ import annotations
 
@@ -64,30 +65,3 @@ def sample(
     probs = sampling_probs(logits, temperature, top_p, top_k)
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
-
-
-def rejection_sample_candidates(logits: torch.Tensor, proposals: torch.Tensor, candidates: torch.Tensor,
-                                draft_q: torch.Tensor, sampling: SamplingParams,
-                                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling of one block whose draft distributions are sparse (DFlash2's selector): position i
-    proposed ``proposals[0, i]`` from ``draft_q[0, i]`` over the token ids ``candidates[0, i]``.
-
-    p_i = the target's distribution (temperature, top-k, top-p) at row i of ``logits`` [1, v, V]; proposal d_i
-    is accepted with probability min(1, p_i(d_i) / q_i(d_i)) while all earlier ones were; at the first rejection
-    the next token is drawn from max(p_i - q_i, 0) renormalised (p_i itself if that is zero everywhere), after v-1
-    acceptances from p_{v-1}. Returns ``(accepted [1], next_token [1])`` int64."""
-    p = sampling_probs(logits[0], sampling.temperature, sampling.top_p, sampling.top_k)
-    n = proposals.shape[1]
-    q = torch.zeros((n, p.shape[-1]), dtype=p.dtype, device=p.device)
-    q.scatter_add_(1, candidates[0], draft_q[0].to(p.dtype))
-    rows = torch.arange(n, device=p.device)
-    p_d, q_d = p[rows, proposals[0]], q[rows, proposals[0]]
-    u = torch.rand(n, generator=generator, device=p.device, dtype=p.dtype)
-    accepted = int((u * q_d < p_d).int().cumprod(0).sum())
-    dist = p[accepted]
-    if accepted < n:
-        residual = (p[accepted] - q[accepted]).clamp_min(0)
-        if float(residual.sum()) > 0:
-            dist = residual / residual.sum()
-    bonus = torch.multinomial(dist, 1, generator=generator)
-    return torch.tensor([accepted], device=p.device), bonus

@@ -12,7 +12,8 @@ Launch: one program per request walks its positions in order (the walk is sequen
 the row's V logits once in tiles of BLOCK_V, keeping the running top-k in registers (k selection passes over a
 tile that holds a value above the k-th kept one, none over the others; no sort), then scores the k candidates against the codebook rows and picks. Reads per call:
 ``N*P*V*e`` logits + ``N*P*(k+1)*r*e_c`` codebook rows + ``N*P*r*e`` projections; writes ``N*P*(1 + 2k)`` words.
-Sampling reads seed and offset on the device (Philox; no host sync, graph-capturable).
+Sampling reads seed and offset on the device (Philox; no host sync, graph-capturable), on a random stream of its
+own (``SELECTOR_STREAM``), so that ``verify_sample`` may take the same seed and offset in the same round.
 """
 from __future__ import annotations
 
@@ -27,12 +28,17 @@ from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, as_index_tensor, check_index_values, check_last_dim_contiguous, check_shape, check_tensor,
     interpreting, next_pow2,
 )
+from dflash_kernels import verify
 from dflash_kernels.verify import _rng_for
 
 CANDIDATE_SELECT = "candidate_select"
 _BACKENDS = ("triton", "torch")
 MAX_TOP_K = 64  # the kernel keeps the candidates and their codebook rows in registers
 _NO_ID = 2**31 - 1
+# The picks' random stream, apart from verify_sample's, which draws in the same round with the same (seed, offset):
+# the fourth Philox counter word (verify_sample's kernels use 2 * (offset >> 32) and that + 1, which reach it only
+# at offsets >= 2**63 - 2**32 or below 0), and the reference generator's stream number.
+SELECTOR_STREAM = 0xFFFFFFFF
 
 
 def top_k_candidates(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -63,8 +69,8 @@ def candidate_select_reference(logits: torch.Tensor, projected: torch.Tensor, pr
     if temperature is not None:
         temps = temperature.float().expand(n)
         live = temps > 0
-        u = torch.rand((n, p), generator=_rng_for(seed, offset, logits.device), dtype=torch.float64,
-                       device=logits.device)
+        rng = _rng_for(seed, offset, logits.device, SELECTOR_STREAM)
+        u = torch.rand((n, p), generator=rng, dtype=torch.float64, device=logits.device)
     prev = anchor.long()
     path, q_rows = [], []
     for i in range(p):
@@ -91,7 +97,7 @@ def _candidate_select_kernel(path_ptr, cand_ptr, q_ptr, logits_ptr, proj_ptr, pr
                              temp_ptr, seed_ptr, offset_ptr, P, V, R, K,
                              stride_ln, stride_lp, stride_pn, stride_pp, stride_pred, stride_succ, stride_anchor,
                              stride_temp,
-                             SAMPLE: tl.constexpr, NO_ID: tl.constexpr,
+                             SAMPLE: tl.constexpr, NO_ID: tl.constexpr, STREAM: tl.constexpr,
                              BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
     req = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, BLOCK_K)
@@ -152,7 +158,8 @@ def _candidate_select_kernel(path_ptr, cand_ptr, q_ptr, logits_ptr, proj_ptr, pr
             c0 = tl.zeros([BLOCK_K], tl.uint32) + counter
             c1 = tl.zeros([BLOCK_K], tl.uint32) + (offset & 0xFFFFFFFF).to(tl.uint32)
             c2 = tl.zeros([BLOCK_K], tl.uint32) + (offset >> 32).to(tl.uint32)
-            r0, _, _, _ = tl.philox(seed, c0, c1, c2, c2)
+            c3 = tl.zeros([BLOCK_K], tl.uint32) + STREAM
+            r0, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
             u = tl.max(tl.where(slots == 0, tl.uint_to_uniform_float(r0), 0.0), axis=0)
             drawn = tl.minimum(tl.sum(tl.where(live_slot & (tl.cumsum(soft, axis=0) <= u), 1, 0), axis=0), K - 1)
             pick = tl.where(temp > 0, drawn, best)
@@ -178,7 +185,8 @@ def _candidate_select_triton(logits, projected, predecessor, successor, anchor, 
         temperature if sample else logits, seed, offset, p, v, predecessor.shape[1], top_k,
         logits.stride(0), logits.stride(1), projected.stride(0), projected.stride(1), predecessor.stride(0),
         successor.stride(0), anchor.stride(0), temperature.stride(0) if sample and temperature.shape[0] > 1 else 0,
-        SAMPLE=sample, NO_ID=_NO_ID, BLOCK_V=min(next_pow2(v), 4096 if interpreting() else 1024),
+        SAMPLE=sample, NO_ID=_NO_ID, STREAM=SELECTOR_STREAM,
+        BLOCK_V=min(next_pow2(v), 4096 if interpreting() else 1024),
         BLOCK_K=next_pow2(top_k), BLOCK_R=next_pow2(predecessor.shape[1]), num_warps=4,
     )
     return path, candidates, q
@@ -246,9 +254,11 @@ def _candidate_select_op(logits: torch.Tensor, projected: torch.Tensor, predeces
                          successor: torch.Tensor, anchor: torch.Tensor, top_k: int, temperature: Optional[torch.Tensor],
                          seed: torch.Tensor, offset: torch.Tensor,
                          backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``torch.ops.dflash.candidate_select``: :func:`candidate_select` after validation."""
+    """``torch.ops.dflash.candidate_select``: :func:`candidate_select` after validation. Under a CUDA graph capture
+    the "torch" backend runs the Triton kernel: the reference's candidates have a host-sized step (``nonzero``)
+    and its random stream a generator seeded from host ints, which a capture cannot hold."""
     chosen = resolve_backend(CANDIDATE_SELECT, backend, logits.device, available=_BACKENDS)
-    if chosen == "torch":
+    if chosen == "torch" and not verify.cuda_capturing(logits.device):
         path, candidates, q = candidate_select_reference(logits, projected, predecessor, successor, anchor, top_k,
                                                          temperature, seed, offset)
         return path, candidates, q.contiguous()

@@ -9,13 +9,16 @@ single-program bisection (one launch, ~67 serial passes over each row, one progr
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from dflash_kernels._dispatch import call_op, checked_by, registered, resolve_backend
 from dflash_kernels._triton_utils import (
-    FLOAT_DTYPES, as_index_tensor, check_tensor, interpreting, next_pow2,
+    FLOAT_DTYPES, as_index_tensor, check_index_values, check_last_dim_contiguous, check_tensor, interpreting,
+    next_pow2,
 )
 
 _BIG = 2**31 - 1
@@ -333,37 +336,48 @@ def filter_logits_reference(logits: torch.Tensor, temperature, top_k=0, top_p=1.
     return z
 
 
-def _rng_for(seed, offset, device) -> torch.Generator:
+def _rng_for(seed, offset, device, stream: int = 0) -> torch.Generator:
+    """The references' generator of (seed, offset); ``stream`` separates the draws of ops that run in one round
+    with the same (seed, offset) (a candidate selector's picks must not reuse verification's uniforms)."""
     seed = int(seed.item()) if isinstance(seed, torch.Tensor) else int(seed)
     offset = int(offset.item()) if isinstance(offset, torch.Tensor) else int(offset)
     g = torch.Generator(device=device)
-    g.manual_seed((seed * 0x9E3779B97F4A7C15 + offset) % (2**63 - 1))
+    g.manual_seed((seed * 0x9E3779B97F4A7C15 + offset + stream * 0xD1B54A32D192ED03) % (2**63 - 1))
     return g
 
 
 def verify_sample_reference(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperature, top_k=0, top_p=1.0,
-                            seed=0, offset=0) -> tuple[torch.Tensor, torch.Tensor]:
+                            seed=0, offset=0, draft_probs=None,
+                            draft_indices=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Definition (materialises the probabilities; the reference reads seed/offset on the host).
 
-    p_j = softmax(filter(logits[:, j])). Accept d_j with probability p_j(d_j) while all earlier drafts were
-    accepted; at the first rejection j sample from p_j with d_j removed (renormalised); if all B-1 drafts
-    are accepted sample the bonus from p_{B-1}. Its random stream differs from the Triton kernel's.
+    p_j = softmax(filter(logits[:, j])), q_j = the draft's distribution at row j: one-hot at d_j, or (given
+    ``draft_probs`` / ``draft_indices`` [N, B-1, K]) ``draft_probs[:, j, t]`` on token ``draft_indices[:, j, t]``
+    (summed where a token is listed twice). Accept d_j with probability min(1, p_j(d_j) / q_j(d_j)) (u * q < p)
+    while all earlier drafts were accepted; at the first rejection j sample from max(p_j - q_j, 0) renormalised
+    (p_j itself where that is zero everywhere; one-hot q: p_j with d_j removed); if all B-1 drafts are accepted
+    sample the bonus from p_{B-1}. Its random stream differs from the Triton kernel's.
     """
     n, b, v = logits.shape
     g = _rng_for(seed, offset, logits.device)
     z = filter_logits_reference(logits, temperature, top_k, top_p)
     p = z.softmax(dim=-1)                                                     # [N, B, V]
     d = draft_tokens.to(torch.int64)
-    p_d = p[:, :-1].gather(-1, d.clamp(0, v - 1)[..., None]).squeeze(-1)
-    p_d = torch.where((d >= 0) & (d < v), p_d, torch.zeros_like(p_d))
+    in_range = (d >= 0) & (d < v)  # an out-of-range draft token is rejected and removes nothing
+    q = torch.zeros_like(p[:, :-1])
+    if draft_probs is None:
+        q.scatter_(-1, d.clamp(0, v - 1)[..., None], in_range[..., None].to(q.dtype))
+    else:
+        q.scatter_add_(-1, draft_indices.to(torch.int64), draft_probs.to(q.dtype))
+    p_d = torch.where(in_range, p[:, :-1].gather(-1, d.clamp(0, v - 1)[..., None]).squeeze(-1), 0.0)
+    q_d = torch.where(in_range, q.gather(-1, d.clamp(0, v - 1)[..., None]).squeeze(-1), 0.0)
     u = torch.rand((n, b - 1), generator=g, device=logits.device, dtype=torch.float64)
-    accept = (u < p_d.double()).to(torch.int64)
+    accept = (u * q_d.double() < p_d.double()).to(torch.int64)
     accepted = accept.cumprod(dim=1).sum(dim=1)
     residual = p.clone()
     if b > 1:
-        removed = residual[:, :-1].scatter(-1, d.clamp(0, v - 1)[..., None], 0.0)
-        # An out-of-range draft token removes nothing.
-        residual[:, :-1] = torch.where(((d >= 0) & (d < v))[..., None], removed, p[:, :-1])
+        left = (p[:, :-1] - q).clamp_min(0.0)
+        residual[:, :-1] = torch.where(left.sum(-1, keepdim=True) > 0, left, p[:, :-1])
     row = residual.gather(1, accepted[:, None, None].expand(n, 1, v)).squeeze(1)  # [N, V]
     uu = torch.rand((n, v), generator=g, device=logits.device, dtype=torch.float64).clamp_min(1e-300)
     gumbel = -torch.log(-torch.log(uu))
@@ -567,9 +581,11 @@ def _sample_partial_kernel(
     z_ptr, draft_ptr, seed_ptr, offset_ptr, thr_ptr, pm_ptr, ps_ptr, pbest_ptr, pidx_ptr,
     temp_ptr, R, B, V, stride_n, stride_b, stride_dn, stride_dj, stride_param, CHUNK, S,
     FILTER: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+    K=1, stride_dk=0, SPARSE: tl.constexpr = False,
 ):
     """Per (row, vocab split): online max / sum-exp of logits*inv_temp, and the Gumbel-max winner of the
-    row's residual (the row's draft token excluded; the last block row excludes nothing)."""
+    row's residual (the row's draft token excluded; the last block row excludes nothing). ``SPARSE``: draft_ptr
+    holds the row's K candidate ids (stride_dk apart), all excluded here; the accept kernel scores them."""
     pid_r = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -609,7 +625,15 @@ def _sample_partial_kernel(
         r0, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
         u = tl.uint_to_uniform_float(r0)
         gumbel = -tl.log(-tl.log(u))
-        cand = ok & (z > float("-inf")) & (idx[None, :].to(tl.int64) != excl[:, None])
+        if SPARSE:
+            hit = idx[None, :].to(tl.int64) == excl[:, None]
+            for t in range(1, K):
+                other = tl.load(draft_ptr + n * stride_dn + j * stride_dj + t * stride_dk,
+                                mask=row_ok & (j < B - 1), other=-1).to(tl.int64)
+                hit = hit | (idx[None, :].to(tl.int64) == other[:, None])
+            cand = ok & (z > float("-inf")) & ~hit
+        else:
+            cand = ok & (z > float("-inf")) & (idx[None, :].to(tl.int64) != excl[:, None])
         score = tl.where(cand, z + gumbel, float("-inf"))
         tbest = tl.max(score, axis=1)
         tidx = tl.min(tl.where(cand & (score == tbest[:, None]), idx[None, :], 2147483647), axis=1)
@@ -628,7 +652,14 @@ def _sample_accept_kernel(
     z_ptr, draft_ptr, seed_ptr, offset_ptr, thr_ptr, pm_ptr, ps_ptr, pbest_ptr, pidx_ptr, acc_ptr, tok_ptr,
     temp_ptr, N, B, V, S, stride_n, stride_b, stride_dn, stride_dj, stride_param,
     FILTER: tl.constexpr, BLOCK_REQ: tl.constexpr, BLOCK_S: tl.constexpr,
+    cand_ptr=None, q_ptr=None, K=1, stride_cn=0, stride_cj=0, stride_qn=0, stride_qj=0,
+    SPARSE: tl.constexpr = False, BLOCK_K: tl.constexpr = 1,
 ):
+    """Per request: walk the block rows, accepting d_j with probability min(1, p_j(d_j) / q_j(d_j)) (q one-hot at
+    d_j unless ``SPARSE``, where q_j is the draft's distribution over the row's K candidates); the request's token
+    is the residual draw of its first rejected row, or the last row's draw. ``SPARSE``: the candidates' residual
+    weights max(p - q, 0) enter the Gumbel-max here, with the noise the partial kernel would have drawn for them
+    (the row's draw is p itself where the whole residual is zero)."""
     reqs = tl.program_id(0) * BLOCK_REQ + tl.arange(0, BLOCK_REQ)
     req_ok = reqs < N
     reqs64 = reqs.to(tl.int64)
@@ -640,6 +671,7 @@ def _sample_accept_kernel(
     accepted = tl.zeros((BLOCK_REQ,), tl.int64)
     token = tl.zeros((BLOCK_REQ,), tl.int64)
     for j in range(0, B):
+        live = still  # row j's draw is the request's token unless d_j is accepted
         rows64 = reqs64 * B + j
         ok = req_ok[:, None] & (sp < S)[None, :]
         pofs = rows64[:, None] * S + sp[None, :]
@@ -647,7 +679,6 @@ def _sample_accept_kernel(
         bidx = tl.load(pidx_ptr + pofs, mask=ok, other=-1)
         tbest = tl.max(best, axis=1)
         tok_j = tl.min(tl.where(ok & (best == tbest[:, None]) & (bidx >= 0), bidx, 2147483647), axis=1)
-        token = tl.where(still, tok_j.to(tl.int64), token)
         if j < B - 1:
             pm = tl.load(pm_ptr + pofs, mask=ok, other=float("-inf"))
             ps = tl.load(ps_ptr + pofs, mask=ok, other=0.0)
@@ -668,8 +699,46 @@ def _sample_accept_kernel(
             c3 = (tl.zeros((BLOCK_REQ,), tl.int64) + ((off >> 32) * 2 + 1)).to(tl.uint32)
             r0, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
             u = tl.uint_to_uniform_float(r0)
-            still = still & (u < p_d)
+            if SPARSE:
+                slots = tl.arange(0, BLOCK_K)
+                c_ok = req_ok[:, None] & (slots < K)[None, :]
+                cand = tl.load(cand_ptr + reqs64[:, None] * stride_cn + j * stride_cj + slots[None, :],
+                               mask=c_ok, other=-1).to(tl.int64)
+                c_ok = c_ok & (cand >= 0) & (cand < V)
+                q = tl.load(q_ptr + reqs64[:, None] * stride_qn + j * stride_qj + slots[None, :], mask=c_ok,
+                            other=0.0).to(tl.float32)
+                # q of each slot's token (a token listed twice holds both slots' mass), and of d_j
+                same = (cand[:, :, None] == cand[:, None, :]) & c_ok[:, None, :]
+                q_tok = tl.sum(tl.where(same, q[:, None, :], 0.0), axis=2)
+                q_d = tl.sum(tl.where(c_ok & (cand == d[:, None]), q, 0.0), axis=1)
+                zc = tl.load(z_ptr + reqs64[:, None] * stride_n + j * stride_b + cand, mask=c_ok,
+                             other=float("-inf")).to(tl.float32) * inv_temp[:, None]
+                if FILTER:
+                    zc = tl.where(_order_key(zc) >= thr[:, None], zc, float("-inf"))
+                p_c = tl.exp(zc - gm_safe[:, None]) / tl.where(total > 0, total, 1.0)[:, None]
+                w = tl.maximum(p_c - q_tok, 0.0)
+                g0 = cand.to(tl.uint32)
+                g1 = (tl.zeros((BLOCK_REQ, BLOCK_K), tl.int64) + rows64[:, None]).to(tl.uint32)
+                g2 = (tl.zeros((BLOCK_REQ, BLOCK_K), tl.int64) + (off & 0xFFFFFFFF)).to(tl.uint32)
+                g3 = (tl.zeros((BLOCK_REQ, BLOCK_K), tl.int64) + ((off >> 32) * 2)).to(tl.uint32)
+                n0, _, _, _ = tl.philox(seed, g0, g1, g2, g3)
+                gumbel = -tl.log(-tl.log(tl.uint_to_uniform_float(n0)))
+                # on the others' scale z = log p + gm + log(total)
+                score = tl.where(w > 0, tl.log(w) + gm_safe[:, None] + tl.log(total)[:, None] + gumbel,
+                                 float("-inf"))
+                cbest = tl.max(score, axis=1)
+                ctok = tl.min(tl.where(score == cbest[:, None], cand, 2147483647), axis=1).to(tl.int32)
+                # an empty residual (all of p on candidates, q >= p there): the draw is from p itself
+                empty = (tbest == float("-inf")) & (cbest == float("-inf"))
+                pscore = tl.where(c_ok & (zc > float("-inf")), zc + gumbel, float("-inf"))
+                p_best = tl.max(pscore, axis=1)
+                ptok = tl.min(tl.where(pscore == p_best[:, None], cand, 2147483647), axis=1).to(tl.int32)
+                tok_j = tl.where(empty, ptok, tl.where(cbest > tbest, ctok, tok_j))
+                still = still & (u * q_d < p_d)
+            else:
+                still = still & (u < p_d)
             accepted += still.to(tl.int64)
+        token = tl.where(live, tok_j.to(tl.int64), token)
     tl.store(acc_ptr + reqs64, accepted, mask=req_ok)
     tl.store(tok_ptr + reqs64, token, mask=req_ok)
 
@@ -773,7 +842,8 @@ def sampling_op_args(op: str, logits: torch.Tensor, temperature, top_k, top_p, s
     return temp_t, topk_t, topp_t, seed_t, offset_t, use_top_k, use_top_p
 
 
-def _verify_sample_triton(logits, draft_tokens, temp_t, topk_t, topp_t, seed_t, offset_t, use_top_k, use_top_p):
+def _verify_sample_triton(logits, draft_tokens, temp_t, topk_t, topp_t, seed_t, offset_t, use_top_k, use_top_p,
+                          draft_probs=None, draft_indices=None):
     n, b, v = logits.shape
     dev = logits.device
     logits, (accepted, token), r, (block_v, chunk, s) = _split_launch_setup(logits)
@@ -788,32 +858,45 @@ def _verify_sample_triton(logits, draft_tokens, temp_t, topk_t, topp_t, seed_t, 
     stride_param = 1 if temp_t.numel() > 1 else 0
     filt = use_top_k or use_top_p
     thr = _filter_threshold(logits, temp_t, topk_t, topp_t, use_top_k, use_top_p) if filt else pidx[:, 0]
+    # A sparse draft distribution: the partial kernel excludes the row's candidates, the accept kernel scores them.
+    sparse = draft_probs is not None and b > 1
+    excluded = draft_indices if sparse else draft_tokens
+    k = draft_indices.shape[2] if sparse else 1
     _sample_partial_kernel[(triton.cdiv(r, br), s)](
-        z_ptr=logits, draft_ptr=draft_tokens, seed_ptr=seed_t, offset_ptr=offset_t, thr_ptr=thr,
+        z_ptr=logits, draft_ptr=excluded, seed_ptr=seed_t, offset_ptr=offset_t, thr_ptr=thr,
         pm_ptr=pm, ps_ptr=ps, pbest_ptr=pbest, pidx_ptr=pidx, temp_ptr=temp_t, R=r, B=b, V=v,
-        stride_n=logits.stride(0), stride_b=logits.stride(1), stride_dn=draft_tokens.stride(0), stride_dj=stride_dj,
-        stride_param=stride_param, CHUNK=chunk, S=s, FILTER=filt, BLOCK_ROWS=br, BLOCK_V=block_v,
+        stride_n=logits.stride(0), stride_b=logits.stride(1), stride_dn=excluded.stride(0),
+        stride_dj=excluded.stride(1) if b > 1 else 0, stride_param=stride_param, CHUNK=chunk, S=s, FILTER=filt,
+        BLOCK_ROWS=br, BLOCK_V=block_v, K=k, stride_dk=excluded.stride(2) if sparse else 0, SPARSE=sparse,
     )
-    block_req = min(next_pow2(n), 1024) if interpreting() else min(next_pow2(n), 64)
+    # a sparse row holds [BLOCK_REQ, K, K] id comparisons: 16 requests a program keep them in registers on sm_90
+    block_req = min(next_pow2(n), 1024) if interpreting() else min(next_pow2(n), 16 if sparse else 64)
+    sparse_args = dict(cand_ptr=draft_indices, q_ptr=draft_probs, K=k, stride_cn=draft_indices.stride(0),
+                       stride_cj=draft_indices.stride(1), stride_qn=draft_probs.stride(0),
+                       stride_qj=draft_probs.stride(1), SPARSE=True, BLOCK_K=next_pow2(k)) if sparse else {}
     _sample_accept_kernel[(triton.cdiv(n, block_req),)](
         z_ptr=logits, draft_ptr=draft_tokens, seed_ptr=seed_t, offset_ptr=offset_t, thr_ptr=thr,
         pm_ptr=pm, ps_ptr=ps, pbest_ptr=pbest, pidx_ptr=pidx, acc_ptr=accepted, tok_ptr=token, temp_ptr=temp_t,
         N=n, B=b, V=v, S=s, stride_n=logits.stride(0), stride_b=logits.stride(1),
         stride_dn=draft_tokens.stride(0), stride_dj=stride_dj, stride_param=stride_param, FILTER=filt,
-        BLOCK_REQ=block_req, BLOCK_S=next_pow2(s),
+        BLOCK_REQ=block_req, BLOCK_S=next_pow2(s), **sparse_args,
     )
     return accepted, token
 
 
 def verify_sample(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperature, top_k=0, top_p=1.0, seed,
-                  offset, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling of one drafted block per request (one-hot draft proposals).
+                  offset, draft_probs=None, draft_indices=None,
+                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling of one drafted block per request: one-hot draft proposals, or proposals drawn from a
+    sparse draft distribution over K candidates per row (DFlash2's selector; z-lab ``_rejection_sample`` with
+    ``draft_indices``).
 
     p_j = softmax(filter(logits[:, j] / temperature)) with HF-style top-k then top-p filtering. Draft
-    token d_j is accepted with probability p_j(d_j) while all earlier ones were; at the first rejection the
-    next token is sampled from p_j with d_j removed (renormalised); if all B-1 drafts are accepted it is
-    sampled from p_{B-1}. Triton: one online max/sum-exp pass per vocab split plus Gumbel-max sampling
-    (no [N, B, V] probabilities), Philox keyed by (seed, offset, request, row, token): the same
+    token d_j is accepted with probability p_j(d_j) (one-hot), or min(1, p_j(d_j) / q_j(d_j)) (sparse q_j),
+    while all earlier ones were; at the first rejection the next token is sampled from p_j with d_j removed
+    (one-hot), or from max(p_j - q_j, 0) (sparse; p_j where that is all zero), renormalised; if all B-1 drafts
+    are accepted it is sampled from p_{B-1}. Triton: one online max/sum-exp pass per vocab split plus Gumbel-max
+    sampling (no [N, B, V] probabilities), Philox keyed by (seed, offset, request, row, token): the same
     (seed, offset) gives the same tokens. top-k / top-p run in-kernel as an exact threshold search
     (``threshold_launches`` extra launches, only when filtering is on; see README for tie and rounding notes).
 
@@ -826,6 +909,10 @@ def verify_sample(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperatu
             ``[N]`` float tensor. Per-request tensors turn the filter launches on for the whole batch.
         seed, offset: int or 1-element int32/int64 tensor on the logits' device (tensors keep CUDA-graph
             replay reproducible: bump ``offset`` in place between rounds).
+        draft_probs, draft_indices: both ``None`` (one-hot proposals), or the draft's distribution of each row:
+            ``[N, B-1, K]`` fp32/fp64 probabilities on the token ids ``[N, B-1, K]`` int32/int64 in ``[0, V)``,
+            last dim contiguous, ``1 <= K <= 64`` (``d_j`` should be one of row j's ids: else q_j(d_j) = 0 and it
+            is accepted). The Triton kernels exclude the K ids from the vocabulary pass and score them per request.
         backend: ``"auto" | "triton" | "torch"`` (the torch reference uses torch.Generator, a different
             random stream, and reads seed/offset/parameters on the host; under a CUDA graph capture "torch"
             runs the Triton kernels, which read them on the device).
@@ -837,12 +924,43 @@ def verify_sample(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperatu
     _validate(op, logits, draft_tokens)  # before sampling_op_args reads logits
     args = sampling_op_args(op, logits, temperature, top_k, top_p, seed, offset)
     chosen = resolve_backend(op, backend, logits.device, available=_SAMPLE_BACKENDS)
-    return call_op(_verify_sample_op, logits, draft_tokens, *args, chosen, device=logits.device,
-                   checked=True)  # validated above (sampling_op_args packs only what it validated)
+    # One-hot proposals are validated above (sampling_op_args packs what it validated). A draft distribution is
+    # checked by the op itself: its ids are read on the host (CPU tensors), which a captured step may do only
+    # inside an op.
+    one_hot = draft_probs is None and draft_indices is None
+    return call_op(_verify_sample_op, logits, draft_tokens, *args, draft_probs, draft_indices, chosen,
+                   device=logits.device, checked=one_hot)
 
 
-def _check_sample(logits, draft_tokens, temperature, top_k, top_p, seed, offset, use_top_k, use_top_p, backend):
+MAX_DRAFT_CANDIDATES = 64  # the accept kernel holds a row's candidates in registers
+
+
+def _validate_draft_distribution(op: str, logits, draft_probs, draft_indices) -> None:
+    """``draft_probs`` / ``draft_indices``: both None, or [N, B-1, K] float / int tensors of one shape, K in
+    [1, 64], last dim contiguous, ids in [0, V)."""
+    if draft_probs is None and draft_indices is None:
+        return
+    if draft_probs is None or draft_indices is None:
+        raise ValueError(f"{op}: pass draft_probs and draft_indices together (a sparse draft distribution), or "
+                         "neither (one-hot proposals)")
+    n, b, v = logits.shape
+    check_tensor(op, "draft_probs", draft_probs, ndim=3, dtypes=(torch.float32, torch.float64), device=logits.device)
+    check_tensor(op, "draft_indices", draft_indices, ndim=3, dtypes=(torch.int64, torch.int32), device=logits.device)
+    k = draft_probs.shape[2]
+    if tuple(draft_probs.shape) != (n, b - 1, k) or draft_indices.shape != draft_probs.shape \
+            or not 1 <= k <= MAX_DRAFT_CANDIDATES:
+        raise ValueError(f"{op}: draft_probs and draft_indices must both be [N, B-1, K] = [{n}, {b - 1}, K] with "
+                         f"1 <= K <= {MAX_DRAFT_CANDIDATES}, got {tuple(draft_probs.shape)} and "
+                         f"{tuple(draft_indices.shape)}")
+    check_last_dim_contiguous(op, "draft_probs", draft_probs)
+    check_last_dim_contiguous(op, "draft_indices", draft_indices)
+    check_index_values(op, "draft_indices", draft_indices, 0, v, "token ids of the logits' vocabulary")
+
+
+def _check_sample(logits, draft_tokens, temperature, top_k, top_p, seed, offset, use_top_k, use_top_p, draft_probs,
+                  draft_indices, backend):
     _validate("verify_sample", logits, draft_tokens)
+    _validate_draft_distribution("verify_sample", logits, draft_probs, draft_indices)
     check_packed_sampling("verify_sample", logits.shape[0], temperature, top_k, top_p, seed, offset, logits.device)
 
 
@@ -855,7 +973,8 @@ def cuda_capturing(device: torch.device) -> bool:
 @checked_by(_check_sample)
 def _verify_sample_op(logits: torch.Tensor, draft_tokens: torch.Tensor, temperature: torch.Tensor,
                       top_k: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
-                      use_top_k: bool, use_top_p: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                      use_top_k: bool, use_top_p: bool, draft_probs: Optional[torch.Tensor],
+                      draft_indices: Optional[torch.Tensor], backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.dflash.verify_sample``: :func:`verify_sample` after validation.
 
     temperature / top_k / top_p: ``[1]`` (whole batch) or ``[N]`` (per request), any float / int dtype;
@@ -871,13 +990,14 @@ def _verify_sample_op(logits: torch.Tensor, draft_tokens: torch.Tensor, temperat
         if temperature.numel() == 1:
             temperature, top_k, top_p = temperature.item(), int(top_k.item()), top_p.item()
         return verify_sample_reference(logits, draft_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                       seed=seed, offset=offset)
+                                       seed=seed, offset=offset, draft_probs=draft_probs, draft_indices=draft_indices)
     return _verify_sample_triton(logits, draft_tokens, temperature.to(torch.float32), top_k.to(torch.int32),
                                  top_p.to(torch.float32), seed.reshape(1).to(torch.int64),
-                                 offset.reshape(1).to(torch.int64), use_top_k, use_top_p)
+                                 offset.reshape(1).to(torch.int64), use_top_k, use_top_p, draft_probs, draft_indices)
 
 
 @_verify_sample_op.register_fake
-def _verify_sample_fake(logits, draft_tokens, temperature, top_k, top_p, seed, offset, use_top_k, use_top_p, backend):
+def _verify_sample_fake(logits, draft_tokens, temperature, top_k, top_p, seed, offset, use_top_k, use_top_p,
+                        draft_probs, draft_indices, backend):
     n = logits.shape[0]
     return logits.new_empty((n,), dtype=torch.int64), logits.new_empty((n,), dtype=torch.int64)

@@ -137,16 +137,17 @@ def configs():
     for prev, hist in ((0, 1), (1, 1), (0, 2), (1, 2), (2, 2), (1, 0), (2, 0)):  # every launch _filter_threshold makes
         add(f"verify_sample threshold pass prev={prev} hist={hist}", vf._threshold_pass_kernel, thr_ptrs,
             dict(PREV=prev, HIST=hist, BLOCK_ROWS=1, BLOCK_V=256, BLOCK_S=32))
-    for filt in (False, True):
-        add(f"verify_sample partial filter={filt}", vf._sample_partial_kernel,
+    # one-hot proposals, and a DFlash2 selector's distribution over 16 candidates (SPARSE)
+    for filt, sparse in itertools.product((False, True), (False, True)):
+        add(f"verify_sample partial filter={filt} sparse={sparse}", vf._sample_partial_kernel,
             dict(z_ptr=bf, draft_ptr="*i64", seed_ptr="*i64", offset_ptr="*i64", thr_ptr="*i32",
                  pm_ptr=f32, ps_ptr=f32, pbest_ptr=f32, pidx_ptr="*i32", temp_ptr=f32, stride_n="i64"),
-            dict(FILTER=filt, BLOCK_ROWS=1, BLOCK_V=2048))
-        add(f"verify_sample accept filter={filt}", vf._sample_accept_kernel,
+            dict(FILTER=filt, BLOCK_ROWS=1, BLOCK_V=2048, SPARSE=sparse))
+        add(f"verify_sample accept filter={filt} sparse={sparse}", vf._sample_accept_kernel,
             dict(z_ptr=bf, draft_ptr="*i64", seed_ptr="*i64", offset_ptr="*i64", thr_ptr="*i32",
                  pm_ptr=f32, ps_ptr=f32, pbest_ptr=f32, pidx_ptr="*i32", acc_ptr="*i64", tok_ptr="*i64",
-                 temp_ptr=f32, stride_n="i64"),
-            dict(FILTER=filt, BLOCK_REQ=64, BLOCK_S=32))
+                 temp_ptr=f32, stride_n="i64", cand_ptr="*i64", q_ptr=f32),
+            dict(FILTER=filt, BLOCK_REQ=16 if sparse else 64, BLOCK_S=32, SPARSE=sparse, BLOCK_K=16 if sparse else 1))
 
     att = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, kc_ptr=bf, vc_ptr=bf, lens_ptr="*i64", blens_ptr="*i64",
                table_ptr="*i32", qw_ptr=bf, kw_ptr=bf, inv_freq_ptr=f32, po_ptr=f32, pm_ptr=f32, pl_ptr=f32,
@@ -250,7 +251,7 @@ def configs():
                  anchor_ptr="*i64", temp_ptr=f32 if sample else bf, seed_ptr="*i64", offset_ptr="*i64",
                  stride_ln="i64", stride_lp="i64", stride_pn="i64", stride_pp="i64", stride_pred="i64",
                  stride_succ="i64", stride_anchor="i64", stride_temp="i64"),
-            dict(SAMPLE=sample, NO_ID=cs._NO_ID, BLOCK_V=1024, BLOCK_K=16, BLOCK_R=256))
+            dict(SAMPLE=sample, NO_ID=cs._NO_ID, STREAM=cs.SELECTOR_STREAM, BLOCK_V=1024, BLOCK_K=16, BLOCK_R=256))
     return out
 
 

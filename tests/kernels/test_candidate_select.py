@@ -137,3 +137,19 @@ def test_bad_arguments_raise_before_work():
         candidate_select(logits, proj, pred, succ, anchor, top_k=3, temperature=torch.ones(3, device=DEVICE))
     with pytest.raises(TypeError, match="anchor has dtype"):
         candidate_select(logits, proj, pred, succ, anchor.float(), top_k=3)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_torch_backend_under_cuda_capture_runs_the_kernel(monkeypatch, sampled):
+    """The reference's candidates take a host-sized step and its draws a generator seeded from host ints, which a
+    CUDA graph cannot hold: under a capture the torch backend gives the Triton kernel's results (a capture is
+    simulated here: no GPU needed)."""
+    from dflash_kernels import verify
+
+    logits, proj, pred, succ, anchor = _inputs(6, 3, 40, 4, torch.float32)
+    kw = dict(top_k=5, temperature=torch.tensor([0.9], device=DEVICE) if sampled else None,
+              seed=torch.tensor([4], device=DEVICE), offset=torch.tensor([2], device=DEVICE))
+    kernel = candidate_select(logits, proj, pred, succ, anchor, backend="triton", **kw)
+    monkeypatch.setattr(verify, "cuda_capturing", lambda device: True)
+    captured = candidate_select(logits, proj, pred, succ, anchor, backend="torch", **kw)
+    assert all(torch.equal(a, b) for a, b in zip(captured, kernel))

@@ -15,8 +15,9 @@ OPS = ("fused_context", "inject_context_kv", "draft_attention", "verify_greedy",
        "verify_sample", "commit_round", "verify_attention", "add_rms_norm", "silu_mul", "draft_round_setup",
        "build_tree", "tree_ancestor_mask", "tree_accept_greedy", "tree_accept_greedy_tokens", "tree_accept_sample",
        "tree_compact", "grouped_dynamic_conv", "candidate_select")  # every registered op
-# The order _round calls them in (verify_attention twice: the chain, then a draft tree).
-CALLS = OPS[:11] + ("build_tree", "tree_ancestor_mask", "verify_attention") + OPS[13:]
+# The order _round calls them in (verify_attention twice: the chain, then a draft tree;
+# verify_sample twice: one-hot proposals, then the selector's sampled path with its q over the candidates).
+CALLS = OPS[:11] + ("build_tree", "tree_ancestor_mask", "verify_attention") + OPS[13:] + ("verify_sample",)
 EXT_OK = _ext.status("cpu")[0]
 
 
@@ -118,8 +119,11 @@ def _round(s, backend):
     selected = dflash_kernels.candidate_select(s["logits"][:, 1:], s["projected"], s["predecessor"], s["successor"],
                                                s["anchor"], top_k=4, temperature=s["temperature"], seed=s["seed"],
                                                offset=s["offset"], backend=backend)
+    drawn = dflash_kernels.verify_sample(s["logits"], selected[0], temperature=s["temperature"], top_k=s["top_k"],
+                                         top_p=s["top_p"], seed=s["seed"], offset=s["offset"], draft_probs=selected[2],
+                                         draft_indices=selected[1], backend=backend)
     return (ctx, att, target, acc, bonus, sacc, stok, num_new, normed, act, tokens, parents, depths, mask, tree_att,
-            path, tacc, tbonus, spath, sacc_t, sbonus, *setup, tok_acc, tok_bonus, *tok_walk, conv, *selected)
+            path, tacc, tbonus, spath, sacc_t, sbonus, *setup, tok_acc, tok_bonus, *tok_walk, conv, *selected, *drawn)
 
 
 MUTATED = ("k_cache", "v_cache", "target_k_cache", "target_v_cache", "out_tokens", "lengths", "pos", "anchor", "done",

@@ -35,7 +35,7 @@ def _cases():
                                                        offset=offset, backend="torch"),
                           lambda: torch.ops.dflash.verify_sample(
                               logits, drafts, *verify.sampling_op_args("verify_sample", logits, 0.9, 4, 1.0, seed,
-                                                                       offset), "torch")),
+                                                                       offset), None, None, "torch")),
         "commit_round": (commit, ("_validate",), lambda: commit.commit_round(*cargs, **ckw, backend="torch"),
                          lambda: torch.ops.dflash.commit_round(*cargs, *ckw.values(), None, "torch")),
     }

@@ -335,3 +335,92 @@ def test_torch_backend_under_cuda_capture_runs_the_kernels(monkeypatch, per_requ
     kernel_runs = [verify_sample(logits, drafts, **params, seed=torch.tensor([s]), offset=offset, backend="triton")
                    for s in range(8)]
     assert any(not torch.equal(a[1], b[1]) for a, b in zip(eager, kernel_runs)), "eagerly the reference's stream"
+
+
+# Sparse draft distributions (draft_probs over draft_indices, DFlash2's selector): row j of the draft proposes d_j
+# from q_j over K candidate ids; acceptance min(1, p/q), residual max(p - q, 0).
+SPARSE_CANDIDATES = torch.tensor([[0, 2, 5], [3, 1, 3], [4, 0, 1]])  # row 1 lists token 3 twice (q adds up)
+SPARSE_Q = torch.tensor([[0.5, 0.3, 0.2], [0.4, 0.35, 0.25], [0.6, 0.3, 0.1]], dtype=torch.float64)
+
+
+def _dense_q(v: int) -> torch.Tensor:
+    q = torch.zeros(SPARSE_CANDIDATES.shape[0], v, dtype=torch.float64)
+    return q.scatter_add_(1, SPARSE_CANDIDATES, SPARSE_Q)
+
+
+def _exact_sparse(p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """P[a, t] of the rule with a dense draft distribution q [B-1, V] (one request)."""
+    b, v = p.shape
+    out = torch.zeros(b, v, dtype=torch.float64)
+    reach = 1.0
+    for a in range(b - 1):
+        d = int(draft[a])
+        take = min(1.0, float(p[a, d] / q[a, d]))
+        residual = (p[a] - q[a]).clamp_min(0)
+        out[a] = reach * (1 - take) * residual / residual.sum()
+        reach = reach * take
+    out[b - 1] = reach * p[b - 1]
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_sparse_draft_distribution_matches_rule(backend, top_k):
+    """Every row proposes one of its candidates, q(d) above p(d) at row 0 and below it at row 1; with top_k=5 the
+    filter removes a token that row 2's residual would otherwise draw. The same samples reject the one-hot rule."""
+    b, v, temp = 4, 6, 0.8
+    p = torch.rand(b, v, dtype=torch.float64) + 0.3
+    p = p / p.sum(-1, keepdim=True)
+    logits = (temp * p.log()).float()
+    p = torch.softmax(filter_logits_reference(logits.double(), temp, top_k), -1)
+    draft = torch.tensor([0, 3, 0])
+    n = N_SAMPLES
+    counts = torch.bincount(_sparse_call(logits, draft, n, backend, temperature=temp, top_k=top_k, seed=99,
+                                         offset=int(torch.randint(0, 2**40, ()))), minlength=b * v).view(b, v)
+    q = _dense_q(v)
+    stat, crit = chi2(counts, _exact_sparse(p, draft, q), n)
+    assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f}\n{counts}\n{_exact_sparse(p, draft, q) * n}"
+    wrong_stat, wrong_crit = chi2(counts, _exact(p, draft), n)
+    assert wrong_stat > wrong_crit, "the test cannot tell the sparse rule from the one-hot one"
+
+
+def _sparse_call(logits_one, draft_one, n, backend, **kw):
+    """``n`` copies of one request through verify_sample with the sparse draft distribution -> a * V + token."""
+    b, v = logits_one.shape
+    acc, tok = verify_sample(logits_one.expand(n, b, v).contiguous(), draft_one.expand(n, b - 1).contiguous(),
+                             draft_probs=SPARSE_Q.float().expand(n, b - 1, 3).contiguous(),
+                             draft_indices=SPARSE_CANDIDATES.expand(n, b - 1, 3).contiguous(), backend=backend, **kw)
+    assert acc.dtype == tok.dtype == torch.int64 and ((acc >= 0) & (acc < b) & (tok >= 0) & (tok < v)).all()
+    return acc * v + tok
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_hot_draft_distribution_equals_plain_proposals(backend, dtype):
+    """K = 1 with q = 1 on d_j is the one-hot rule: the same tokens from the same seed and offset, bit for bit."""
+    n, b, v = 37, 5, 1000
+    logits = (torch.randn(n, b, v) * 2).to(dtype)
+    draft = torch.randint(0, v, (n, b - 1))
+    temps = torch.rand(n) + 0.5
+    for kw in (dict(temperature=0.7), dict(temperature=temps, top_k=torch.full((n,), 40), top_p=torch.full((n,), 0.8))):
+        plain = verify_sample(logits, draft, seed=5, offset=3, backend=backend, **kw)
+        sparse = verify_sample(logits, draft, seed=5, offset=3, backend=backend, draft_probs=torch.ones(n, b - 1, 1),
+                               draft_indices=draft[..., None], **kw)
+        assert torch.equal(plain[0], sparse[0]) and torch.equal(plain[1], sparse[1])
+
+
+def test_sparse_draft_distribution_bad_inputs():
+    logits, draft = torch.randn(2, 3, 10), torch.zeros(2, 2, dtype=torch.int64)
+    probs, ids = torch.full((2, 2, 4), 0.25), torch.arange(4).expand(2, 2, 4)
+    kw = dict(temperature=1.0, seed=0, offset=0)
+    with pytest.raises(ValueError, match="pass draft_probs and draft_indices together"):
+        verify_sample(logits, draft, draft_probs=probs, **kw)
+    with pytest.raises(ValueError, match=r"must both be \[N, B-1, K\] = \[2, 2, K\]"):
+        verify_sample(logits, draft, draft_probs=probs[:, :1], draft_indices=ids[:, :1], **kw)
+    with pytest.raises(ValueError, match=r"1 <= K <= 64"):
+        verify_sample(logits, draft, draft_probs=torch.ones(2, 2, 65), draft_indices=torch.zeros(2, 2, 65).long(),
+                      **kw)
+    with pytest.raises(ValueError, match=r"draft_indices values must be \[0, 10\)"):
+        verify_sample(logits, draft, draft_probs=probs, draft_indices=ids + 7, **kw)
+    with pytest.raises(TypeError, match="draft_probs"):
+        verify_sample(logits, draft, draft_probs=probs.half(), draft_indices=ids, **kw)

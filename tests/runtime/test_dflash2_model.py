@@ -185,13 +185,12 @@ def test_runtimes_choose_and_refuse_clearly():
     for kernel_backend in ("cpu", "triton"):  # the engine's DFlash2 ops: references, then the Triton kernels
         fast = generate(target, draft, prompt, 12, backend="fast", kernel_backend=kernel_backend)
         assert torch.equal(fast.sequences, expected) and fast.acceptance_lengths == ref.acceptance_lengths
-    sampled = generate(target, draft, prompt, 12, temperature=0.7, seed=3)  # auto: the reference
+    sampled = generate(target, draft, prompt, 12, temperature=0.7, seed=3)  # auto: the engine, sampling too
     assert torch.equal(sampled.sequences, generate(target, draft, prompt, 12, temperature=0.7, seed=3,
-                                                   backend="reference").sequences)
-    with pytest.raises(ValueError, match="runs DFlash2 drafts greedily only"):
-        generate(target, draft, prompt, 12, temperature=0.7, backend="fast")
-    with pytest.raises(ValueError, match="tree_budget needs a DFlash draft"):
-        generate(target, draft, prompt, 12, backend="reference", tree_budget=4)
+                                                   backend="fast").sequences)
+    for backend in ("reference", "fast"):
+        with pytest.raises(ValueError, match="tree_budget needs a DFlash draft.*pass tree_budget=None"):
+            generate(target, draft, prompt, 12, backend=backend, tree_budget=4)
     with pytest.raises(TypeError, match="select_block"):
         draft.propose(torch.zeros(1, 8, 32), target.lm_head)
 
@@ -216,22 +215,52 @@ def test_target_vocabulary_must_match_the_codebooks(backend):
         generate(wider, draft, torch.tensor([[1, 2, 3]]), 8, backend=backend)
 
 
-@pytest.mark.skipif(not smollm2.is_available(), reason=smollm2.unavailable_reason() or "")
-@pytest.mark.parametrize("runtime", ["fast", "reference"])
-def test_cli_generate_runs_a_dflash2_draft(tmp_path, capsys, runtime):
-    """``dflash generate transformers --model smollm2 --draft D`` with a DFlash2 draft D for SmolLM2 prints the
-    target's greedy continuation (what any lossless draft gives)."""
+needs_smollm2 = pytest.mark.skipif(not smollm2.is_available(), reason=smollm2.unavailable_reason() or "")
+
+
+@pytest.fixture
+def smollm2_dflash2(tmp_path):
+    """The folder of a random DFlash2 draft for the embedded SmolLM2 target (its DFlash draft's shapes)."""
     base = DFlashConfig.from_json_file(zlab_cli.EMBEDDED_DRAFT)
     config = dataclasses.replace(base, draft_vocab_size=None, dflash2=DFlash2Settings(2, 16, 8, 8))
     DFlash2DraftModel(config).save_pretrained(tmp_path)
+    return tmp_path
+
+
+@needs_smollm2
+@pytest.mark.parametrize("runtime", ["fast", "reference"])
+def test_cli_generate_runs_a_dflash2_draft(smollm2_dflash2, capsys, runtime):
+    """``dflash generate transformers --model smollm2 --draft D`` with a DFlash2 draft D for SmolLM2 prints the
+    target's greedy continuation (what any lossless draft gives)."""
     prompt = "What is 2 + 3?"
-    code = cli.main(["generate", "transformers", "--model", "smollm2", "--draft", str(tmp_path), "--max-new-tokens",
-                     "10", "--backend", runtime, prompt])
+    code = cli.main(["generate", "transformers", "--model", "smollm2", "--draft", str(smollm2_dflash2),
+                     "--max-new-tokens", "10", "--backend", runtime, prompt])
     out, _ = capsys.readouterr()
-    target, tok, draft, _ = zlab_cli._load(zlab_cli.EMBEDDED, str(tmp_path), "cpu", system=None)
+    target, tok, draft, _ = zlab_cli._load(zlab_cli.EMBEDDED, str(smollm2_dflash2), "cpu", system=None)
     assert type(draft) is DFlash2DraftModel
     ids = zlab_cli._encode(tok, [{"role": "user", "content": prompt}], torch.device("cpu"))
     greedy = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
                              eos_token_id=zlab_cli._stop_ids(target, tok))
     text = tok.decode(greedy[0, ids.shape[1]:], skip_special_tokens=True, clean_up_tokenization_spaces=False)
     assert code == 0 and out == text + "\n"
+
+
+@needs_smollm2
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_cli_benchmark_runs_a_dflash2_draft(smollm2_dflash2, tmp_path, capsys, temperature):
+    """``dflash benchmark transformers --model smollm2 --draft D``, D a DFlash2 draft, greedy and sampled (the
+    engine either way): the report, and per request DFlash rounds that account for every token after the first;
+    greedy, as many tokens as the autoregressive baseline (both are the target's greedy output)."""
+    rows_file = tmp_path / "rows.jsonl"
+    code = cli.main(["benchmark", "transformers", "--model", "smollm2", "--draft", str(smollm2_dflash2), "--dataset",
+                     "gsm8k", "--max-samples", "2", "--max-new-tokens", "8", "--temperature", temperature,
+                     "--output", str(rows_file)])
+    out, _ = capsys.readouterr()
+    assert code == 0 and "DFlash throughput" in out and "Average acceptance length (tau)" in out
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        assert 1 <= row["dflash"]["tokens"] <= 8
+        assert sum(row["dflash"]["acceptance_lengths"]) == row["dflash"]["tokens"] - 1
+        if temperature == "0":
+            assert row["dflash"]["tokens"] == row["baseline"]["tokens"]

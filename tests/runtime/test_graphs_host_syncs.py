@@ -116,3 +116,19 @@ def test_sampling_and_streaming_rounds_read_the_host_once(monkeypatch, pair, gra
         # streamed twice: the warm-up call and the counted one, each the whole continuation
         new = results.sequences[r][len(prompt):].tolist()
         assert streamed[r] == new + new
+
+
+@pytest.mark.parametrize("graphs", [False, "emulate"])
+def test_dflash2_sampling_rounds_read_the_host_once(monkeypatch, graphs):
+    """A DFlash2 draft's sampled rounds (the selector's draws, verification over its candidates): one read a round,
+    and the tokens of an uncounted eager run."""
+    from test_dflash2_model import make_dflash2
+
+    target = make_target("qwen3")
+    draft = make_dflash2(target, block_size=4)
+    limits = [12, 8, 15]
+    kw = dict(temperature=0.8, top_k=20, seed=11)
+    plain = generate(target, draft, PROMPTS, limits, backend="fast", block_size=4, use_cuda_graphs=False, **kw)
+    results, per_round = counted_generate(monkeypatch, (target, draft), PROMPTS, limits, use_cuda_graphs=graphs, **kw)
+    assert len(per_round) > 2 and per_round == [1] * len(per_round)
+    assert [s.tolist() for s in results.sequences] == [s.tolist() for s in plain.sequences]

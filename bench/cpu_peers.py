@@ -337,8 +337,9 @@ def _run(cmd: list[str], env: dict | None = None) -> None:
 
 # ------------------------------------------------------------------------------------------------ llama.cpp runs
 def run_llama(cmd: list[str], prompt: str) -> LlamaRun:
-    """Runs ``cmd`` (:func:`llama_command` on ``prompt``) and parses its output."""
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    """Runs ``cmd`` (:func:`llama_command` on ``prompt``) and parses its output. Under ``stdbuf -o0``: llama.cpp's
+    log thread writes stdout without flushing it, and a run now and then lost the tail of its stdout at exit."""
+    done = subprocess.run(["stdbuf", "-o0"] + cmd, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"{Path(cmd[0]).name} failed ({done.returncode}): {done.stderr[-3000:]}")
     if Path(cmd[0]).name == AR_TOOL:

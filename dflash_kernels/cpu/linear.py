@@ -20,14 +20,14 @@ the tests hold them to the 2x error rule against fp64):
   exactness) and kept while the weight lives; an in-place update (which bumps the tensor's version) repacks.
   C++: ``csrc/cpu/linear_amx.cpp``.
 * **fp32 SIMD** (AVX-512 or AVX2 + FMA) for 2-16 rows of any fp32 weight (``csrc/cpu/linear_f32.h``).
-* **fp32 SIMD on bf16-packed weights**, where there is no AMX, for 1-16 rows of a weight whose values are all bf16
+* **fp32 SIMD on bf16-packed weights**, where there is no AMX, for 1-32 rows of a weight whose values are all bf16
   values: the same kernel reading a copy of the weight that keeps the upper half of each value's bits
   (:func:`bf16_rows`), widened back to the same fp32 values in registers, so the same bits as the fp32 kernel at
   half the bytes to stream. Measured on SmolLM2 (2-core AMD EPYC, AVX-512, no AMX, 2 threads, in one run): the
   one-token step 9.4 against 24.3 ms (its bf16 weight floor: 9.0), the 8-row step 10.7 against 17.9, the 16-row
   15.7 against 22.5 (``bench/results/*-cpu-smollm2-bf16-weights.md``). At one row it also replaces ``F.linear``
-  (MKL's GEMV streams fp32 at 3-4x the bf16 floor there): those projections' sums change order, within the
-  2x rule. Memory: the copy, 2 bytes a weight next to the fp32 weight (SmolLM2: 270 MB), made on first use and
+  (MKL's GEMV streams fp32 at 3-4x the bf16 floor there), and at 17-32 rows too (MKL's GEMM there: 2-8x slower
+  per projection, ``bench/results/*-cpu-peers.md``): those projections' sums change order, within the 2x rule. Memory: the copy, 2 bytes a weight next to the fp32 weight (SmolLM2: 270 MB), made on first use and
   kept as the AMX tiles are. ``DFLASH_CPU_LINEAR_BF16=0`` (or :func:`set_bf16`) turns it off.
 
 The fp32 kernel reads the weight in place, in its own ``[N, K]`` layout. On AVX-512
@@ -86,10 +86,10 @@ from dflash_kernels.cpu.argmax import argmax_cpu
 MIN_ROWS = 2
 MAX_ROWS = 16
 # The rows at which a bf16-exact weight takes the fp32 kernel on its bf16-packed copy (bf16_rows), when that is on:
-# measured faster than the fp32 kernel and F.linear on every SmolLM2 projection at 1, 8 and 16 rows
-# (bench/cpu_gemm.py, bench/cpu_forward.py); more rows not measured.
+# measured faster than F.linear on every SmolLM2 projection at 1, 8, 16, 17, 24 and 32 rows, and than the fp32
+# kernel at 1-16 (bench/cpu_gemm.py, bench/cpu_forward.py); more rows not measured.
 BF16_MIN_ROWS = 1
-BF16_MAX_ROWS = 16
+BF16_MAX_ROWS = 32
 ISAS = cpu_native.VECTOR_ISAS  # the fp32 kernel's instruction sets, widest first
 ISA_ENV = "DFLASH_CPU_LINEAR_ISA"
 

@@ -592,6 +592,7 @@ def test_argmax_sees_in_place_updates():
 
 
 # -------------------------------------------------------------------- bf16-packed weights on the fp32 kernel
+RUNTIME_ROWS = range(1, 33)  # the rows of a projection call in decoding: the one-token step to trees of 31
 BF16_SHAPES = [(1, 1), (5, 3), (15, 17), (17, 33), (33, 4), (100, 7), (577, 61), (576, 960)]
 
 
@@ -619,7 +620,7 @@ def test_bf16_kernel_is_the_fp32_kernel_bit_for_bit(isa, seed):
         packed = cpu_linear.bf16_rows(w)
         assert packed is not None and packed.dtype == torch.int16 and packed.shape == (n, k)
         b = torch.randn(n, generator=g)
-        for rows in range(1, 33):
+        for rows in RUNTIME_ROWS:
             x = torch.randn(rows, k, generator=g)
             bias = b if rows % 2 else None
             want, got = _nan_out(rows, n), _nan_out(rows, n)
@@ -686,29 +687,30 @@ def bf16_calls(monkeypatch):
 
 @needs_fast
 def test_bf16_route(bf16_calls):
-    """linear() takes the bf16-packed kernel for a bf16-exact weight at BF16_MIN_ROWS-BF16_MAX_ROWS rows (bits: the
-    fp32 kernel's), the fp32 kernel for a weight off the grid or with set_bf16(False); F.linear above."""
+    """linear() takes the bf16-packed kernel for a bf16-exact weight at every row count the runtime uses (1-32), with
+    the fp32 kernel's bits there; the fp32 kernel for a weight off the grid; F.linear above BF16_MAX_ROWS."""
     k, n = 64, 48
     w, b = _bf16_values(torch.randn(n, k)), torch.randn(n)
-    lo, hi = cpu_linear.BF16_MIN_ROWS, cpu_linear.BF16_MAX_ROWS
-    for rows in (lo, 8, hi):
-        x = torch.randn(rows, k)
-        got = _check(x, w, b, f"bf16 rows={rows}")
-        before = cpu_linear.set_bf16(False)
-        try:
-            want = cpu_linear.linear(x, w, b)
-        finally:
-            assert cpu_linear.set_bf16(before) is False
-        if rows >= cpu_linear.MIN_ROWS:
-            assert torch.equal(got, want), rows
-    _check(torch.randn(hi + 1, k), w, b, "many rows")
+    _route_bits_every_row_count(w, b, getattr(torch.ops.dflash_cpu, "linear_" + cpu_linear.isa()), cpu_linear.isa())
+    _check(torch.randn(cpu_linear.BF16_MAX_ROWS + 1, k), w, b, "many rows")
     near = w.clone()
     near[5, 7] = torch.nextafter(near[5, 7], torch.tensor(9.0))
     _check(torch.randn(8, k), near, b, "one value off the bf16 grid")
     blocks = cpu_linear.RowBlocks([w[:20], w[20:]], [b[:20], b[20:]])
     torch.testing.assert_close(cpu_linear.linear(torch.randn(1, k), blocks).shape, (1, n))
-    fp32_rows = [r for r in (lo, 8, hi) if r >= cpu_linear.MIN_ROWS]
-    assert bf16_calls == {"bf16": [lo, 8, hi, 1], "fp32": fp32_rows + [8]}
+    assert bf16_calls == {"bf16": list(RUNTIME_ROWS) + [1], "fp32": [8]}
+
+
+def _route_bits_every_row_count(w, b, fp32_kernel, what):
+    """At every row count the runtime uses, linear() on the bf16-exact ``w`` writes ``fp32_kernel``'s bits (with a
+    bias at odd counts) and keeps the 2x rule."""
+    k, n = w.shape[1], w.shape[0]
+    for rows in RUNTIME_ROWS:
+        x, bias = torch.randn(rows, k), b if rows % 2 else None
+        got = _check(x, w, bias, f"{what} bf16 rows={rows}")
+        want = _nan_out(rows, n)
+        fp32_kernel(x, [w], [bias], want)
+        assert torch.equal(got, want), f"{what} rows={rows}"
 
 
 @needs_fast
@@ -721,20 +723,16 @@ def test_bf16_copy_follows_in_place_updates(bf16_calls):
 
 @pytest.mark.skipif(not FAST or "avx2" not in cpu_native.isas(), reason="needs the kernel and AVX2 + FMA")
 def test_bf16_route_avx2(monkeypatch, bf16_calls):
-    """DFLASH_CPU_LINEAR_ISA=avx2: bf16-exact weights take the AVX2 build's bf16-packed kernel, same bits as its
-    fp32 kernel."""
+    """DFLASH_CPU_LINEAR_ISA=avx2: bf16-exact weights take the AVX2 build's bf16-packed kernel at every row count the
+    runtime uses, same bits as its fp32 kernel."""
     monkeypatch.setattr(cpu_linear, "_tried", False)
     monkeypatch.setattr(cpu_linear, "_isa", None)
     monkeypatch.setenv(cpu_linear.ISA_ENV, "avx2")
     assert cpu_linear.isa() == "avx2"
     k, n = 577, 61
-    w, b = _bf16_values(torch.randn(n, k)), torch.randn(n)
-    x = torch.randn(9, k)
-    got = _check(x, w, b, "avx2 bf16")
-    want = _nan_out(9, n)
-    torch.ops.dflash_cpu.linear_avx2(x, [w], [b], want)
-    assert torch.equal(got, want)
-    assert bf16_calls["bf16"] == [9]
+    _route_bits_every_row_count(_bf16_values(torch.randn(n, k)), torch.randn(n), torch.ops.dflash_cpu.linear_avx2,
+                                "avx2")
+    assert bf16_calls["bf16"] == list(RUNTIME_ROWS)
 
 
 def test_bf16_route_on_an_avx2_only_cpu():

@@ -133,8 +133,8 @@ def test_argmax_head_is_the_logits_argmax(target, native, seed):
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
 def test_each_fp32_kernel_route_bit_equal(target, native, monkeypatch, isa):
     """With the AMX path off, the projections take the fp32 kernel of the instruction set cpu_linear loaded
-    (DFLASH_CPU_LINEAR_ISA): on the bf16-packed copies of these bf16-exact weights at cpu_linear.BF16_MIN_ROWS to
-    BF16_MAX_ROWS rows, on the fp32 weights at 2-16 rows with set_bf16(False), torch's linear elsewhere. The native
+    (DFLASH_CPU_LINEAR_ISA): on the bf16-packed copies of these bf16-exact weights at 1-32 rows (the one-token step
+    to trees of 31), on the fp32 weights at 2-16 rows with set_bf16(False), torch's linear elsewhere. The native
     forward follows, bit for bit, and the packed route gives the fp32 route's bits."""
     if isa not in cpu_native.isas():
         pytest.skip(f"this CPU lacks {isa}")
@@ -150,7 +150,8 @@ def test_each_fp32_kernel_route_bit_equal(target, native, monkeypatch, isa):
         routes.append(out[0][-1])
     monkeypatch.setattr(native_forward._Projection, "plan", recorded)
     g = torch.Generator().manual_seed(5)
-    for rows in (1, 5, 16, 17):
+    row_counts = (1, 5, 16, 17, 32)
+    for rows in row_counts:
         ids = torch.randint(0, VOCAB, (1, rows), generator=g)
         outs = []
         for bf16 in (True, False):
@@ -161,13 +162,17 @@ def test_each_fp32_kernel_route_bit_equal(target, native, monkeypatch, isa):
                 _assert_same(outs[-1][0], _forward(b, False, ids, torch.tensor([0]), rows), a, b)
             finally:
                 cpu_linear.set_bf16(before)
-        if rows >= 2:  # below, the fp32 route's plain weights (o, down) take torch's linear: other sums
+        if cpu_linear.MIN_ROWS <= rows <= cpu_linear.MAX_ROWS:  # elsewhere the fp32 route is torch's: other sums
             _assert_same(outs[0][0], outs[1][0], outs[0][1], outs[1][1])
     packed = native_forward.ROUTES[isa + "_bf16"]
     per_forward = 4 * 3  # four projections a layer, three layers
-    assert routes[:per_forward] == [packed] * per_forward  # rows=1, bf16 on
-    assert set(routes[per_forward:2 * per_forward]) == {native_forward.ROUTES["torch"], native_forward.ROUTES[isa]}
-    assert native == [True] * 8
+    by_rows = {rows: (routes[2 * i * per_forward:(2 * i + 1) * per_forward],
+                      routes[(2 * i + 1) * per_forward:(2 * i + 2) * per_forward]) for i, rows in enumerate(row_counts)}
+    for rows, (bf16_on, _) in by_rows.items():
+        assert bf16_on == [packed] * per_forward, rows
+    assert set(by_rows[1][1]) == {native_forward.ROUTES["torch"], native_forward.ROUTES[isa]}
+    assert set(by_rows[32][1]) == {native_forward.ROUTES["torch"]}
+    assert native == [True] * 2 * len(row_counts)
 
 
 def test_steps_aside(target, native):

@@ -100,13 +100,19 @@ def filter_verdict(text: str, finished: bool) -> str:
         return "too long"
     if "<|" in text or "|>" in text:
         return "template markup"
-    visible = [c for c in text if not c.isspace()]
-    if sum(not c.isascii() for c in visible) > MAX_NON_ASCII * len(visible):
+    if not mostly_ascii(text):
         return "not English"
     trigrams = [tuple(w.lower() for w in words[i:i + 3]) for i in range(len(words) - 2)]
     if len(trigrams) >= 6 and len(set(trigrams)) < MIN_DISTINCT_TRIGRAMS * len(trigrams):
         return "repetition"
     return "kept"
+
+
+def mostly_ascii(text: str) -> bool:
+    """Whether at most :data:`MAX_NON_ASCII` of the non-space characters of ``text`` are outside ASCII (the filters'
+    test for English text)."""
+    visible = [c for c in text if not c.isspace()]
+    return sum(not c.isascii() for c in visible) <= MAX_NON_ASCII * len(visible)
 
 
 def dedup_key(text: str) -> str:
@@ -193,6 +199,12 @@ def generate_self_prompts(model, tokenizer, path: str, count: int, *, seed: int 
 def load_self_prompts(path: str, split: str | None = None) -> list[str]:
     """The kept prompts of a prompts file in sample order; ``split`` "train" or "eval" keeps that side of the
     hash split only (the eval side is never for training)."""
+    return [text for _system, text in self_prompt_records(path, split)]
+
+
+def self_prompt_records(path: str, split: str | None = None) -> list[tuple[str, str]]:
+    """:func:`load_self_prompts` with each prompt's system prompt (the one it was sampled after):
+    ``(system, prompt)`` pairs."""
     from dflash_apps.train.prompts import split_of
 
     if split not in (None, "train", "eval"):
@@ -200,5 +212,5 @@ def load_self_prompts(path: str, split: str | None = None) -> list[str]:
     header, records = _read(path)
     if header is None:
         raise ValueError(f"{path}: no such self-prompts file; make one with `dflash train self-prompts --out {path}`")
-    kept = [r["prompt"] for r in records if r["verdict"] == "kept"]
-    return [p for p in kept if split is None or split_of(p, EVAL_FRACTION) == split]
+    kept = [(r["system"], r["prompt"]) for r in records if r["verdict"] == "kept"]
+    return [(s, p) for s, p in kept if split is None or split_of(p, EVAL_FRACTION) == split]

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(dflash_apps.train.natural_mix: seeded tasks in many styles, plus --self-prompts)")
     d.add_argument("--self-prompts", default=None,
                    help="with --mix natural: also the kept prompts of this self-prompts file (its split's side), "
-                        "after the --num-prompts / --num-eval seeded ones")
+                        "before the --num-prompts / --num-eval seeded ones")
     d.add_argument("--num-prompts", type=int, default=2048)
     d.add_argument("--num-eval", type=int, default=32)
     d.add_argument("--max-new-tokens", type=int, default=128)

@@ -7,8 +7,8 @@ self-generated prompts (:mod:`dflash_apps.train.self_prompts`) when a prompts fi
 
 A prompt is either a plain user text (the chat template's default system prompt) or a conversation: a list of
 ``{"role", "content"}`` messages ending with a user turn (:func:`is_conversation`). :func:`build_natural_mix` is
-deterministic in its seed and size (a longer mix extends a shorter one with the same seed: prompt ``i`` depends on
-``seed`` and ``i`` only), deduplicated (:func:`dflash_apps.train.self_prompts.dedup_key` of the user turns),
+deterministic in its seed, size and self-prompts file (a longer mix extends a shorter one: seeded prompt ``i``
+depends on ``seed`` and ``i`` only), deduplicated (:func:`dflash_apps.train.self_prompts.dedup_key` of the user turns),
 filtered (length, mostly ASCII) and never holds a prompt of the hand-written natural evaluation set nor a near copy
 of one (:func:`near_eval_copy`: the same words, the eval prompt's words inside it, or a shared run of
 :data:`SHINGLE_WORDS` words).
@@ -400,12 +400,12 @@ def _candidate(seed: int, index: int, docs, funcs) -> tuple[str, Prompt]:
 
 def build_natural_mix(n: int, split: str = "train", seed: int = 0,
                       self_prompts_path: str | None = None) -> list[tuple[str, Prompt]]:
-    """``n`` seeded prompts of ``split`` ("train" or "eval": the hash split of
-    :func:`dflash_apps.train.prompts.split_of` at :data:`EVAL_FRACTION` of the user turns' dedup key, so a user text
-    is on one side only, whatever its system prompt) as ``(kind,
-    prompt)`` (kinds of :data:`MIX`), followed by that side of the self-generated prompts of
-    ``self_prompts_path`` (kind ``"self"``, each after the system prompt it was sampled under) when given;
-    deduplicated across both, filtered, no natural-eval prompt nor near copy (module docstring)."""
+    """``split``'s side ("train" or "eval") of the self-generated prompts of ``self_prompts_path`` when given
+    (kind ``"self"``, each after the system prompt it was sampled under; first, so that a data run reaches them
+    early: a grown self-prompts file shifts the seeded prompts after them), then ``n`` seeded prompts of ``split``
+    (the hash split of :func:`dflash_apps.train.prompts.split_of` at :data:`EVAL_FRACTION` of the user turns'
+    dedup key, so a user text is on one side only, whatever its system prompt), each as ``(kind, prompt)`` (kinds
+    of :data:`MIX`); deduplicated across both, filtered, no natural-eval prompt nor near copy (module docstring)."""
     from dflash_apps.train.prompts import split_of
     from dflash_apps.train.self_prompts import dedup_key
 
@@ -423,15 +423,16 @@ def build_natural_mix(n: int, split: str = "train", seed: int = 0,
             seen.add(key)
             out.append((kind, prompt))
 
+    if self_prompts_path:
+        from dflash_apps.train.self_prompts import self_prompt_records
+
+        for system, text in self_prompt_records(self_prompts_path, split=split):
+            add("self", [{"role": "system", "content": system}, {"role": "user", "content": text}])
+    n += len(out)
     index, limit = 0, (50 * n + 100) * (20 if split == "eval" else 2)
     while len(out) < n and index < limit:
         kind, prompt = _candidate(seed, index, docs, funcs)
         if split_of(dedup_key(user_text(prompt)), EVAL_FRACTION) == split:
             add(kind, prompt)
         index += 1
-    if self_prompts_path:
-        from dflash_apps.train.self_prompts import self_prompt_records
-
-        for system, text in self_prompt_records(self_prompts_path, split=split):
-            add("self", [{"role": "system", "content": system}, {"role": "user", "content": text}])
     return out

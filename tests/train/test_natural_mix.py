@@ -79,7 +79,9 @@ def test_self_prompts_join_the_mix_on_their_own_side(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in [{"format": FORMAT}] + recs) + "\n")
     joined = []
     for split in ("train", "eval"):
-        got = [p for k, p in build_natural_mix(10, split, 0, str(path)) if k == "self"]
+        both = build_natural_mix(10, split, 0, str(path))
+        got = [p for k, p in both if k == "self"]
+        assert both[:len(got)] == [("self", p) for p in got] and len(both) == len(got) + 10  # self first
         want = [p for p in load_self_prompts(str(path), split) if p != natural_eval_prompts()[0]]
         assert [user_text(p) for p in got] == want
         assert all(p[0]["role"] == "system" and p[0]["content"] == f"system {int(re.findall(r'[0-9]+', user_text(p))[0]) % 3}"

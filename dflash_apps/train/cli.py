@@ -51,7 +51,7 @@ def _cmd_self_prompts(args) -> int:
 
     model, tok = smollm2.load()
     res = generate_self_prompts(model, tok, args.out, args.count, seed=args.seed, temperature=args.temperature,
-                                top_p=args.top_p, max_new_tokens=args.max_new_tokens)
+                                top_p=args.top_p, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     print(f"[self-prompts] {args.out}: {res['samples']} samples {res['verdicts']}; this run {res['new_samples']} "
           f"samples at {res['samples_per_min']:.1f}/min ({res['kept_per_min']:.1f} kept/min)", flush=True)
     return 0
@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=1.0)
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--max-new-tokens", type=int, default=96, help="longest user turn; longer samples are dropped")
+    s.add_argument("--batch-size", type=int, default=1,
+                   help="samples drawn together in one padded batch (a setting of the file: resume with the same)")
     s.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, i.e. all cores)")
     s.set_defaults(func=_cmd_self_prompts)
 

@@ -17,15 +17,25 @@ def _cmd_data(args) -> int:
     from dflash_apps.train.data import generate_dataset
     from dflash_apps.train.prompts import build_prompts
 
+    if args.mix == "natural":
+        from dflash_apps.train.natural_mix import build_natural_mix
+
+        def prompt_set(n, split):
+            return [p for _kind, p in build_natural_mix(n, split, args.seed, args.self_prompts)]
+    else:
+        if args.self_prompts:
+            raise ValueError("--self-prompts goes with --mix natural")
+
+        def prompt_set(n, split):
+            return build_prompts(n, split, seed=args.seed + (1000 if split == "eval" else 0))
     model, tok = smollm2.load()
     log = lambda m: print(m, flush=True)  # noqa: E731
     common = dict(model=model, tokenizer=tok, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                   shard_size=args.shard_size, responses_path=args.responses,
                   log=log)
     if args.num_eval:
-        ev = build_prompts(args.num_eval, "eval", seed=args.seed + 1000)
-        generate_dataset(os.path.join(args.out, "eval"), ev, **common)
-    tr = build_prompts(args.num_prompts, "train", seed=args.seed)
+        generate_dataset(os.path.join(args.out, "eval"), prompt_set(args.num_eval, "eval"), **common)
+    tr = prompt_set(args.num_prompts, "train")
     generate_dataset(os.path.join(args.out, "train"), tr, max_shards=args.max_shards, first_shard=args.first_shard,
                      **common)
     return 0
@@ -41,7 +51,7 @@ def _cmd_self_prompts(args) -> int:
 
     model, tok = smollm2.load()
     res = generate_self_prompts(model, tok, args.out, args.count, seed=args.seed, temperature=args.temperature,
-                                top_p=args.top_p, max_new_tokens=args.max_new_tokens)
+                                top_p=args.top_p, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     print(f"[self-prompts] {args.out}: {res['samples']} samples {res['verdicts']}; this run {res['new_samples']} "
           f"samples at {res['samples_per_min']:.1f}/min ({res['kept_per_min']:.1f} kept/min)", flush=True)
     return 0
@@ -53,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("data", help="generate target responses + features for the offline prompt set")
     d.add_argument("--out", default=cache_path("data", "smollm2"), help="data folder (default: %(default)s)")
+    d.add_argument("--mix", choices=["template", "natural"], default="template",
+                   help="prompt source: the template generators (dflash_apps.train.prompts) or the natural mix "
+                        "(dflash_apps.train.natural_mix: seeded tasks in many styles, plus --self-prompts)")
+    d.add_argument("--self-prompts", default=None,
+                   help="with --mix natural: also the kept prompts of this self-prompts file (its split's side), "
+                        "before the --num-prompts / --num-eval seeded ones")
     d.add_argument("--num-prompts", type=int, default=2048)
     d.add_argument("--num-eval", type=int, default=32)
     d.add_argument("--max-new-tokens", type=int, default=128)
@@ -78,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=1.0)
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--max-new-tokens", type=int, default=96, help="longest user turn; longer samples are dropped")
+    s.add_argument("--batch-size", type=int, default=1,
+                   help="samples drawn together in one padded batch (a setting of the file: resume with the same)")
     s.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, i.e. all cores)")
     s.set_defaults(func=_cmd_self_prompts)
 

@@ -64,28 +64,42 @@ def user_turn_prefix(tokenizer, system: str) -> str:
     return text[:text.index(_MARKER)]
 
 
-def sample_user_turn(model, tokenizer, system: str, generator, *, max_new_tokens: int, temperature: float,
-                     top_p: float, stop_token_ids) -> tuple[str, bool]:
-    """One user turn the target writes itself: ``(text, finished)``, ``finished`` False when it hit
-    ``max_new_tokens`` before a stop token."""
+def sample_user_turns(model, tokenizer, systems: list[str], generators, *, max_new_tokens: int, temperature: float,
+                      top_p: float, stop_token_ids) -> list[tuple[str, bool]]:
+    """User turns the target writes itself, one per system prompt of ``systems``, sampled together in one
+    left-padded batch (row ``i`` draws from ``generators[i]`` only, and only while it is unfinished): per row
+    ``(text, finished)``, ``finished`` False when it hit ``max_new_tokens`` before a stop token."""
     import torch
 
     from dflash.sampling import sample
 
-    ids = torch.tensor([tokenizer(user_turn_prefix(tokenizer, system), add_special_tokens=False)["input_ids"]])
+    prefixes = [tokenizer(user_turn_prefix(tokenizer, s), add_special_tokens=False)["input_ids"] for s in systems]
+    b, width = len(prefixes), max(len(p) for p in prefixes)
+    step_ids = torch.tensor([[0] * (width - len(p)) + p for p in prefixes])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prefixes])
     stops = set(stop_token_ids)
-    out: list[int] = []
-    past, step_ids = None, ids
+    out: list[list[int]] = [[] for _ in range(b)]
+    finished = [False] * b
+    past = None
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            res = model(input_ids=step_ids, past_key_values=past, use_cache=True)
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+            res = model(input_ids=step_ids, attention_mask=mask, position_ids=pos, past_key_values=past, use_cache=True)
             past = res.past_key_values
-            token = int(sample(res.logits[0, -1].float(), temperature, top_p, generator=generator))
-            if token in stops:
-                return tokenizer.decode(out, skip_special_tokens=False).strip(), True
-            out.append(token)
-            step_ids = torch.tensor([[token]])
-    return tokenizer.decode(out, skip_special_tokens=False).strip(), False
+            tokens = []
+            for i in range(b):
+                token = 0
+                if not finished[i]:
+                    token = int(sample(res.logits[i, -1].float(), temperature, top_p, generator=generators[i]))
+                    finished[i] = token in stops
+                    if not finished[i]:
+                        out[i].append(token)
+                tokens.append(token)
+            if all(finished):
+                break
+            step_ids = torch.tensor(tokens)[:, None]
+            mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype)], dim=1)
+    return [(tokenizer.decode(o, skip_special_tokens=False).strip(), f) for o, f in zip(out, finished)]
 
 
 def filter_verdict(text: str, finished: bool) -> str:
@@ -100,13 +114,19 @@ def filter_verdict(text: str, finished: bool) -> str:
         return "too long"
     if "<|" in text or "|>" in text:
         return "template markup"
-    visible = [c for c in text if not c.isspace()]
-    if sum(not c.isascii() for c in visible) > MAX_NON_ASCII * len(visible):
+    if not mostly_ascii(text):
         return "not English"
     trigrams = [tuple(w.lower() for w in words[i:i + 3]) for i in range(len(words) - 2)]
     if len(trigrams) >= 6 and len(set(trigrams)) < MIN_DISTINCT_TRIGRAMS * len(trigrams):
         return "repetition"
     return "kept"
+
+
+def mostly_ascii(text: str) -> bool:
+    """Whether at most :data:`MAX_NON_ASCII` of the non-space characters of ``text`` are outside ASCII (the filters'
+    test for English text)."""
+    visible = [c for c in text if not c.isspace()]
+    return sum(not c.isascii() for c in visible) <= MAX_NON_ASCII * len(visible)
 
 
 def dedup_key(text: str) -> str:
@@ -130,11 +150,15 @@ def _read(path: str) -> tuple[dict | None, list[dict]]:
 
 
 def generate_self_prompts(model, tokenizer, path: str, count: int, *, seed: int = 0, temperature: float = 1.0,
-                          top_p: float = 1.0, max_new_tokens: int = 96, stop_token_ids=None,
+                          top_p: float = 1.0, max_new_tokens: int = 96, batch_size: int = 1, stop_token_ids=None,
                           log: Callable[[str], None] = print) -> dict:
     """Sample until ``path`` holds ``count`` samples (kept or dropped), appending one record a sample; a file
-    already there is resumed (it must have been made with the same settings). Returns counts by verdict, the
-    new samples and their rate in samples and kept prompts per minute."""
+    already there is resumed (it must have been made with the same settings). Samples are drawn ``batch_size``
+    at a time (:func:`sample_user_turns`), in the fixed batches ``[k * batch_size, (k + 1) * batch_size)`` of
+    indices, so that an interrupted or shorter run resumes to the very samples of an uninterrupted one (a batch
+    cut by ``count`` is drawn whole again on resume; batching moves the logits by rounding, so the batch size is
+    one of the file's settings). Returns counts by verdict, the new samples and their rate in samples and kept
+    prompts per minute."""
     import torch
 
     from dflash.sampling import SamplingParams
@@ -144,11 +168,13 @@ def generate_self_prompts(model, tokenizer, path: str, count: int, *, seed: int 
         raise ValueError(f"count must be an integer >= 1, got {count!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     SamplingParams(temperature, top_p)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (self-generated prompts are sampled), got {temperature!r}")
     header = {"format": FORMAT, "seed": seed, "temperature": temperature, "top_p": top_p,
-              "max_new_tokens": max_new_tokens}
+              "max_new_tokens": max_new_tokens} | ({"batch_size": batch_size} if batch_size > 1 else {})
     old_header, records = _read(path)
     if old_header is not None and old_header != header:
         raise ValueError(f"{path} was made with {old_header}, not {header}: pass the same settings to resume, or "
@@ -164,24 +190,27 @@ def generate_self_prompts(model, tokenizer, path: str, count: int, *, seed: int 
     with open(path, "a", encoding="utf-8") as f:
         if old_header is None:
             f.write(json.dumps(header) + "\n")
-        for index in range(len(records), count):
-            system = SYSTEM_PROMPTS[index % len(SYSTEM_PROMPTS)]
-            gen = torch.Generator().manual_seed(sample_seed(seed, index))
-            text, finished = sample_user_turn(model, tokenizer, system, gen, max_new_tokens=max_new_tokens,
-                                              temperature=temperature, top_p=top_p, stop_token_ids=stop_token_ids)
-            verdict = filter_verdict(text, finished)
-            if verdict == "kept" and dedup_key(text) in seen:
-                verdict = "duplicate"
-            if verdict == "kept":
-                seen.add(dedup_key(text))
-                kept_new += 1
-            record = {"index": index, "system": system, "prompt": text, "verdict": verdict}
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        done = len(records)
+        for first in range(done - done % batch_size, count, batch_size):
+            indices = list(range(first, min(first + batch_size, count)))
+            systems = [SYSTEM_PROMPTS[i % len(SYSTEM_PROMPTS)] for i in range(first, first + batch_size)]
+            gens = [torch.Generator().manual_seed(sample_seed(seed, i)) for i in range(first, first + batch_size)]
+            turns = sample_user_turns(model, tokenizer, systems, gens, max_new_tokens=max_new_tokens,
+                                      temperature=temperature, top_p=top_p, stop_token_ids=stop_token_ids)
+            for index in indices[max(0, done - first):]:
+                text, finished = turns[index - first]
+                verdict = filter_verdict(text, finished)
+                if verdict == "kept" and dedup_key(text) in seen:
+                    verdict = "duplicate"
+                if verdict == "kept":
+                    seen.add(dedup_key(text))
+                    kept_new += 1
+                record = {"index": index, "system": systems[index - first], "prompt": text, "verdict": verdict}
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                records.append(record)
+                new += 1
             f.flush()
-            records.append(record)
-            new += 1
-            if new % 10 == 0:
-                log(f"[self-prompts] {index + 1}/{count} samples, {kept_new} of {new} new kept")
+            log(f"[self-prompts] {len(records)}/{count} samples, {kept_new} of {new} new kept")
     minutes = max(time.perf_counter() - t0, 1e-9) / 60
     verdicts: dict[str, int] = {}
     for r in records:
@@ -193,6 +222,12 @@ def generate_self_prompts(model, tokenizer, path: str, count: int, *, seed: int 
 def load_self_prompts(path: str, split: str | None = None) -> list[str]:
     """The kept prompts of a prompts file in sample order; ``split`` "train" or "eval" keeps that side of the
     hash split only (the eval side is never for training)."""
+    return [text for _system, text in self_prompt_records(path, split)]
+
+
+def self_prompt_records(path: str, split: str | None = None) -> list[tuple[str, str]]:
+    """:func:`load_self_prompts` with each prompt's system prompt (the one it was sampled after):
+    ``(system, prompt)`` pairs."""
     from dflash_apps.train.prompts import split_of
 
     if split not in (None, "train", "eval"):
@@ -200,5 +235,5 @@ def load_self_prompts(path: str, split: str | None = None) -> list[str]:
     header, records = _read(path)
     if header is None:
         raise ValueError(f"{path}: no such self-prompts file; make one with `dflash train self-prompts --out {path}`")
-    kept = [r["prompt"] for r in records if r["verdict"] == "kept"]
-    return [p for p in kept if split is None or split_of(p, EVAL_FRACTION) == split]
+    kept = [(r["system"], r["prompt"]) for r in records if r["verdict"] == "kept"]
+    return [(s, p) for s, p in kept if split is None or split_of(p, EVAL_FRACTION) == split]

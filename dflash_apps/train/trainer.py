@@ -93,11 +93,9 @@ def init_from_target(draft: DFlashDraftModel, target, layer_ids) -> None:
 def init_from_draft(draft: DFlashDraftModel, folder: str) -> None:
     """Warm start from a trained z-lab draft folder of the same architecture (its network weights; a
     draft vocabulary subset, if it has one, is not part of training and is dropped)."""
-    from safetensors.torch import load_file
-
     from dflash.config import DRAFT_TOKEN_IDS
 
-    state = load_file(os.path.join(folder, "model.safetensors"))
+    state = DFlashDraftModel.from_pretrained(folder, dtype=torch.float32).state_dict()  # any stored layout
     state.pop(DRAFT_TOKEN_IDS, None)
     own = draft.state_dict()
     if set(state) != set(own) or any(state[k].shape != own[k].shape for k in own):

@@ -70,6 +70,12 @@ def with_draft_vocab(draft: DFlashDraftModel, ids: torch.Tensor) -> DFlashDraftM
 def vocab_main(args) -> int:
     from dflash_apps.train.data import load_dataset
 
+    included = []
+    for folder in args.include:
+        other = DFlashDraftModel.from_pretrained(folder, dtype=torch.float32)
+        if other.config.draft_vocab_size is None:
+            raise ValueError(f"--include {folder}: that draft has no vocabulary subset to include")
+        included.append(other.draft_token_ids.long())
     draft = DFlashDraftModel.from_pretrained(args.draft, dtype=torch.float32)
     vocab = args.vocab or draft.config.vocab_size
     if vocab is None:
@@ -77,7 +83,12 @@ def vocab_main(args) -> int:
     train = response_token_counts(load_dataset(args.data, max_shards=args.max_shards), vocab)
     coverage = 0.999 if args.coverage is None and args.size is None else args.coverage
     ids = choose_subset(train, coverage=coverage, size=args.size)
-    line = f"draft vocabulary: {ids.numel()} of {vocab} ids, {coverage_of(ids, train):.4%} of {int(train.sum())} train response tokens"
+    chosen = ids.numel()
+    ids = torch.unique(torch.cat([ids] + included))
+    line = f"draft vocabulary: {ids.numel()} of {vocab} ids"
+    if args.include:
+        line += f" ({chosen} chosen from the data, the rest from {', '.join(args.include)})"
+    line += f", {coverage_of(ids, train):.4%} of {int(train.sum())} train response tokens"
     if args.eval:
         held = response_token_counts(load_dataset(args.eval), vocab)
         line += f", {coverage_of(ids, held):.4%} of {int(held.sum())} held-out ones"
@@ -99,6 +110,9 @@ def add_vocab_args(sub) -> None:
     v.add_argument("--max-shards", type=int, default=None, help="use only the first N train shards")
     v.add_argument("--vocab", type=int, default=None, help="target vocabulary size (default: the draft config's)")
     v.add_argument("--eval", default=None, help="held-out data folder: report the subset's coverage there too")
+    v.add_argument("--include", action="append", default=[],
+                   help="a draft folder with a vocabulary subset whose ids are kept too (e.g. the shipped draft's, "
+                        "chosen on other data); repeatable")
     group = v.add_mutually_exclusive_group()
     group.add_argument("--coverage", type=float, default=None, help="share of response tokens to cover (default 0.999)")
     group.add_argument("--size", type=int, default=None, help="exact number of ids instead")

@@ -9,6 +9,7 @@ from dflash_apps.train.eval_sets import eval_prompt_set
 from dflash_apps.train.natural_prompts import NATURAL_EVAL_PATH, natural_eval_prompts, natural_eval_records
 
 RESPONSES = os.path.join(os.path.dirname(NATURAL_EVAL_PATH), "smollm2-135m-responses.xz")
+NATURAL_RESPONSES = os.path.join(os.path.dirname(NATURAL_EVAL_PATH), "smollm2-135m-natural-responses.xz")
 
 
 def _normalized(text: str) -> str:
@@ -32,7 +33,8 @@ def test_natural_set_is_large_varied_and_distinct():
 @pytest.mark.slow
 def test_natural_set_is_in_no_training_source():
     """No natural prompt is a template prompt (either split of the generators that trained the shipped draft) nor
-    a prompt of the shipped draft's training responses file."""
+    a prompt of a training responses file (the template one and the natural mix's; the natural mix's
+    conversations are checked for near copies in tests/train/test_natural_mix.py)."""
     from dflash_apps.train.prompts import build_prompts
     from dflash_apps.train.responses import load_responses, prompt_key
 
@@ -40,10 +42,11 @@ def test_natural_set_is_in_no_training_source():
     for split in ("train", "eval"):
         templates = build_prompts(3000, split, seed=0) + build_prompts(300, split, seed=1000)
         assert not natural & {_normalized(p) for p in templates}
-    if os.path.isfile(RESPONSES):
-        keys = load_responses(RESPONSES)
-        assert len(keys) > 1000
-        assert not [p for p in natural_eval_prompts() if prompt_key(p) in keys]
+    for path, least in ((RESPONSES, 1000), (NATURAL_RESPONSES, 100)):
+        if os.path.isfile(path):
+            keys = load_responses(path)
+            assert len(keys) > least
+            assert not [p for p in natural_eval_prompts() if prompt_key(p) in keys]
 
 
 def test_natural_loader_refuses_a_malformed_line(tmp_path):

@@ -33,10 +33,10 @@ class _Scripted(torch.nn.Module):
         super().__init__()
         self.script = [2 + ord(c) for c in text] + [STOP]
 
-    def forward(self, input_ids, past_key_values=None, use_cache=True):
+    def forward(self, input_ids, past_key_values=None, use_cache=True, attention_mask=None, position_ids=None):
         step = past_key_values or 0
-        logits = torch.full((1, input_ids.shape[1], 2 + 128), -1e4)
-        logits[0, -1, self.script[min(step, len(self.script) - 1)]] = 0.0
+        logits = torch.full((input_ids.shape[0], input_ids.shape[1], 2 + 128), -1e4)
+        logits[:, -1, self.script[min(step, len(self.script) - 1)]] = 0.0
         return SimpleNamespace(logits=logits, past_key_values=step + 1)
 
 
@@ -94,6 +94,28 @@ def test_samples_follow_the_seed_and_resume_exactly(tmp_path):
     assert [r["system"] for r in _records(whole)[1:]] == SYSTEM_PROMPTS[:6]
     generate_self_prompts(model, tok, other, 6, **{**kw, "seed": 4})
     assert [r["prompt"] for r in _records(other)[1:]] != [r["prompt"] for r in _records(whole)[1:]]
+
+
+def test_batched_samples_equal_single_ones_and_resume_exactly(tmp_path):
+    """Rows of a left-padded batch (system prompts of different lengths) draw the samples one-at-a-time sampling
+    draws; a run of 5 then 7 in batches of 3 (the batch cut at 5 drawn again on resume) writes the file of 7 at
+    once, its header naming the batch size."""
+    model, tok = tiny_target(layers=1), _AsciiTokenizer()
+    kw = dict(seed=5, max_new_tokens=10, stop_token_ids=[STOP], log=lambda m: None)
+    single, whole, parts = (str(tmp_path / n) for n in ("single.jsonl", "whole.jsonl", "parts.jsonl"))
+    generate_self_prompts(model, tok, single, 7, **kw)
+    generate_self_prompts(model, tok, whole, 7, batch_size=3, **kw)
+    generate_self_prompts(model, tok, parts, 5, batch_size=3, **kw)
+    res = generate_self_prompts(model, tok, parts, 7, batch_size=3, **kw)
+    assert res["new_samples"] == 2 and res["samples"] == 7
+    assert _records(whole) == _records(parts)
+    assert _records(whole)[0]["batch_size"] == 3
+    assert len({len(r["system"]) for r in _records(whole)[1:]}) > 1  # the rows were padded
+    assert _records(whole)[1:] == _records(single)[1:]
+    with pytest.raises(ValueError, match="pass the same settings"):
+        generate_self_prompts(model, tok, whole, 8, batch_size=2, **kw)
+    with pytest.raises(ValueError, match="batch_size must be"):
+        generate_self_prompts(model, tok, str(tmp_path / "x.jsonl"), 2, batch_size=0, **kw)
 
 
 def test_resume_with_other_settings_is_refused_before_sampling(tmp_path):

@@ -200,17 +200,18 @@ def test_evaluate_a_draft_with_a_vocabulary_subset():
 
 
 def test_init_from_draft_copies_weights_and_drops_vocab_subset(tmp_path):
-    """`fit --init FOLDER` warm start: a saved draft's weights (with a draft vocabulary subset, which is
-    dropped) load into a fresh draft of the same shape; a draft of another shape is refused."""
-    from safetensors.torch import load_file, save_file
+    """`fit --init FOLDER` warm start: a saved draft's weights (with a draft vocabulary subset, stored as the
+    shipped draft is: its own LM head rows and d2t offsets, which are dropped) load into a fresh draft of the same
+    shape; a draft of another shape is refused."""
+    from safetensors.torch import load_file
 
     from dflash_apps.train.trainer import init_from_draft
+    from dflash_apps.train.vocab import with_draft_vocab
 
     target = tiny_target()
     src = tiny_draft(target)
-    src.save_pretrained(str(tmp_path / "src"))
-    path = tmp_path / "src" / "model.safetensors"
-    save_file({**load_file(str(path)), "draft_token_ids": torch.arange(10)}, str(path))
+    with_draft_vocab(src, torch.arange(0, 20, 2)).save_pretrained(str(tmp_path / "src"), output_head=target.lm_head)
+    assert {"d2t", "lm_head.weight"} <= set(load_file(str(tmp_path / "src" / "model.safetensors")))
     fresh = tiny_draft(target)
     init_from_draft(fresh, str(tmp_path / "src"))
     for name, w in src.state_dict().items():

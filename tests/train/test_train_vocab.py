@@ -83,3 +83,18 @@ def test_cli_writes_the_subset_draft(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2 of 48 ids" in out and "held-out" in out
     assert DFlashDraftModel.from_pretrained(tmp_path / "sub").draft_token_ids.tolist() == [3, 7]
+
+
+def test_cli_includes_another_drafts_vocabulary(tmp_path, capsys):
+    target = make_target("qwen3")
+    make_draft(target, block_size=4).save_pretrained(tmp_path / "full")
+    with_draft_vocab(make_draft(target, block_size=4), torch.tensor([3, 20, 30])).save_pretrained(tmp_path / "old")
+    (tmp_path / "train").mkdir()
+    torch.save(_records(), tmp_path / "train" / "shard_00000.pt")
+    args = ["vocab", str(tmp_path / "full"), str(tmp_path / "sub"), "--data", str(tmp_path / "train"), "--coverage",
+            "0.5", "--vocab", "48"]
+    assert train_main(args + ["--include", str(tmp_path / "old")]) == 0
+    assert "4 of 48 ids (2 chosen from the data" in capsys.readouterr().out
+    assert DFlashDraftModel.from_pretrained(tmp_path / "sub").draft_token_ids.tolist() == [3, 7, 20, 30]
+    assert train_main(args + ["--include", str(tmp_path / "full")]) == 2  # no subset there: a one-line error
+    assert "has no vocabulary subset" in capsys.readouterr().err

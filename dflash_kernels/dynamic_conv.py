@@ -50,6 +50,26 @@ def grouped_dynamic_conv_reference(x: torch.Tensor, dynamic: torch.Tensor, base:
 
 
 @triton.jit
+def conv_taps(x_ptr, d_ptr, base_ptr, n, t, cols, m, H, G, stride_xn, stride_xt, stride_dn, stride_dt, stride_do,
+              TAPS: tl.constexpr):
+    """fp32 ``sum_o (base[o, c] + dynamic[n, t, o, c // G]) * x[n, t - o, c]`` over the K taps, at rows (n, t) and
+    channels ``cols`` (masked by ``m``; n, t scalars or tensors that broadcast against cols). A tap reaching before
+    the block's first row reads x as zero (``base * 0`` is still added, as the definition's zero padding does).
+    Every kernel that convolves a block (this op, ``add_rms_norm``'s finish, ``dynamic_conv_prepare``) runs it."""
+    for o in tl.static_range(TAPS):
+        ok = m & (t >= o)
+        xs = tl.load(x_ptr + n * stride_xn + (t - o) * stride_xt + cols, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(base_ptr + o * H + cols, mask=m, other=0.0).to(tl.float32)
+        dyn = tl.load(d_ptr + n * stride_dn + t * stride_dt + o * stride_do + cols // G, mask=ok,
+                      other=0.0).to(tl.float32)
+        if o == 0:
+            acc = (w + dyn) * xs
+        else:
+            acc += (w + dyn) * xs
+    return acc
+
+
+@triton.jit
 def _grouped_dynamic_conv_kernel(out_ptr, x_ptr, d_ptr, base_ptr, B, H, G,
                                  stride_xn, stride_xt, stride_dn, stride_dt, stride_do,
                                  TAPS: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -58,14 +78,8 @@ def _grouped_dynamic_conv_kernel(out_ptr, x_ptr, d_ptr, base_ptr, B, H, G,
     t = row % B
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     m = cols < H
-    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for o in tl.static_range(TAPS):
-        if t >= o:
-            xs = tl.load(x_ptr + n * stride_xn + (t - o) * stride_xt + cols, mask=m, other=0.0).to(tl.float32)
-            w = tl.load(base_ptr + o * H + cols, mask=m, other=0.0).to(tl.float32)
-            dyn = tl.load(d_ptr + n * stride_dn + t * stride_dt + o * stride_do + cols // G, mask=m,
-                          other=0.0).to(tl.float32)
-            acc += (w + dyn) * xs
+    acc = conv_taps(x_ptr, d_ptr, base_ptr, n, t, cols, m, H, G, stride_xn, stride_xt, stride_dn, stride_dt,
+                    stride_do, TAPS)
     tl.store(out_ptr + row * H + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -107,7 +121,7 @@ def grouped_dynamic_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Ten
     return out
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the memory spans of ``a`` and ``b`` (one storage) intersect."""
     if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
@@ -120,30 +134,45 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 <= b1 and b0 <= a1
 
 
-def _check_grouped_dynamic_conv(x, dynamic, base, out, backend):
-    op = GROUPED_DYNAMIC_CONV
-    check_tensor(op, "x", x, ndim=3, dtypes=FLOAT_DTYPES)
-    check_last_dim_contiguous(op, "x", x)
+def check_conv(op: str, x, dynamic, base, x_name: str = "x", dynamic_name: str = "dynamic",
+               base_name: str = "base") -> None:
+    """The operands of one convolution: x ``[N, B, H]`` float (last dim contiguous), its dynamic kernels
+    ``[N, B, K, H/G]`` in x's dtype (last dim contiguous, H/G dividing H), base ``[K, H]`` contiguous, K >= 1.
+    ``op`` and the names are the calling op's, for its messages."""
+    check_tensor(op, x_name, x, ndim=3, dtypes=FLOAT_DTYPES)
+    check_last_dim_contiguous(op, x_name, x)
     n, b, h = x.shape
-    check_tensor(op, "dynamic", dynamic, ndim=4, dtypes=(x.dtype,), device=x.device)
-    check_tensor(op, "base", base, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
+    check_tensor(op, dynamic_name, dynamic, ndim=4, dtypes=(x.dtype,), device=x.device)
+    check_tensor(op, base_name, base, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
     taps = base.shape[0]
     groups = dynamic.shape[-1]
     if groups == 0 or h % groups:
-        raise ValueError(f"{op}: dynamic's last dim (H/G groups) must divide H = {h}, got {groups}")
-    check_shape(op, "dynamic", dynamic, (n, b, taps, groups), "[N, B, K, H/G]: N, B from x, K from base")
-    check_last_dim_contiguous(op, "dynamic", dynamic)
-    check_shape(op, "base", base, (taps, h), "[K, H]")
+        raise ValueError(f"{op}: {dynamic_name}'s last dim (H/G groups) must divide H = {h}, got {groups}")
+    check_shape(op, dynamic_name, dynamic, (n, b, taps, groups), f"[N, B, K, H/G]: N, B from {x_name}, K from "
+                f"{base_name}")
+    check_last_dim_contiguous(op, dynamic_name, dynamic)
+    check_shape(op, base_name, base, (taps, h), "[K, H]")
     if taps == 0:
-        raise ValueError(f"{op}: base must have at least one tap (K >= 1), got shape {tuple(base.shape)}")
+        raise ValueError(f"{op}: {base_name} must have at least one tap (K >= 1), got shape {tuple(base.shape)}")
     if not base.is_contiguous():
-        raise ValueError(f"{op}: base must be contiguous; pass base.contiguous()")
+        raise ValueError(f"{op}: {base_name} must be contiguous; pass {base_name}.contiguous()")
+
+
+def check_conv_out(op: str, x, out, x_name: str = "x") -> None:
+    """``out``: a contiguous tensor of x's shape, dtype and device sharing no memory with x (row t of a
+    convolution reads rows t-K+1..t of x)."""
     check_tensor(op, "out", out, dtypes=(x.dtype,), device=x.device)
     if out.shape != x.shape or not out.is_contiguous():
-        raise ValueError(f"{op}: out must be a contiguous tensor of x's shape {tuple(x.shape)}, got "
+        raise ValueError(f"{op}: out must be a contiguous tensor of {x_name}'s shape {tuple(x.shape)}, got "
                          f"{tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}")
-    if _overlap(out, x):
-        raise ValueError(f"{op}: out overlaps x (row t reads rows t-K+1..t of x); write into another buffer")
+    if overlap(out, x):
+        raise ValueError(f"{op}: out overlaps {x_name} (row t reads rows t-K+1..t of {x_name}); write into another "
+                         "buffer")
+
+
+def _check_grouped_dynamic_conv(x, dynamic, base, out, backend):
+    check_conv(GROUPED_DYNAMIC_CONV, x, dynamic, base)
+    check_conv_out(GROUPED_DYNAMIC_CONV, x, out)
 
 
 @torch.library.custom_op("dflash::grouped_dynamic_conv", mutates_args=("out",))

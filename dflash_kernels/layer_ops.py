@@ -9,7 +9,9 @@ accountant should count them (x / gate_up rows that cannot be viewed as one [row
 cost one more launch, the copy, and its traffic):
   add_rms_norm  1 launch (none when x is empty); reads x, weight and, with ``residual``, the residual;
                 writes out and, with ``residual``, the residual:
-                N*H*e*(2 + 2*has_residual) + H*e_w, N = number of rows of x.
+                N*H*e*(2 + 2*has_residual) + H*e_w, N = number of rows of x. With a convolution (DFlash2's
+                ``finish`` in front of the add) also its dynamic kernels and base, once:
+                + N*K*(H/G)*e + K*H*e_b (the K-1 earlier rows of a tap come from cache).
   silu_mul      1 launch (none when empty); reads the [N, 2I] gate_up and writes the [N, I] output:
                 3*N*I*e.
 """
@@ -26,6 +28,7 @@ from dflash_kernels._dispatch import call_op, checked_by, lean_version_bump, reg
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, rms_norm_reference,
 )
+from dflash_kernels.dynamic_conv import check_conv, conv_taps, grouped_dynamic_conv_reference, overlap
 
 _BACKENDS = ("triton", "torch")  # and the wings' registered bodies (dflash_kernels.cpu)
 
@@ -50,22 +53,34 @@ ADD_RMS_NORM = "add_rms_norm"
 
 
 def add_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
-                           residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           residual: Optional[torch.Tensor] = None, conv_dynamic: Optional[torch.Tensor] = None,
+                           conv_base: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Definition (HF): ``residual += x`` in the dtype (in place), then ``RMSNorm(residual) * weight``;
-    without ``residual``, ``RMSNorm(x) * weight``."""
+    without ``residual``, ``RMSNorm(x) * weight``. With ``conv_dynamic`` / ``conv_base``, x is first replaced by
+    its grouped dynamic convolution (:func:`dflash_kernels.dynamic_conv.grouped_dynamic_conv_reference`)."""
+    if conv_dynamic is not None:
+        x = grouped_dynamic_conv_reference(x, conv_dynamic, conv_base)
     if residual is not None:
         x = residual.add_(x)
     return rms_norm_reference(x, weight, eps)
 
 
 @triton.jit
-def _add_rms_norm_kernel(out_ptr, x_ptr, res_ptr, w_ptr, H, stride_x, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr):
+def _add_rms_norm_kernel(out_ptr, x_ptr, res_ptr, w_ptr, d_ptr, base_ptr, H, B, G, stride_x, stride_xn,
+                         stride_dn, stride_dt, stride_do, eps,
+                         HAS_RESIDUAL: tl.constexpr, TAPS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One row. TAPS > 0: x is [N, B, H] (rows ``stride_xn`` / ``stride_x`` apart) and the row's value is its
+    convolution, rounded to the dtype once (as ``grouped_dynamic_conv`` stores it); TAPS = 0: rows ``stride_x``
+    apart."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     m = offs < H
     dtype = out_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+    if TAPS > 0:
+        x = _round_to(conv_taps(x_ptr, d_ptr, base_ptr, row // B, row % B, offs, m, H, G, stride_xn, stride_x,
+                                stride_dn, stride_dt, stride_do, TAPS), dtype)
+    else:
+        x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * H + offs, mask=m, other=0.0).to(tl.float32)
         x = _round_to(x + r, dtype)
@@ -76,21 +91,34 @@ def _add_rms_norm_kernel(out_ptr, x_ptr, res_ptr, w_ptr, H, stride_x, eps,
     tl.store(out_ptr + row * H + offs, _round_to(y, dtype).to(dtype), mask=m)
 
 
-def _add_rms_norm_triton(x, weight, eps, residual, out) -> None:
+def _add_rms_norm_triton(x, weight, eps, residual, out, conv_dynamic=None, conv_base=None) -> None:
     h = x.shape[-1]
     if out.numel() == 0:
         return
-    x2 = x.reshape(-1, h)
     block_h = next_pow2(h)
-    _add_rms_norm_kernel[(x2.shape[0],)](
-        out_ptr=out, x_ptr=x2, res_ptr=x2 if residual is None else residual, w_ptr=weight, H=h,
-        stride_x=x2.stride(0), eps=float(eps), HAS_RESIDUAL=residual is not None, BLOCK_H=block_h,
-        num_warps=1 if interpreting() else min(16, max(1, block_h // 512)),
+    if conv_dynamic is None:
+        x2 = x.reshape(-1, h)
+        conv = dict(d_ptr=x2, base_ptr=x2, B=1, G=1, stride_x=x2.stride(0), stride_xn=0, stride_dn=0, stride_dt=0,
+                    stride_do=0, TAPS=0)
+    else:  # [N, B, H] rows (validated), convolved in the kernel
+        x2 = x
+        conv = dict(d_ptr=conv_dynamic, base_ptr=conv_base, B=x.shape[1], G=h // conv_dynamic.shape[-1],
+                    stride_x=x.stride(1), stride_xn=x.stride(0), stride_dn=conv_dynamic.stride(0),
+                    stride_dt=conv_dynamic.stride(1), stride_do=conv_dynamic.stride(2), TAPS=conv_base.shape[0])
+    _add_rms_norm_kernel[(out.numel() // h,)](
+        out_ptr=out, x_ptr=x2, res_ptr=x2 if residual is None else residual, w_ptr=weight, H=h, eps=float(eps),
+        HAS_RESIDUAL=residual is not None, BLOCK_H=block_h,
+        num_warps=1 if interpreting() else min(16, max(1, block_h // 512)), **conv,
     )
 
 
-def _validate_add_rms_norm(x, weight, eps, residual, out):
+def _validate_add_rms_norm(x, weight, eps, residual, out, conv_dynamic=None, conv_base=None):
     op = ADD_RMS_NORM
+    if (conv_dynamic is None) != (conv_base is None):
+        raise ValueError(f"{op}: pass conv_dynamic and conv_base together (a convolution of x before the add), or "
+                         "neither")
+    if conv_dynamic is not None:
+        check_conv(op, x, conv_dynamic, conv_base, dynamic_name="conv_dynamic", base_name="conv_base")
     check_tensor(op, "x", x, dtypes=FLOAT_DTYPES)
     if x.dim() < 1:
         raise ValueError(f"{op}: x must be [..., H] with at least one dim, got a 0-d tensor")
@@ -114,10 +142,16 @@ def _validate_add_rms_norm(x, weight, eps, residual, out):
                              f"{tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}")
     if not isinstance(eps, (float, int)) or eps < 0:
         raise ValueError(f"{op}: eps must be a non-negative float, got {eps!r}")
+    if conv_dynamic is not None:  # row t is read by rows t..t+K-1: nothing may be written over x
+        for name, t in (("out", out), ("residual", residual)):
+            if t is not None and overlap(t, x):
+                raise ValueError(f"{op}: {name} overlaps x, which the convolution reads across rows; write into "
+                                 "another buffer")
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
                  residual: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                 conv_dynamic: Optional[torch.Tensor] = None, conv_base: Optional[torch.Tensor] = None,
                  backend: str = "auto", validate: bool = True) -> torch.Tensor:
     """Residual add and RMSNorm of a decoder layer (HF ``hidden = residual + hidden; norm(hidden)``).
 
@@ -130,6 +164,11 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
             to ``residual + x`` rounded to the dtype, and that sum is what gets normalised.
         out: None, or a contiguous tensor of x's shape and dtype to write the result into (e.g. rows of a
             buffer that a following GEMM reads together with other rows).
+        conv_dynamic, conv_base: None, or a grouped dynamic causal convolution of x (``[N, B, H]``) applied before
+            the add, as :func:`dflash_kernels.grouped_dynamic_conv` takes them (``[N, B, K, H/G]`` in x's dtype,
+            ``[K, H]``): DFlash2's ``finish`` after a sublayer, fused into the residual add and the next norm
+            (one launch instead of two, and the convolved rows are never written). Rounded to the dtype once
+            before the add, as that op stores it.
         backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"``: CPU tensors, torch's fused RMSNorm).
         validate: check the arguments first (default; ``torch.ops.dflash.add_rms_norm`` always does).
             ``False`` takes the internal unchecked path (``_dispatch.call_op(checked=True)``), for a caller that
@@ -143,32 +182,38 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     chosen = resolve_backend(ADD_RMS_NORM, backend, x.device, available=_BACKENDS)
     if out is None:
         out = x.new_empty(x.shape)
-    call_op(_add_rms_norm_op, x, weight, eps, residual, out, chosen, device=x.device, checked=not validate)
+    call_op(_add_rms_norm_op, x, weight, eps, residual, out, conv_dynamic, conv_base, chosen, device=x.device,
+            checked=not validate)
     return out
 
 
-def _check_add_rms_norm(x, weight, eps, residual, out, backend):
-    _validate_add_rms_norm(x, weight, eps, residual, out)
+def _check_add_rms_norm(x, weight, eps, residual, out, conv_dynamic, conv_base, backend):
+    _validate_add_rms_norm(x, weight, eps, residual, out, conv_dynamic, conv_base)
 
 
 @torch.library.custom_op("dflash::add_rms_norm", mutates_args=("residual", "out"))
 @checked_by(_check_add_rms_norm)
 def _add_rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor],
-                     out: torch.Tensor, backend: str) -> None:
-    """``torch.ops.dflash.add_rms_norm``: :func:`add_rms_norm` after validation (writes residual and out)."""
+                     out: torch.Tensor, conv_dynamic: Optional[torch.Tensor], conv_base: Optional[torch.Tensor],
+                     backend: str) -> None:
+    """``torch.ops.dflash.add_rms_norm``: :func:`add_rms_norm` after validation (writes residual and out). A
+    convolution runs in the Triton kernel; elsewhere it is the convolution's reference (its "cpu" and "torch"
+    body), then the add and norm as without one."""
     chosen = resolve_backend(ADD_RMS_NORM, backend, x.device, available=_BACKENDS)
+    if chosen == "triton":
+        _add_rms_norm_triton(x, weight, eps, residual, out, conv_dynamic, conv_base)
+        return
+    if conv_dynamic is not None:
+        x = grouped_dynamic_conv_reference(x, conv_dynamic, conv_base)
     body = registered(ADD_RMS_NORM, chosen)
     if body is not None:
         body(x, weight, eps, residual, out)
         return
-    if chosen == "torch":
-        out.copy_(add_rms_norm_reference(x, weight, eps, residual=residual))
-        return
-    _add_rms_norm_triton(x, weight, eps, residual, out)
+    out.copy_(add_rms_norm_reference(x, weight, eps, residual=residual))
 
 
 @_add_rms_norm_op.register_fake
-def _add_rms_norm_fake(x, weight, eps, residual, out, backend):
+def _add_rms_norm_fake(x, weight, eps, residual, out, conv_dynamic, conv_base, backend):
     return None
 
 

@@ -3,7 +3,8 @@ import os
 import pytest
 import torch
 
-from dflash_kernels import add_rms_norm, silu_mul
+from dflash_kernels import add_rms_norm, grouped_dynamic_conv, silu_mul
+from dflash_kernels.dynamic_conv import grouped_dynamic_conv_reference
 from dflash_kernels.layer_ops import add_rms_norm_reference, silu_mul_reference
 from helpers.device import DEVICE
 from helpers.tol import assert_within_rule
@@ -46,6 +47,84 @@ def _check_norm(x, w, res, backend, eps=1e-6):
 def test_add_rms_norm(backend, dtype, shape, with_residual):
     x, res, w = _norm_inputs(shape, dtype)
     _check_norm(x, w, res if with_residual else None, backend)
+
+
+def _conv_operands(n, b, h, k, g, dtype):
+    """A convolution's dynamic kernels (side 1 of one [N, B, 2, K, H/G] projection output, as the engine passes
+    them) and base [K, H] (fp32, as a checkpoint stores it)."""
+    proj = (0.5 * torch.randn(n, b, 2, k, h // g, device=DEVICE)).to(dtype)
+    return proj[:, :, 1], torch.randn(k, h, device=DEVICE)
+
+
+# (N, B, H, K, G): odd block sizes, more taps than rows, G = 1 and G = H, one row, empty batches
+CONV_SHAPES = [(2, 5, 24, 3, 6), (3, 7, 40, 4, 8), (1, 2, 12, 5, 12), (2, 16, 96, 2, 1), (0, 4, 16, 2, 4),
+               (3, 1, 8, 3, 2), (1, 3, 1030, 2, 10)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", CONV_SHAPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_with_conv(backend, dtype, shape, with_residual):
+    """DFlash2's finish fused in front of the add: the output by the 2x rule against the reference (the
+    convolution's reference, then add_rms_norm's), the residual exactly the residual + the rounded convolution."""
+    x, res, w = _norm_inputs(shape[:2] + shape[2:3], dtype)
+    x = x.to(DEVICE)
+    res, w = res.to(DEVICE), w.to(DEVICE)
+    dynamic, base = _conv_operands(*shape, dtype)
+    res = res if with_residual else None
+    before = None if res is None else res.clone()
+    inputs = [t.clone() for t in (x, dynamic, base, w)]
+    out = torch.full(x.shape, float("nan"), dtype=dtype, device=DEVICE)  # an element not written stays NaN
+    assert add_rms_norm(x, w, 1e-6, residual=res, out=out, conv_dynamic=dynamic, conv_base=base,
+                        backend=backend) is out
+    assert all(torch.equal(a, b) for a, b in zip((x, dynamic, base, w), inputs)), "an input was written"
+    copy = None if before is None else before.clone()
+    lowp = add_rms_norm_reference(x, w, 1e-6, residual=copy, conv_dynamic=dynamic, conv_base=base)
+    ref64 = add_rms_norm_reference(x.double(), w.double(), 1e-6, residual=None if before is None else before.double(),
+                                   conv_dynamic=dynamic.double(), conv_base=base.double())
+    assert_within_rule(out, ref64, lowp, "add_rms_norm with a convolution")
+    if res is not None:  # the convolution as each backend rounds it: the reference per tap, the kernel once
+        conv = (grouped_dynamic_conv(x.float(), dynamic.float(), base, backend=backend).to(dtype)
+                if backend == "triton" else grouped_dynamic_conv_reference(x, dynamic, base))
+        assert torch.equal(res, before + conv), "residual must become residual + the convolution, in the dtype"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_conv_equals_the_two_ops(backend):
+    """Fused and unfused (grouped_dynamic_conv, then add_rms_norm) give the same bits: fp32, where the
+    interpreter's stores round as the GPU's do."""
+    x, res, w = _norm_inputs((3, 7, 40), torch.float32)
+    dynamic, base = _conv_operands(3, 7, 40, 4, 8, torch.float32)
+    res2 = res.clone()
+    fused = add_rms_norm(x, w, 1e-6, residual=res, conv_dynamic=dynamic, conv_base=base, backend=backend)
+    two = add_rms_norm(grouped_dynamic_conv(x, dynamic, base, backend=backend), w, 1e-6, residual=res2,
+                       backend=backend)
+    assert torch.equal(fused, two) and torch.equal(res, res2)
+
+
+def test_conv_bad_arguments_raise_before_work():
+    x, res, w = _norm_inputs((2, 5, 24), torch.float32)
+    dynamic, base = _conv_operands(2, 5, 24, 3, 6, torch.float32)
+    out = torch.full_like(x, float("nan"))
+    before = res.clone()
+    with pytest.raises(ValueError, match="pass conv_dynamic and conv_base together"):
+        add_rms_norm(x, w, residual=res, out=out, conv_dynamic=dynamic)
+    with pytest.raises(ValueError, match=r"add_rms_norm: x must be 3-D|add_rms_norm: x must have 3 dim"):
+        add_rms_norm(x[0], w, out=out[0], conv_dynamic=dynamic, conv_base=base)
+    with pytest.raises(ValueError, match=r"conv_dynamic must have shape \(2, 5, 3, 4\)"):
+        add_rms_norm(x, w, residual=res, out=out, conv_dynamic=dynamic[:, :, :2], conv_base=base)
+    with pytest.raises(TypeError, match="add_rms_norm: conv_dynamic has dtype"):
+        add_rms_norm(x, w, residual=res, out=out, conv_dynamic=dynamic.double(), conv_base=base)
+    with pytest.raises(ValueError, match=r"conv_base must have shape \(3, 24\)"):
+        add_rms_norm(x, w, residual=res, out=out, conv_dynamic=dynamic, conv_base=base[:, :20])
+    with pytest.raises(ValueError, match="out overlaps x"):
+        add_rms_norm(x, w, residual=res, out=x, conv_dynamic=dynamic, conv_base=base)
+    with pytest.raises(ValueError, match="residual overlaps x"):
+        add_rms_norm(x, w, residual=x, out=out, conv_dynamic=dynamic, conv_base=base)
+    with pytest.raises(ValueError, match="add_rms_norm: conv_dynamic and conv_base|pass conv_dynamic"):
+        torch.ops.dflash.add_rms_norm(x, w, 1e-6, res, out, None, base, "auto")
+    assert torch.isnan(out).all() and torch.equal(res, before), "a rejected call wrote out or the residual"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -178,9 +257,13 @@ def test_wrong_device():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_opcheck(backend):
     x, res, w = _norm_inputs((2, 3, 20), torch.bfloat16)
-    torch.library.opcheck(torch.ops.dflash.add_rms_norm.default, (x, w, 1e-6, res, torch.empty_like(x), backend))
-    torch.library.opcheck(torch.ops.dflash.add_rms_norm.default, (x, w.float(), 1e-5, None, torch.empty_like(x),
+    torch.library.opcheck(torch.ops.dflash.add_rms_norm.default, (x, w, 1e-6, res, torch.empty_like(x), None, None,
                                                                   backend))
+    torch.library.opcheck(torch.ops.dflash.add_rms_norm.default, (x, w.float(), 1e-5, None, torch.empty_like(x),
+                                                                  None, None, backend))
+    dynamic, base = _conv_operands(2, 3, 20, 2, 5, torch.bfloat16)
+    torch.library.opcheck(torch.ops.dflash.add_rms_norm.default, (x, w, 1e-6, res, torch.empty_like(x), dynamic,
+                                                                  base, backend))
     torch.library.opcheck(torch.ops.dflash.silu_mul.default, (torch.randn(2, 3, 40), backend))
 
 

@@ -207,7 +207,7 @@ class AddRmsNorm:
 
     def registered(self, backend):
         out = torch.empty(self.x.shape, dtype=self.x.dtype)
-        torch.ops.dflash.add_rms_norm(self.x, self.weight, self.eps, self.residual, out, backend)
+        torch.ops.dflash.add_rms_norm(self.x, self.weight, self.eps, self.residual, out, None, None, backend)
         return [out] + ([] if self.residual is None else [self.residual])
 
     def reference(self):

@@ -23,7 +23,7 @@ Model, per recorded op (a model, not a measurement):
             logsumexp of the fp32 draft logits (assumed 9 kernels: amax, abs, eq, masked_fill_, sub,
             exp_, sum, log_, add_; +1 fp32 copy of 16-bit logits), tree_ancestor_mask 1,
             tree_accept_greedy 2, tree_accept_sample 3 (+ threshold), tree_compact 1. DFlash2 drafts
-            (``--draft dflash2``): grouped_dynamic_conv 1, candidate_select 1.
+            (``--draft dflash2``): grouped_dynamic_conv 1, dynamic_conv_prepare 1, candidate_select 1.
   bytes     every distinct tensor operand read once and every output written once (stride-0,
             broadcast dimensions count once); an in-place op's mutated operand is written once and
             also read, except pure overwrites (copy_, fill_, zero_). Gathers and scatters move only
@@ -45,8 +45,10 @@ Model, per recorded op (a model, not a measurement):
             candidates; a tree verify_attention also reads its depths and ancestor mask;
             tree_compact moves every accepted depth's K/V rows in every layer (an upper bound: all
             B - 1 depths accepted, none already in place). grouped_dynamic_conv reads x, its dynamic
-            kernels and base once and writes the output; candidate_select reads the logits and projections
-            once and, per position, the k candidates' and the predecessor's codebook rows, and writes path,
+            kernels and base once and writes the output (add_rms_norm's convolution: the same reads, nothing
+            written); dynamic_conv_prepare reads x, the projection and base once and writes the output
+            and both sides' dynamic kernels; candidate_select reads the logits and projections once and,
+            per position, the k candidates' and the predecessor's codebook rows, and writes path,
             candidates and q.
   FLOPs     mm / bmm / addmm 2*M*N*K; the attention ops 4*B*nH*D*(context + B) per request;
             fused_context and gate_up_silu their GEMMs (+ 4 per gate_up_silu output); everything else
@@ -278,9 +280,11 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
         small = nbytes([q, k, v, *args[5:9]]) + nbytes([args[15]] if name == "draft_attention" else args[16:18])
         return (1 + (splits > 1), small + live + written + partials + memset + distinct_bytes(out),
                 4 * n * b * nh * d * (context + b))
-    if name == "add_rms_norm":  # x, weight (and the residual, read and written in place) -> out
-        x, weight, residual, out = args[0], args[1], args[3], args[4]
-        return 1, nbytes([x, weight]) + 2 * nbytes([residual]) + distinct_bytes(out), 4 * x.numel()
+    if name == "add_rms_norm":  # x, weight (and the residual, read and written in place) -> out; + a convolution's
+        x, weight, residual, out, conv_dynamic, conv_base = args[0], args[1], *args[3:7]  # dynamic kernels, base
+        conv_flops = 0 if conv_dynamic is None else 2 * x.numel() * conv_base.shape[0]
+        return (1, nbytes([x, weight, conv_dynamic, conv_base]) + 2 * nbytes([residual]) + distinct_bytes(out),
+                4 * x.numel() + conv_flops)
     if name == "silu_mul":
         return 1, distinct_bytes(args[0]) + distinct_bytes(out), 4 * out.numel()
     if name == "gate_up_silu":  # (x, weight, out, backend): the kernel module's own launch/byte rule
@@ -329,11 +333,15 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
     if name == "grouped_dynamic_conv":  # (x, dynamic, base, out, backend)
         x, dynamic, base = args[:3]
         return 1, nbytes(args[:3]) + distinct_bytes(args[3]), 2 * x.numel() * base.shape[0]
-    if name == "candidate_select":  # (logits, projected, predecessor, successor, anchor, top_k, temperature, ...)
-        logits, projected, predecessor, top_k = args[0], args[1], args[2], args[5]
+    if name == "dynamic_conv_prepare":  # (x, projection, base, out, dynamic, backend): GEMM + conv epilogue
+        x, projection, base = args[:3]
+        gemm = 2 * x.numel() * projection.shape[0]
+        return 1, nbytes(args[:3]) + nbytes(args[3:5]), gemm + 2 * x.numel() * base.shape[0]
+    if name == "candidate_select":  # (logits, projected, predecessor, successor, anchor, top_k, temperature, seed,
+        logits, projected, predecessor, top_k = args[0], args[1], args[2], args[5]  # offset, path, candidates, q)
         positions, rank = logits.numel() // logits.shape[-1], predecessor.shape[1]
         rows = positions * (top_k + 1) * rank * predecessor.element_size()  # k successor rows + 1 predecessor row
-        return (1, nbytes([logits, projected, args[4], *args[6:9]]) + rows + nbytes(out),
+        return (1, nbytes([logits, projected, args[4], *args[6:9]]) + rows + nbytes(args[9:12]),
                 positions * (logits.shape[-1] + 3 * top_k * rank))
     raise ValueError(f"traffic: no cost contract for torch.ops.dflash.{name}; add one to dflash_cost")
 

@@ -24,10 +24,12 @@ write):
                stacked under the block rows, so the K/V weights are read once per step; their K/V go to
                the layer's context cache (inject_context_kv: k_norm + RoPE + cache write) before its
                attention: eight kernels per draft layer. A DFlash2 draft also convolves each request's block
-               rows around attention and around the MLP (the kernel projections by the steps' GEMM, the four
-               convolutions of a layer by ``grouped_dynamic_conv``) and proposes the candidate selector's
-               walk from the anchor (``candidate_select``: its argmax, or when sampling its draws, whose
-               candidates and q the verify step's rejection sampling takes).
+               rows around attention and around the MLP: ``prepare`` before a sublayer (the kernel projection
+               with the convolution in its epilogue, ``dynamic_conv_prepare``; on CPU the steps' GEMM, then
+               ``grouped_dynamic_conv``), ``finish`` after it fused into the next ``add_rms_norm``: ten
+               kernels per layer. It proposes the candidate selector's walk from the anchor
+               (``candidate_select``: its argmax, or when sampling its draws, whose candidates and q the
+               verify step's rejection sampling takes), written into the engine's buffers.
   verify step  lean target forward over [anchor, proposals] at positions[r] (verify_attention writes
                the block's K/V into the target cache; taps into a buffer), verify_greedy /
                verify_sample (a DFlash2 draft's q over its candidates as draft_probs), commit_round (tokens,
@@ -62,9 +64,9 @@ from dflash.results import GenerateResult, device_clock
 from dflash.sampling import GREEDY_EPS, SamplingParams, sample
 from dflash_kernels import (
     add_rms_norm, backend_traits, build_tree, candidate_select, commit_round, default_backend, draft_attention,
-    draft_round_setup, first_token_done, fused_context, grouped_dynamic_conv, inject_context_kv, tree_accept_greedy,
-    tree_accept_greedy_tokens, tree_accept_sample, tree_ancestor_mask, tree_compact, verify_greedy,
-    verify_greedy_tokens, verify_sample,
+    draft_round_setup, dynamic_conv_prepare, first_token_done, fused_context, grouped_dynamic_conv, inject_context_kv,
+    tree_accept_greedy, tree_accept_greedy_tokens, tree_accept_sample, tree_ancestor_mask, tree_compact,
+    verify_greedy, verify_greedy_tokens, verify_sample,
 )
 
 
@@ -268,13 +270,19 @@ class DFlashEngine:
         return fused_context(features, draft.fc.weight, draft.hidden_norm.weight, eps, out=out, backend=self.backend)
 
     def _conv_prepare(self, conv, x: torch.Tensor, out: torch.Tensor | None = None):
-        """DFlash2's ``GroupedDynamicCausalConv.prepare`` on x [n, B, H]: both sides' dynamic kernels by the steps'
-        ``linear``, side 0's convolution by ``grouped_dynamic_conv`` (into ``out`` when given) -> (convolved x,
-        side 1's dynamic kernels [n, B, K, H/G], a view, for the convolution after the sublayer)."""
-        n, B = x.shape[:2]
-        dynamic = self.linear(x, conv.kernel_projection.weight).view(n, B, 2, conv.kernel_size, -1)
-        return (grouped_dynamic_conv(x, dynamic[:, :, 0], conv.base_kernel[0], out=out, backend=self.backend),
-                dynamic[:, :, 1])
+        """DFlash2's ``GroupedDynamicCausalConv.prepare`` on x [n, B, H] -> (convolved x, into ``out`` when given;
+        ``finish``: the keyword arguments of the ``add_rms_norm`` after the sublayer that convolve its input, side 1's
+        dynamic kernels [n, B, K, H/G] (a view) and ``base_kernel[1]``). ``dynamic_conv_prepare`` (the projection
+        GEMM with side 0's convolution in its epilogue, one launch); where the backend's own linear kernel is the
+        faster GEMM (not ``fused_gemm``), the steps' ``linear``, then ``grouped_dynamic_conv``."""
+        if self.traits.fused_gemm:
+            x, dynamic = dynamic_conv_prepare(x, conv.kernel_projection.weight, conv.base_kernel[0], out=out,
+                                              backend=self.backend)
+        else:
+            n, B = x.shape[:2]
+            dynamic = self.linear(x, conv.kernel_projection.weight).view(n, B, 2, conv.kernel_size, -1)
+            x = grouped_dynamic_conv(x, dynamic[:, :, 0], conv.base_kernel[0], out=out, backend=self.backend)
+        return x, dict(conv_dynamic=dynamic[:, :, 1], conv_base=conv.base_kernel[1])
 
     def _inject(self, li: int, kv: torch.Tensor, cu_lens, cache_lens, cache_batch_idx=None):
         """Layer ``li``'s context rows into its cache; ``kv`` [M, 2*kvH*D] holds their k_proj and v_proj columns."""
@@ -301,16 +309,19 @@ class DFlashEngine:
         h = F.embedding(self.draft_block, self.target_model.get_input_embeddings().weight).to(ctx.dtype)
         if cfg.input_embedding_scale != 1.0:
             h = h * cfg.input_embedding_scale
-        # The residual stream h is updated in place: each sub-block's add is fused into the next norm.
+        # The residual stream h is updated in place: each sub-block's add is fused into the next norm. A DFlash2
+        # draft convolves each request's block rows around both sublayers: prepare (_conv_prepare) before one, its
+        # finish fused into the add_rms_norm after it (``finish``: that call's convolution arguments).
         delta = None
-        dflash2 = cfg.dflash2 is not None  # convolutions over each request's block around both sublayers
+        finish = {}
+        dflash2 = cfg.dflash2 is not None
         for li, layer in enumerate(draft.layers):
             attn, norm = layer.self_attn, layer.input_layernorm
             normed = add_rms_norm(h if delta is None else delta, norm.weight, norm.eps,
                                   residual=None if delta is None else h, out=None if dflash2 else x_block,
-                                  backend=self.backend)
+                                  backend=self.backend, **finish)
             if dflash2:
-                kernel = self._conv_prepare(layer.attention_conv, normed, out=x_block)[1]
+                finish = self._conv_prepare(layer.attention_conv, normed, out=x_block)[1]
             qkv = self.linear(self.layer_in, self.qkv[li])  # block rows, then context rows
             q_cols, kv_cols = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
             # All B rows of every request are written; only num_new of them become valid context
@@ -324,29 +335,24 @@ class DFlashEngine:
                                 eps=cfg.rms_norm_eps, sliding_window=attn.window, causal=attn.causal,
                                 max_context_len=self.kv_bound, block_lens=self.block_lens, backend=self.backend)
             delta = self.linear(o.reshape(n, B, -1), attn.o_proj.weight)
-            if dflash2:
-                delta = grouped_dynamic_conv(delta, kernel, layer.attention_conv.base_kernel[1], backend=self.backend)
             norm = layer.post_attention_layernorm
-            x = add_rms_norm(delta, norm.weight, norm.eps, residual=h, backend=self.backend)
+            x = add_rms_norm(delta, norm.weight, norm.eps, residual=h, backend=self.backend, **finish)
             if dflash2:
-                x, kernel = self._conv_prepare(layer.mlp_conv, x)
+                x, finish = self._conv_prepare(layer.mlp_conv, x)
             act = gate_up_act(x, self.gate_up[li], None, backend=self.backend, linear=self.linear)
             delta = self.linear(act, layer.mlp.down_proj.weight)
-            if dflash2:
-                delta = grouped_dynamic_conv(delta, kernel, layer.mlp_conv.base_kernel[1], backend=self.backend)
-        x = add_rms_norm(delta, draft.norm.weight, draft.norm.eps, residual=h, backend=self.backend)
+        x = add_rms_norm(delta, draft.norm.weight, draft.norm.eps, residual=h, backend=self.backend, **finish)
         if dflash2:  # the selector's walk from each request's anchor (rows past a tail block: unused)
             selector = draft.candidate_selector
-            path, candidates, q = candidate_select(
-                draft.block_logits(x, self.target_model.lm_head, self.linear),
-                self.linear(x, selector.hidden_projection.weight)[:, 1:],  # x: no copy
-                selector.predecessor_codebook, selector.successor_codebook, self.anchor, top_k=selector.top_k,
-                temperature=None if self.sampling.greedy else self.temperature, seed=self.seed, offset=self.offset,
-                backend=self.backend)
-            self.proposals.copy_(path)
-            if not self.sampling.greedy:
-                self.candidates.copy_(candidates)
-                self.draft_q.copy_(q)
+            # The LM head over all B rows (x is contiguous: no copy of rows 1..B-1 for the GEMM); a DFlash2 draft
+            # proposes from rows 1..B-1 over the full vocabulary (DFlashConfig checks both), so those are its logits.
+            logits = draft.compute_logits(x.to(self.target_model.lm_head.weight.dtype), self.target_model.lm_head,
+                                          self.linear)[:, 1:]
+            candidate_select(logits, self.linear(x, selector.hidden_projection.weight)[:, 1:],
+                             selector.predecessor_codebook, selector.successor_codebook, self.anchor,
+                             top_k=selector.top_k, temperature=None if self.sampling.greedy else self.temperature,
+                             seed=self.seed, offset=self.offset, out=(self.proposals, self.candidates, self.draft_q),
+                             backend=self.backend)
         elif self.tree_budget is None:
             draft.propose(x, self.target_model.lm_head, out=self.proposals, linear=self.linear)
         else:  # tree mode: the verify step builds the tree from all of the block's logits

@@ -29,6 +29,7 @@ from dflash_kernels._triton_utils import (
     interpreting, next_pow2,
 )
 from dflash_kernels import verify
+from dflash_kernels.dynamic_conv import overlap
 from dflash_kernels.verify import _rng_for
 
 CANDIDATE_SELECT = "candidate_select"
@@ -172,13 +173,11 @@ def _candidate_select_kernel(path_ptr, cand_ptr, q_ptr, logits_ptr, proj_ptr, pr
         prev = token
 
 
-def _candidate_select_triton(logits, projected, predecessor, successor, anchor, top_k, temperature, seed, offset):
+def _candidate_select_triton(logits, projected, predecessor, successor, anchor, top_k, temperature, seed, offset,
+                             path, candidates, q) -> None:
     n, p, v = logits.shape
-    path = torch.empty((n, p), dtype=torch.int64, device=logits.device)
-    candidates = torch.empty((n, p, top_k), dtype=torch.int64, device=logits.device)
-    q = torch.empty((n, p, top_k), dtype=torch.float32, device=logits.device)
     if n == 0 or p == 0:
-        return path, candidates, q
+        return
     sample = temperature is not None
     _candidate_select_kernel[(n,)](
         path, candidates, q, logits, projected, predecessor, successor, anchor,
@@ -189,12 +188,12 @@ def _candidate_select_triton(logits, projected, predecessor, successor, anchor, 
         BLOCK_V=min(next_pow2(v), 4096 if interpreting() else 1024),
         BLOCK_K=next_pow2(top_k), BLOCK_R=next_pow2(predecessor.shape[1]), num_warps=4,
     )
-    return path, candidates, q
 
 
 def candidate_select(logits: torch.Tensor, projected: torch.Tensor, predecessor: torch.Tensor,
                      successor: torch.Tensor, anchor: torch.Tensor, *, top_k: int,
-                     temperature: Optional[torch.Tensor] = None, seed=0, offset=0, backend: str = "auto"):
+                     temperature: Optional[torch.Tensor] = None, seed=0, offset=0,
+                     out: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None, backend: str = "auto"):
     """DFlash2's candidate selection for all P proposal positions of all N requests.
 
     Args:
@@ -206,21 +205,33 @@ def candidate_select(logits: torch.Tensor, projected: torch.Tensor, predecessor:
         temperature: ``None`` (greedy: argmax of the scores), or an fp32/fp64 tensor ``[1]`` or ``[N]``: requests
             with T > 0 sample from ``softmax(score / T)``, T <= 0 take the argmax.
         seed, offset: ints or 1-element int32/int64 tensors (Philox key and counter offset, read on the device).
+        out: ``None``, or the three result tensors to write (contiguous ``[N, P]`` int64, ``[N, P, k]`` int64,
+            ``[N, P, k]`` fp32, sharing no memory with each other or the inputs): a runtime's persistent buffers,
+            which the verify step reads (no copy).
         backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"`` is the reference).
 
     Returns:
-        ``(path [N, P] int64, candidates [N, P, k] int64, q [N, P, k] fp32)`` as
+        ``(path [N, P] int64, candidates [N, P, k] int64, q [N, P, k] fp32)`` (``out``'s tensors, or new ones) as
         :func:`candidate_select_reference`; greedy results equal it exactly (up to fp32 score ties).
     """
     chosen = resolve_backend(CANDIDATE_SELECT, backend, logits.device, available=_BACKENDS)
     seed_t = as_index_tensor(CANDIDATE_SELECT, "seed", seed, logits.device)
     offset_t = as_index_tensor(CANDIDATE_SELECT, "offset", offset, logits.device)
-    return call_op(_candidate_select_op, logits, projected, predecessor, successor, anchor, top_k, temperature,
-                   seed_t, offset_t, chosen, device=logits.device)
+    if out is None:
+        n, p = logits.shape[:2] if isinstance(logits, torch.Tensor) and logits.dim() == 3 else (0, 0)
+        k = top_k if isinstance(top_k, int) and top_k > 0 else 0
+        out = (torch.empty((n, p), dtype=torch.int64, device=logits.device),
+               torch.empty((n, p, k), dtype=torch.int64, device=logits.device),
+               torch.empty((n, p, k), dtype=torch.float32, device=logits.device))
+    elif not isinstance(out, (tuple, list)) or len(out) != 3:
+        raise TypeError(f"{CANDIDATE_SELECT}: out must be None or a tuple (path, candidates, q) of three tensors")
+    call_op(_candidate_select_op, logits, projected, predecessor, successor, anchor, top_k, temperature, seed_t,
+            offset_t, *out, chosen, device=logits.device)
+    return tuple(out)
 
 
 def _check_candidate_select(logits, projected, predecessor, successor, anchor, top_k, temperature, seed, offset,
-                            backend):
+                            path, candidates, q, backend):
     op = CANDIDATE_SELECT
     check_tensor(op, "logits", logits, ndim=3, dtypes=FLOAT_DTYPES)
     check_last_dim_contiguous(op, "logits", logits)
@@ -246,29 +257,42 @@ def _check_candidate_select(logits, projected, predecessor, successor, anchor, t
             raise ValueError(f"{op}: temperature must be [1] or [N={n}], got {tuple(temperature.shape)}")
     for name, t in (("seed", seed), ("offset", offset)):
         as_index_tensor(op, name, t, device)
+    results = (("path", path, torch.int64, (n, p)), ("candidates", candidates, torch.int64, (n, p, top_k)),
+               ("q", q, torch.float32, (n, p, top_k)))
+    for name, t, dtype, shape in results:
+        check_tensor(op, name, t, dtypes=(dtype,), device=device)
+        if tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"{op}: {name} (out) must be a contiguous {list(shape)} tensor, got "
+                             f"{tuple(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}")
+    inputs = (("logits", logits), ("projected", projected), ("predecessor", predecessor), ("successor", successor),
+              ("anchor", anchor), ("temperature", temperature), ("seed", seed), ("offset", offset))
+    for i, (name, t, _, _) in enumerate(results):
+        for other, u in [(r[0], r[1]) for r in results[i + 1:]] + list(inputs):
+            if u is not None and overlap(t, u):
+                raise ValueError(f"{op}: {name} (out) overlaps {other}; give each result its own buffer")
 
 
-@torch.library.custom_op("dflash::candidate_select", mutates_args=())
+@torch.library.custom_op("dflash::candidate_select", mutates_args=("path", "candidates", "q"))
 @checked_by(_check_candidate_select)
 def _candidate_select_op(logits: torch.Tensor, projected: torch.Tensor, predecessor: torch.Tensor,
                          successor: torch.Tensor, anchor: torch.Tensor, top_k: int, temperature: Optional[torch.Tensor],
-                         seed: torch.Tensor, offset: torch.Tensor,
-                         backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``torch.ops.dflash.candidate_select``: :func:`candidate_select` after validation. Under a CUDA graph capture
-    the "torch" backend runs the Triton kernel: the reference's candidates have a host-sized step (``nonzero``)
-    and its random stream a generator seeded from host ints, which a capture cannot hold."""
+                         seed: torch.Tensor, offset: torch.Tensor, path: torch.Tensor, candidates: torch.Tensor,
+                         q: torch.Tensor, backend: str) -> None:
+    """``torch.ops.dflash.candidate_select``: :func:`candidate_select` after validation, into ``path``,
+    ``candidates`` and ``q`` (a custom op may not return an alias of an input). Under a CUDA graph capture the
+    "torch" backend runs the Triton kernel: the reference's candidates have a host-sized step (``nonzero``) and its
+    random stream a generator seeded from host ints, which a capture cannot hold."""
     chosen = resolve_backend(CANDIDATE_SELECT, backend, logits.device, available=_BACKENDS)
     if chosen == "torch" and not verify.cuda_capturing(logits.device):
-        path, candidates, q = candidate_select_reference(logits, projected, predecessor, successor, anchor, top_k,
-                                                         temperature, seed, offset)
-        return path, candidates, q.contiguous()
-    return _candidate_select_triton(logits, projected, predecessor, successor, anchor, top_k, temperature, seed,
-                                    offset)
+        for result, value in zip((path, candidates, q), candidate_select_reference(
+                logits, projected, predecessor, successor, anchor, top_k, temperature, seed, offset)):
+            result.copy_(value)
+        return
+    _candidate_select_triton(logits, projected, predecessor, successor, anchor, top_k, temperature, seed, offset,
+                             path, candidates, q)
 
 
 @_candidate_select_op.register_fake
 def _candidate_select_fake(logits, projected, predecessor, successor, anchor, top_k, temperature, seed, offset,
-                           backend):
-    n, p, _ = logits.shape
-    return (logits.new_empty((n, p), dtype=torch.int64), logits.new_empty((n, p, top_k), dtype=torch.int64),
-            logits.new_empty((n, p, top_k), dtype=torch.float32))
+                           path, candidates, q, backend):
+    return None

@@ -2,15 +2,12 @@
 
 A DFlash2 layer wraps attention and its MLP each in two such convolutions: ``prepare`` convolves the normed
 sublayer input with ``base_kernel[0]`` plus the first half of ``kernel_projection(x)``, ``finish`` the sublayer
-output with ``base_kernel[1]`` plus the second half (:mod:`dflash.dflash2`). This op is one convolution; the
-engine calls it twice per sublayer, once per side.
-
-The projection is not fused in: it is a ``[rows, H] x [H, 2*K*H/G]`` GEMM whose bytes are its weight (4 MB a
-sublayer at Qwen3-8B's H = 4096 with K = 4, G = 16 taken as an example), against ``rows * 2*K*H/G`` elements of
-output (64 KB at 16 rows in bf16): fusing would save that round trip (under 2 % of the GEMM's bytes) and one
-launch, at the price of a second GEMM kernel that must match the runtime's own at small row counts (split-K,
-tensor cores). The runtime's GEMM (cuBLAS, ``cpu_linear``) computes the dynamic kernels; this op reads them as a
-strided view of that output.
+output with ``base_kernel[1]`` plus the second half (:mod:`dflash.dflash2`). This op is one convolution, for a
+runtime whose GEMM computes the dynamic kernels (the CPU path: ``cpu_linear``, then this op); it reads them as a
+strided view of that output. On the GPU path the engine runs the fused forms instead: ``prepare`` as
+:mod:`dflash_kernels.conv_prepare` (the projection GEMM with this convolution in its epilogue) and ``finish`` inside
+the following ``add_rms_norm`` (its ``conv_dynamic`` / ``conv_base``). :func:`conv_taps` is the convolution's one
+Triton body, which all three kernels run; :func:`check_conv` and :func:`check_conv_out` its operand checks.
 
 Launches and bytes per call (e = element size of x, e_b of base): 1 launch (none when empty), grid (rows,
 channel tiles); reads x once (the K-1 earlier rows of a tap come from cache), the dynamic kernels and base,

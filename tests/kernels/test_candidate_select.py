@@ -153,3 +153,40 @@ def test_torch_backend_under_cuda_capture_runs_the_kernel(monkeypatch, sampled):
     monkeypatch.setattr(verify, "cuda_capturing", lambda device: True)
     captured = candidate_select(logits, proj, pred, succ, anchor, backend="torch", **kw)
     assert all(torch.equal(a, b) for a, b in zip(captured, kernel))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sampled", [False, True])
+def test_results_into_given_buffers(backend, sampled):
+    """``out=``: every element of the three prefilled buffers written (no -1 / NaN left), the same values as new
+    tensors, the given tensors returned (a runtime's persistent buffers, no copy)."""
+    n, p, v, r, k = 3, 5, 300, 12, 6
+    logits, proj, pred, succ, anchor = _inputs(n, p, v, r, torch.float32)
+    kw = dict(top_k=k, temperature=torch.tensor([0.8], device=DEVICE) if sampled else None, seed=3, offset=9,
+              backend=backend)
+    out = (torch.full((n, p), -1, dtype=torch.int64, device=DEVICE),
+           torch.full((n, p, k), -1, dtype=torch.int64, device=DEVICE),
+           torch.full((n, p, k), float("nan"), device=DEVICE))
+    got = candidate_select(logits, proj, pred, succ, anchor, out=out, **kw)
+    assert all(g is o for g, o in zip(got, out))
+    assert all(torch.equal(a, b) for a, b in zip(got, candidate_select(logits, proj, pred, succ, anchor, **kw)))
+    assert (out[0] >= 0).all() and (out[1] >= 0).all() and not out[2].isnan().any()
+
+
+def test_bad_out_raises_before_work():
+    logits, proj, pred, succ, anchor = _inputs(2, 3, 20, 4, torch.float32)
+    path = torch.full((2, 3), -1, dtype=torch.int64, device=DEVICE)
+    cand = torch.full((2, 3, 4), -1, dtype=torch.int64, device=DEVICE)
+    q = torch.full((2, 3, 4), float("nan"), device=DEVICE)
+    with pytest.raises(TypeError, match="out must be None or a tuple"):
+        candidate_select(logits, proj, pred, succ, anchor, top_k=4, out=(path, cand))
+    with pytest.raises(TypeError, match="candidate_select: q has dtype"):
+        candidate_select(logits, proj, pred, succ, anchor, top_k=4, out=(path, cand, q.double()))
+    with pytest.raises(ValueError, match=r"candidates \(out\) must be a contiguous \[2, 3, 4\] tensor"):
+        candidate_select(logits, proj, pred, succ, anchor, top_k=4, out=(path, cand[:, :, :3], q))
+    with pytest.raises(ValueError, match=r"path \(out\) overlaps candidates"):
+        candidate_select(logits, proj, pred, succ, anchor, top_k=4, out=(cand.view(-1)[:6].view(2, 3), cand, q))
+    with pytest.raises(ValueError, match=r"path \(out\) overlaps anchor"):
+        anchor_buf = torch.zeros(6, dtype=torch.int64, device=DEVICE)
+        candidate_select(logits, proj, pred, succ, anchor_buf[:2], top_k=4, out=(anchor_buf.view(2, 3), cand, q))
+    assert (path == -1).all() and (cand == -1).all() and q.isnan().all(), "a rejected call wrote a buffer"

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from dflash_kernels.conv_prepare import dynamic_conv_prepare, dynamic_conv_prepare_reference
 from dflash_kernels.dynamic_conv import grouped_dynamic_conv, grouped_dynamic_conv_reference
 from helpers.device import DEVICE
 from helpers.tol import assert_within_rule
@@ -85,3 +86,68 @@ def test_bad_arguments_raise_before_work():
     with pytest.raises(TypeError, match="out has dtype"):
         grouped_dynamic_conv(x, dynamic, base, out=out.double())
     assert torch.isnan(out).all(), "a rejected call wrote out"
+
+
+# ------------------------------------------------------------------------- dynamic_conv_prepare (GEMM + conv)
+def _prepare_inputs(n, b, h, k, g, dtype, strided=False):
+    """x (rows of a wider buffer when ``strided``), kernel_projection.weight [2*K*H/G, H] and base_kernel[0]."""
+    pad = 3 if strided else 0
+    x = torch.randn(n, b, h + 2 * pad, device=DEVICE).to(dtype)[..., pad:h + pad]
+    projection = (torch.randn(2 * k * (h // g), h, device=DEVICE) / h ** 0.5).to(dtype)
+    return x, projection, torch.randn(k, h, device=DEVICE)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES + [(5, 7, 36, 2, 3)])  # 35 rows: more than one row tile at 16
+@pytest.mark.parametrize("strided", [False, True])
+def test_dynamic_conv_prepare(backend, dtype, shape, strided):
+    """Both outputs by the 2x rule against the fp64 definition; the convolution also exactly the convolution of x
+    with the returned (rounded) dynamic kernels, as grouped_dynamic_conv computes it."""
+    x, projection, base = _prepare_inputs(*shape, dtype, strided)
+    before = [t.clone() for t in (x, projection, base)]
+    n, b, h, k, g = shape
+    out = torch.full(x.shape, float("nan"), dtype=dtype, device=DEVICE)  # an element not written stays NaN
+    dynamic = torch.full((n, b, 2, k, h // g), float("nan"), dtype=dtype, device=DEVICE)
+    got = dynamic_conv_prepare(x, projection, base, out=out, dynamic=dynamic, backend=backend)
+    assert got[0] is out and got[1] is dynamic
+    assert all(torch.equal(t, b) for t, b in zip((x, projection, base), before)), "an input was written"
+    again = dynamic_conv_prepare(x, projection, base, backend=backend)
+    assert torch.equal(again[0], out) and torch.equal(again[1], dynamic), "out= / dynamic= changed the result"
+    conv64, dyn64 = dynamic_conv_prepare_reference(x.double(), projection.double(), base.double())
+    conv_low, dyn_low = dynamic_conv_prepare_reference(x, projection, base)
+    assert_within_rule(dynamic, dyn64, dyn_low, "dynamic_conv_prepare dynamic")
+    assert_within_rule(out, conv64, conv_low, "dynamic_conv_prepare out")
+    conv_backend = "torch" if backend != "triton" else "triton"
+    if dtype == torch.float32 or backend != "triton":  # (the interpreter's bf16 stores truncate in the plain op)
+        assert torch.equal(out, grouped_dynamic_conv(x, dynamic[:, :, 0], base, backend=conv_backend))
+
+
+def test_dynamic_conv_prepare_bad_arguments_raise_before_work():
+    x, projection, base = _prepare_inputs(2, 5, 24, 3, 6, torch.float32)
+    out = torch.full_like(x, float("nan"))
+    dynamic = torch.full((2, 5, 2, 3, 4), float("nan"))
+    with pytest.raises(TypeError, match="dynamic_conv_prepare: projection has dtype"):
+        dynamic_conv_prepare(x, projection.double(), base, out=out, dynamic=dynamic)
+    with pytest.raises(ValueError, match=r"projection must be \[2\*K\*H/G, H\]"):
+        dynamic_conv_prepare(x, projection[:-1], base, out=out, dynamic=dynamic)
+    with pytest.raises(ValueError, match=r"projection must be \[2\*K\*H/G, H\]"):
+        dynamic_conv_prepare(x, projection[:, :20], base, out=out, dynamic=dynamic)
+    with pytest.raises(ValueError, match=r"base must be a contiguous \[K, H\]"):
+        dynamic_conv_prepare(x, projection, base[:0], out=out, dynamic=dynamic)
+    with pytest.raises(ValueError, match=r"x must have 3 dims"):
+        dynamic_conv_prepare(x[0], projection, base)
+    with pytest.raises(ValueError, match="out overlaps x"):
+        dynamic_conv_prepare(x, projection, base, out=x, dynamic=dynamic)
+    with pytest.raises(ValueError, match=r"dynamic must be a contiguous \[N, B, 2, K, H/G\]"):
+        dynamic_conv_prepare(x, projection, base, out=out, dynamic=dynamic[:, :4])
+    with pytest.raises(ValueError, match="dynamic overlaps out"):
+        dynamic_conv_prepare(x, projection, base, out=out, dynamic=out.view(-1)[:240].view(2, 5, 2, 3, 4))
+    assert torch.isnan(out).all() and torch.isnan(dynamic).all(), "a rejected call wrote an output"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_dynamic_conv_prepare_opcheck(backend):
+    x, projection, base = _prepare_inputs(2, 3, 20, 2, 5, torch.bfloat16)
+    torch.library.opcheck(torch.ops.dflash.dynamic_conv_prepare.default,
+                          (x, projection, base, torch.empty_like(x), x.new_empty(2, 3, 2, 2, 4), backend))

@@ -106,8 +106,9 @@ def _tile(m: int, taps: int, groups: int, g: int, fp32: bool) -> tuple[dict, int
     cols = 16 if m <= 16 else 32
     block_g = max(1, cols // block_j)
     block_m = 16 if m <= 16 else (64 if m <= 64 else 128)
-    return dict(BLOCK_M=block_m, BLOCK_J=block_j, BLOCK_G=block_g, BLOCK_K=64 if fp32 else 128,
-                BLOCK_C=min(next_pow2(block_g * g), 64 if block_m > 16 else 256)), 4 if block_m <= 64 else 8
+    # the epilogue's [BLOCK_M, BLOCK_C] tiles (int64 addresses among them) at 4096 elements: no spills at sm_90
+    return dict(BLOCK_M=block_m, BLOCK_J=block_j, BLOCK_G=block_g, BLOCK_K=64 if fp32 or block_m > 64 else 128,
+                BLOCK_C=min(next_pow2(block_g * g), 4096 // block_m)), 4 if block_m <= 64 else 8
 
 
 def _dynamic_conv_prepare_triton(x, projection, base, out, dynamic) -> None:

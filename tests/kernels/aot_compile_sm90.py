@@ -35,6 +35,7 @@ vf = importlib.import_module("dflash_kernels.verify")
 tr = importlib.import_module("dflash_kernels.tree")
 dc = importlib.import_module("dflash_kernels.dynamic_conv")
 cs = importlib.import_module("dflash_kernels.candidate_select")
+cp = importlib.import_module("dflash_kernels.conv_prepare")
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -200,13 +201,14 @@ def configs():
         dict(k_ptr=bf, v_ptr=bf, knw_ptr=bf, cu_ptr="*i64", lens_ptr="*i64", table_ptr="*i32", inv_freq_ptr=f32,
              kc_ptr=bf, vc_ptr=bf, attention_scaling="fp32", eps="fp32", stride_kcp="i64", stride_vcp="i64"),
         dict(HAS_TABLE=True, BLOCK_M=16, BLOCK_HALF=64, BLOCK_REQ=1))
-    for res in (False, True):
-        add(f"add_rms_norm residual={res}", lo._add_rms_norm_kernel,
-            dict(out_ptr=bf, x_ptr=bf, res_ptr=bf, w_ptr=bf, eps="fp32", stride_x="i64"),
-            dict(HAS_RESIDUAL=res, BLOCK_H=4096), num_warps=8)
+    norm_args = dict(eps="fp32", stride_x="i64", stride_xn="i64", stride_dn="i64", stride_dt="i64", stride_do="i64")
+    for res, taps in ((False, 0), (True, 0), (True, 2)):  # taps 2: DFlash2's finish convolution in front
+        add(f"add_rms_norm residual={res} conv taps={taps}", lo._add_rms_norm_kernel,
+            dict(out_ptr=bf, x_ptr=bf, res_ptr=bf, w_ptr=bf, d_ptr=bf, base_ptr=f32, **norm_args),
+            dict(HAS_RESIDUAL=res, TAPS=taps, BLOCK_H=4096), num_warps=8)
     add("add_rms_norm fp32", lo._add_rms_norm_kernel,
-        dict(out_ptr=f32, x_ptr=f32, res_ptr=f32, w_ptr=f32, eps="fp32", stride_x="i64"),
-        dict(HAS_RESIDUAL=True, BLOCK_H=1024), num_warps=2)
+        dict(out_ptr=f32, x_ptr=f32, res_ptr=f32, w_ptr=f32, d_ptr=f32, base_ptr=f32, **norm_args),
+        dict(HAS_RESIDUAL=True, TAPS=0, BLOCK_H=1024), num_warps=2)
     add("draft_round_setup", cm._draft_round_setup_kernel,
         {name: "*i64"
          for name in ("anchor_ptr", "pos_ptr", "new_ptr", "maxl_ptr", "block_ptr", "start_ptr", "lens_ptr")},
@@ -245,6 +247,13 @@ def configs():
     add("grouped_dynamic_conv", dc._grouped_dynamic_conv_kernel,
         dict(out_ptr=bf, x_ptr=bf, d_ptr=bf, base_ptr=bf, stride_xn="i64", stride_xt="i64", stride_dn="i64",
              stride_dt="i64", stride_do="i64"), dict(TAPS=2, BLOCK_C=1024))
+    # dynamic_conv_prepare: the launcher's tiles at M = 16 and 128 rows (batch 1 and 8 x block 16), 2 taps, G 16
+    for (ptr, fp32), m in itertools.product(((bf, False), (f32, True)), (16, 128)):
+        tile, warps = cp._tile(m, 2, 256, 16, fp32)
+        add(f"dynamic_conv_prepare M={m} Qwen3-8B {'fp32 ieee' if fp32 else 'bf16'}", cp._dynamic_conv_prepare_kernel,
+            dict(out_ptr=ptr, dyn_ptr=ptr, x_ptr=ptr, w_ptr=ptr, base_ptr=f32, stride_xn="i64", stride_xt="i64",
+                 stride_w="i64"),
+            dict(TAPS=2, LOWP_DOT=not fp32, DOT_PREC="ieee" if fp32 else "tf32", **tile), num_warps=warps)
     for sample in (False, True):
         add(f"candidate_select sample={sample}", cs._candidate_select_kernel,
             dict(path_ptr="*i64", cand_ptr="*i64", q_ptr=f32, logits_ptr=bf, proj_ptr=bf, pred_ptr=bf, succ_ptr=bf,

@@ -87,6 +87,18 @@ _SAMPLING = dict(r=_ints(0, 3), t=_ints(1, 6), v=_ints(1, 300), temperature=st.s
                  top_k=st.sampled_from([0, 1, 5]), top_p=st.sampled_from([1.0, 0.9, 0.3]))
 KNOBS["verify_sample"] = (_SAMPLING, ("triton", "torch"), MUTATIONS)
 KNOBS["tree_accept_sample"] = (dict(_SAMPLING, block_size=_ints(0, 6)), ("triton", "torch"), {"none": ["none"]})
+# DFlash2: verify_sample with the selector's sparse draft distribution, and the selector itself (greedy, sampled)
+KNOBS["verify_sample_sparse"] = (
+    dict(_SAMPLING, k=st.sampled_from([1, 3, 16, 64, 65]), probs_fp64=st.booleans(),
+         draft_dtype=st.sampled_from(["i32", "i64"])),
+    ("triton", "torch"),
+    dict(MUTATIONS, bad_form=["probs_only", "probs_dtype", "indices_dtype", "shape"]))
+KNOBS["candidate_select"] = (
+    dict(n=_ints(0, 3), p=_ints(0, 5), v=_ints(1, 300), r=_ints(1, 40), top_k=st.sampled_from([1, 2, 5, 16, 64, 65]),
+         sampled=st.booleans(), per_request=st.booleans(), ties=st.booleans(),
+         layout=st.sampled_from(["contiguous", "strided"])),
+    ("triton", "cpu", "torch"),
+    dict(MUTATIONS, bad_form=["rank", "vocab", "anchor_dtype", "temp_shape", "out_shape", "out_overlap"]))
 
 # CI examples per test: the interpreter runs a Triton kernel in ~0.1-2 s, the others take milliseconds.
 EXAMPLES = {"triton": 8, "ext": 40, "cpu": 50, "torch": 20}

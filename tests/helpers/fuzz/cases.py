@@ -33,6 +33,7 @@ import torch
 import dflash_kernels as dk
 from helpers.tol import assert_within_rule
 from dflash_kernels import commit, gated_mlp, layer_ops, tree, verify
+from dflash_kernels.candidate_select import candidate_select_reference
 from dflash_kernels.draft_attention import draft_attention_reference, verify_attention_reference
 from dflash_kernels.fused_context import fused_context_reference
 from dflash_kernels.inject_context_kv import inject_context_kv_reference
@@ -711,6 +712,134 @@ class Sampling:
         return None
 
 
+class SparseSample(Sampling):
+    """``verify_sample`` with a sparse draft distribution (DFlash2's selector): ``draft_probs`` / ``draft_indices``
+    ``[R, T-1, K]``, each row's draft token one of its ids. The torch backend runs the reference with the same
+    generator (compared exactly); Triton draws another stream (form only). Mutations: an id outside the vocabulary
+    (``bad_index``), or a distribution of the wrong form (``bad_form``: probabilities without ids, 16-bit
+    probabilities, float ids, ids of another shape, K above 64): all must raise before any work."""
+
+    def __init__(self, c: dict, b: Build):
+        r, t, v, k = c["r"], c["t"], c["v"], c["k"]
+        self.tree = False
+        self.exact = c["backend"] == "torch"
+        self.logits = b.floats((r, t, v), 2.0)
+        self.v, self.t = v, t
+        ids = b.ints((r, t - 1, k), 0, v)
+        probs = torch.softmax(torch.randn((r, t - 1, k), generator=b.gen) * 2, dim=-1)
+        picks = b.ints((r, t - 1, 1), 0, k)
+        self.draft = ids.gather(-1, picks)[..., 0].to(INTS[c["draft_dtype"]])
+        self.ids = b.index_mutation(ids, v, int32_ok=True)
+        self.probs = probs.to(torch.float64) if c["probs_fp64"] else probs
+        if k > verify.MAX_DRAFT_CANDIDATES:
+            b.mark("invalid")
+        m = c["mutation"]
+        if m == "probs_only":
+            self.ids = None
+        elif m == "probs_dtype":
+            self.probs = self.probs.to(torch.bfloat16)
+        elif m == "indices_dtype":
+            self.ids = self.ids.to(torch.float32)
+        elif m == "shape":
+            self.ids = torch.cat([self.ids, self.ids[..., :1]], dim=-1)
+        if m in ("probs_only", "probs_dtype", "indices_dtype", "shape"):
+            b.mark("invalid")
+        self.kw = dict(temperature=c["temperature"], top_k=c["top_k"], top_p=c["top_p"], seed=c["seed"], offset=3)
+
+    def public(self, backend):
+        return list(dk.verify_sample(self.logits, self.draft, draft_probs=self.probs, draft_indices=self.ids,
+                                     backend=backend, **self.kw))
+
+    def registered(self, backend):
+        packed = verify.sampling_op_args("verify_sample", self.logits, *(self.kw[k] for k in (
+            "temperature", "top_k", "top_p", "seed", "offset")))
+        return list(torch.ops.dflash.verify_sample(self.logits, self.draft, *packed, self.probs, self.ids, backend))
+
+    def reference(self):
+        return list(verify.verify_sample_reference(self.logits, self.draft, draft_probs=self.probs,
+                                                   draft_indices=self.ids, **self.kw))
+
+
+class CandidateSelect:
+    """``candidate_select``, greedy or sampled (per-request temperatures, some <= 0: those rows take the argmax),
+    into -1 / NaN prefilled result buffers that a rejected call must leave untouched. Greedy results and every
+    reference-backed backend (torch, cpu) are compared exactly; sampled Triton draws another stream, so its
+    candidates are compared exactly (they do not depend on the draws) and its path and q for their form.
+    Mutations: the anchor outside the vocabulary (``bad_index``), top_k above min(V, 64) (drawn), or an argument
+    of the wrong form (``bad_form``: projections of another rank, codebooks of another vocabulary, a float anchor,
+    a temperature of neither [1] nor [N], a result buffer of the wrong shape or sharing memory with another)."""
+
+    def __init__(self, c: dict, b: Build):
+        n, p, v, r, k = c["n"], c["p"], c["v"], c["r"], c["top_k"]
+        self.logits = b.floats((n, p, v), 3.0, layout=c["layout"])
+        if c["ties"]:
+            self.logits = self.logits.round()  # equal logits: the candidate order's tie rule decides
+        m = c["mutation"]
+        self.projected = b.floats((n, p, r + (m == "rank")))
+        self.predecessor = b.floats((v, r), 0.5)
+        self.successor = b.floats((v + (m == "vocab"), r), 0.5)
+        self.anchor = b.index_mutation(b.ints((n,), 0, v), v, int32_ok=True)
+        if m == "anchor_dtype":
+            self.anchor = self.anchor.float()
+        self.top_k = k
+        if not 1 <= k <= min(v, 64):
+            b.mark("invalid")
+        self.temperature = None
+        if c["sampled"]:
+            temps = torch.rand(n, generator=b.gen, dtype=torch.float64) * 2 - 0.3  # some <= 0: argmax rows
+            self.temperature = temps if c["per_request"] else temps[:1].clone() if n else torch.ones(1)
+        if m == "temp_shape":
+            self.temperature = torch.ones(n + 2)
+        self.seed, self.offset = c["seed"], 3
+        kk = max(k, 0)
+        self.out = [torch.full((n, p), -1, dtype=torch.int64), torch.full((n, p, kk), -1, dtype=torch.int64),
+                    torch.full((n, p, kk), float("nan"))]
+        if m == "out_shape":
+            self.out[1] = torch.full((n, p, kk + 1), -1, dtype=torch.int64)
+        elif m == "out_overlap":
+            self.out[0] = self.out[1].view(-1)[:n * p].view(n, p) if kk else self.out[0]
+        if m in ("rank", "vocab", "anchor_dtype", "temp_shape", "out_shape"):
+            b.mark("invalid")
+        elif m == "out_overlap" and n * p * kk:  # (empty buffers share no memory: nothing to reject)
+            b.mark("invalid")
+        self.prefill = [t.clone() for t in self.out]
+        self.exact = not c["sampled"] or c["backend"] != "triton"
+
+    def public(self, backend):
+        return list(dk.candidate_select(self.logits, self.projected, self.predecessor, self.successor, self.anchor,
+                                        top_k=self.top_k, temperature=self.temperature, seed=self.seed,
+                                        offset=self.offset, out=tuple(self.out), backend=backend))
+
+    def registered(self, backend):
+        torch.ops.dflash.candidate_select(self.logits, self.projected, self.predecessor, self.successor, self.anchor,
+                                          self.top_k, self.temperature, torch.tensor([self.seed]),
+                                          torch.tensor([self.offset]), *self.out, backend)
+        return list(self.out)
+
+    def reference(self):
+        return list(candidate_select_reference(
+            self.logits, self.projected, self.predecessor, self.successor, self.anchor, self.top_k, self.temperature,
+            self.seed, self.offset))
+
+    def untouched(self) -> str | None:
+        """After a raise: a result buffer written is work done before the check."""
+        if all(torch.equal(a, b) or (a.isnan().all() and b.isnan().all()) for a, b in zip(self.out, self.prefill)):
+            return None
+        return "raised after writing a result buffer"
+
+    def check_form(self, got: list) -> str | None:
+        path, candidates, q = got
+        expected = self.reference()[1]
+        if not torch.equal(candidates, expected):
+            return "candidates differ from the reference's (they do not depend on the draws)"
+        if path.numel() and not (candidates == path[..., None]).any(-1).all():
+            return "a path token is not one of its position's candidates"
+        if q.numel() and not torch.allclose(q.sum(-1).double(), torch.ones(q.shape[:-1], dtype=torch.float64),
+                                            atol=1e-5):
+            return f"q rows do not sum to 1: {q.sum(-1).tolist()}"
+        return None
+
+
 OPS = {
     "verify_greedy": VerifyGreedy,
     "verify_greedy_tokens": VerifyGreedyTokens,
@@ -730,6 +859,8 @@ OPS = {
     "fused_context": FusedContext,
     "verify_sample": Sampling,
     "tree_accept_sample": Sampling,
+    "verify_sample_sparse": SparseSample,
+    "candidate_select": CandidateSelect,
 }
 
 
@@ -787,6 +918,9 @@ def judge(case: dict) -> dict:
         if not (isinstance(e, allowed) or out_of_memory(e)) or not str(e).strip():
             return {"ok": False, "detail": f"unclean exception on {b.expect} input (allowed: "
                                            f"{[t.__name__ for t in allowed]}): {_describe(e)}"}
+        written = op.untouched() if hasattr(op, "untouched") else None  # ops with result buffers: raised first?
+        if written:
+            return {"ok": False, "detail": f"{written}: {_describe(e)}"}
         return {"ok": True, "detail": f"raised {_describe(e)}"}
     if b.expect == "invalid":
         return {"ok": False, "detail": "returned a result for invalid input (an index outside the contract was used "

@@ -45,6 +45,7 @@ from torch import nn
 
 from dflash.config import DFlashConfig
 from dflash.draft import DFlashDecoderLayer
+from dflash_kernels.conv_prepare import dynamic_conv_prepare_reference
 from dflash_kernels.dynamic_conv import grouped_dynamic_conv_reference
 
 CODEBOOKS = ("predecessor_codebook", "successor_codebook")
@@ -67,9 +68,11 @@ class GroupedDynamicCausalConv(nn.Module):
             self.base_kernel[:, 0] = 1.0
 
     def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [b, q, H] (normed sublayer input) -> (convolved x, the dynamic kernel [b, q, K, H/G] of ``finish``)."""
-        dynamic = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, -1)
-        return grouped_dynamic_conv_reference(x, dynamic[:, :, 0], self.base_kernel[0]), dynamic[:, :, 1]
+        """x [b, q, H] (normed sublayer input) -> (convolved x, the dynamic kernel [b, q, K, H/G] of ``finish``):
+        :func:`dflash_kernels.conv_prepare.dynamic_conv_prepare_reference` (the projection, then side 0's
+        convolution)."""
+        convolved, dynamic = dynamic_conv_prepare_reference(x, self.kernel_projection.weight, self.base_kernel[0])
+        return convolved, dynamic[:, :, 1]
 
     def finish(self, y: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
         return grouped_dynamic_conv_reference(y, dynamic, self.base_kernel[1])

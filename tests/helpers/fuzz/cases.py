@@ -34,6 +34,7 @@ import dflash_kernels as dk
 from helpers.tol import assert_within_rule
 from dflash_kernels import commit, gated_mlp, layer_ops, tree, verify
 from dflash_kernels.candidate_select import candidate_select_reference
+from dflash_kernels.conv_prepare import dynamic_conv_prepare_reference
 from dflash_kernels.draft_attention import draft_attention_reference, verify_attention_reference
 from dflash_kernels.fused_context import fused_context_reference
 from dflash_kernels.inject_context_kv import inject_context_kv_reference
@@ -712,6 +713,48 @@ class Sampling:
         return None
 
 
+class DynamicConvPrepare:
+    """``dynamic_conv_prepare`` (DFlash2's prepare: the kernel projection, then side 0's convolution) into NaN
+    prefilled ``out`` / ``dynamic``. ``bad_extent``: a projection one row short (not 2*K*H/G rows), a base of no taps,
+    or ``dynamic`` sharing ``out``'s memory."""
+
+    def __init__(self, c: dict, b: Build):
+        n, bs, taps, groups, g = c["n"], c["b"], c["taps"], c["groups"], c["g"]
+        h = groups * g
+        self.x = b.floats((n, bs, h), layout=c["layout"])
+        rows = 2 * taps * groups
+        self.base = b.floats((taps, h))
+        self.out = torch.full((n, bs, h), float("nan"), dtype=self.x.dtype)
+        self.dynamic = torch.full((n, bs, 2, taps, groups), float("nan"), dtype=self.x.dtype)
+        if c["mutation"] == "past_end":
+            bad = ("projection", "base", "overlap")[b.pick(3)]
+            if bad == "projection":
+                rows -= 1
+            elif bad == "base":
+                self.base = self.base[:0]
+            elif self.dynamic.numel() and self.dynamic.numel() <= self.out.numel():
+                self.dynamic = self.out.view(-1)[:self.dynamic.numel()].view(self.dynamic.shape)
+            else:
+                bad = None
+            if bad is not None:
+                b.mark("invalid")
+        self.projection = b.floats((rows, h), 1.0 / h ** 0.5)
+
+    def _results(self):
+        return [self.out, self.dynamic]
+
+    def public(self, backend):
+        return list(dk.dynamic_conv_prepare(self.x, self.projection, self.base, out=self.out, dynamic=self.dynamic,
+                                            backend=backend))
+
+    def registered(self, backend):
+        torch.ops.dflash.dynamic_conv_prepare(self.x, self.projection, self.base, self.out, self.dynamic, backend)
+        return self._results()
+
+    def reference(self):
+        return list(dynamic_conv_prepare_reference(self.x, self.projection, self.base))
+
+
 class SparseSample(Sampling):
     """``verify_sample`` with a sparse draft distribution (DFlash2's selector): ``draft_probs`` / ``draft_indices``
     ``[R, T-1, K]``, each row's draft token one of its ids. The torch backend runs the reference with the same
@@ -861,6 +904,7 @@ OPS = {
     "tree_accept_sample": Sampling,
     "verify_sample_sparse": SparseSample,
     "candidate_select": CandidateSelect,
+    "dynamic_conv_prepare": DynamicConvPrepare,
 }
 
 

@@ -210,6 +210,23 @@ def compute_features(model, ids: torch.Tensor, layer_ids: Sequence[int]) -> torc
     return ad.forward(x, pos, DynamicCache(), with_features=True, logits_to_keep=1).features[0].float()
 
 
+CHECK_TOKENS = 4096  # padded positions per checking pass of decoded responses (length_groups)
+
+
+def length_groups(lengths: dict[int, int], max_rows: int, max_tokens: int) -> list[list[int]]:
+    """The keys of ``lengths`` (row -> sequence length) in length order, cut into padded batches of at most
+    ``max_rows`` rows and ``max_tokens`` padded positions (rows x the longest; a row longer than that alone), so
+    that a batch pads little: a response's length is known only after decoding, and varies far more than the
+    prompts' the decoding batches were formed by."""
+    groups: list[list[int]] = []
+    for i in sorted(lengths, key=lengths.__getitem__):
+        if groups and len(groups[-1]) < max_rows and (len(groups[-1]) + 1) * lengths[i] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 def generate_dataset(out_dir: str, prompts: Sequence, *, model, tokenizer, max_new_tokens: int = 192,
                      batch_size: int = 16, shard_size: int = 64, capture_layers=DEFAULT_CAPTURE_LAYERS,
                      max_shards: int | None = None, first_shard: int = 0, responses_path: str | None = None,
@@ -223,7 +240,8 @@ def generate_dataset(out_dir: str, prompts: Sequence, *, model, tokenizer, max_n
     (:func:`generate_batch_known`) instead of generated, and every new shard's responses are added to it.
     ``decode``: how new responses are decoded. None: :func:`generate_batch` (HF-style batched decoding, features
     captured in the same pass); else a ``decode(prompt_ids, max_new_tokens, stop_ids) -> responses`` such as
-    :func:`engine_decoder`'s, whose responses are then checked like known ones (:func:`generate_batch_known`).
+    :func:`engine_decoder`'s, whose responses are then checked like known ones (:func:`generate_batch_known`, in
+    batches of like total length: :func:`length_groups`).
     Either way the stored responses are ``model``'s greedy responses and the features ``model``'s."""
     from dflash_apps.smollm2 import stop_token_ids
     from dflash_apps.train.natural_mix import check_prompt, encode_prompt, prompt_text
@@ -251,26 +269,33 @@ def generate_dataset(out_dir: str, prompts: Sequence, *, model, tokenizer, max_n
         keys = [prompt_key(prompt_text(p)) for p in chunk]
         enc = [encode_prompt(tokenizer, p) for p in chunk]
         recs: list[dict | None] = [None] * len(enc)
+        known_rows = [i for i in range(len(enc)) if keys[i] in known]
+        new_rows = [i for i in range(len(enc)) if keys[i] not in known]
         # known responses first (one checking pass each), then the rest; each group in length order
-        for group in ([i for i in range(len(enc)) if keys[i] in known], [i for i in range(len(enc)) if keys[i] not in known]):
+        for group in (known_rows, new_rows):
             order = sorted(group, key=lambda i: len(enc[i]))
-            for k in range(0, len(order), batch_size):
-                idx = order[k:k + batch_size]
+            batches = [order[k:k + batch_size] for k in range(0, len(order), batch_size)]
+            decoded: dict[int, list[int]] = {}
+            if group is new_rows and decode is not None:  # decode them all, then check them in batches of like length
+                td = time.perf_counter()
+                for idx in batches:
+                    decoded.update(zip(idx, decode([enc[i] for i in idx], max_new_tokens, stops)))
+                decode_s += time.perf_counter() - td
+                batches = length_groups({i: len(enc[i]) + len(decoded[i]) for i in order}, batch_size, CHECK_TOKENS)
+            for idx in batches:
                 prompt_ids = [enc[i] for i in idx]
-                if keys[idx[0]] in known:
+                if group is known_rows:
                     out = generate_batch_known(model, prompt_ids, [known[keys[i]] for i in idx], max_new_tokens,
                                                stops, capture_layers)
-                else:
+                elif decode is None:
                     td = time.perf_counter()
-                    if decode is None:
-                        out = generate_batch(model, prompt_ids, max_new_tokens, stops, capture_layers)
-                        decode_s += time.perf_counter() - td
-                    else:
-                        decoded = decode(prompt_ids, max_new_tokens, stops)
-                        decode_s += time.perf_counter() - td
-                        out = generate_batch_known(model, prompt_ids, decoded, max_new_tokens, stops, capture_layers)
-                        responses_corrected += sum(r["ids"][r["prompt_len"]:].tolist() != d
-                                                   for r, d in zip(out, decoded))
+                    out = generate_batch(model, prompt_ids, max_new_tokens, stops, capture_layers)
+                    decode_s += time.perf_counter() - td
+                else:
+                    out = generate_batch_known(model, prompt_ids, [decoded[i] for i in idx], max_new_tokens, stops,
+                                               capture_layers)
+                    responses_corrected += sum(r["ids"][r["prompt_len"]:].tolist() != decoded[i]
+                                               for i, r in zip(idx, out))
                 for i, r in zip(idx, out):
                     recs[i] = r
                     n = len(r["ids"]) - r["prompt_len"]

@@ -385,3 +385,22 @@ def test_engine_route_corrects_a_planted_wrong_response(tmp_path):
         assert a["finished"] == b["finished"]
         assert (a["features"].float() - b["features"].float()).abs().max() <= 2 ** -7 * a["features"].float().abs().max()
     assert logs[-1].endswith("3 decoded responses corrected)"), logs[-1]
+
+
+def test_length_groups_pad_little_and_respect_both_limits(seed):
+    """Every row lands in exactly one group; groups follow length order, hold at most max_rows rows and at most
+    max_tokens padded positions unless a single row is longer than that."""
+    import random
+
+    from dflash_apps.train.data import length_groups
+
+    rng = random.Random(seed)
+    lengths = {rng.randrange(1000): rng.randint(1, 500) for _ in range(80)}
+    lengths[-1] = 900  # longer than max_tokens: alone
+    groups = length_groups(lengths, 7, 800)
+    assert sorted(i for g in groups for i in g) == sorted(lengths)
+    flat = [lengths[i] for g in groups for i in g]
+    assert flat == sorted(flat)
+    for g in groups:
+        assert len(g) <= 7 and (len(g) == 1 or len(g) * max(lengths[i] for i in g) <= 800)
+    assert [-1] in groups and length_groups({}, 3, 10) == []

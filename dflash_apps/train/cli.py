@@ -93,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--decoder", choices=["engine", "hf"], default="engine",
                    help="how new responses are decoded: engine = this project's runtime, autoregressive, kernel "
                         "backend cpu, every token then checked against the fp32 greedy choice by the feature pass "
-                        "; hf = HF-style batched fp32 decoding that "
-                        "captures the features in the same pass")
+                        "(1.3-1.5x hf end to end on 2 cores: bench/results/2026-12-05-cpu-smollm2-data-engine.md); "
+                        "hf = HF-style batched fp32 decoding that captures the features in the same pass")
     d.set_defaults(func=_cmd_data)
 
     from dflash_apps.train.self_prompts import default_path

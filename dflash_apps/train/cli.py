@@ -29,9 +29,16 @@ def _cmd_data(args) -> int:
         def prompt_set(n, split):
             return build_prompts(n, split, seed=args.seed + (1000 if split == "eval" else 0))
     model, tok = smollm2.load()
+    decode = None
+    if args.decoder == "engine":
+        from dflash import DFlashDraftModel
+        from dflash_apps.demo import DEFAULT_DRAFT
+        from dflash_apps.train.data import engine_decoder
+
+        decode = engine_decoder(model, DFlashDraftModel.from_pretrained(DEFAULT_DRAFT, dtype=torch.float32))
     log = lambda m: print(m, flush=True)  # noqa: E731
     common = dict(model=model, tokenizer=tok, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                  shard_size=args.shard_size, responses_path=args.responses,
+                  shard_size=args.shard_size, responses_path=args.responses, decode=decode,
                   log=log)
     if args.num_eval:
         generate_dataset(os.path.join(args.out, "eval"), prompt_set(args.num_eval, "eval"), **common)
@@ -83,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--responses", default=None,
                    help="responses file (e.g. dflash_apps/assets/smollm2-135m-responses.xz): its responses are checked "
                         "instead of generated, and new shards' responses are added to it")
+    d.add_argument("--decoder", choices=["engine", "hf"], default="engine",
+                   help="how new responses are decoded: engine = this project's runtime, autoregressive, kernel "
+                        "backend cpu, every token then checked against the fp32 greedy choice by the feature pass "
+                        "(1.3-1.5x hf end to end on 2 cores: bench/results/2026-12-05-cpu-smollm2-data-engine.md); "
+                        "hf = HF-style batched fp32 decoding that captures the features in the same pass")
     d.set_defaults(func=_cmd_data)
 
     from dflash_apps.train.self_prompts import default_path

@@ -1,6 +1,6 @@
-"""Natural training prompts made on this machine, nothing downloaded: tasks seeded from text that is already here
+"""Natural training prompts made on this machine, nothing downloaded: tasks seeded from text that was already here
 (docstrings and source of the Python standard library and of installed packages such as numpy and torch, and the
-package descriptions in their metadata), phrased in many styles (questions, instructions, rewrites, summaries,
+package descriptions in their metadata; a snapshot kept in the repository, :data:`SEED_TEXTS_PATH`), phrased in many styles (questions, instructions, rewrites, summaries,
 lists, code review and completion, maths word problems of varied structure, everyday requests, creative writing,
 multi-turn follow-ups), with varied lengths and system prompts; plus the train side of the target's own
 self-generated prompts (:mod:`dflash_apps.train.self_prompts`) when a prompts file is given.
@@ -19,6 +19,7 @@ import ast
 import glob
 import hashlib
 import json
+import lzma
 import os
 import random
 import re
@@ -123,10 +124,15 @@ def _prose(doc: str) -> str | None:
     return text
 
 
-@lru_cache(maxsize=1)
-def seed_texts() -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
-    """``(docs, functions)``: ``(name, prose)`` docstring paragraphs and ``(name, source)`` short functions with a
-    docstring, from :func:`_python_files` (parsed, never imported), plus package descriptions from metadata."""
+SeedTexts = tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]
+
+
+def scan_seed_texts() -> SeedTexts:
+    """``(docs, functions)`` of this environment: ``(name, prose)`` docstring paragraphs and ``(name, source)``
+    short functions with a docstring, from :func:`_python_files` (parsed, never imported), plus package
+    descriptions from metadata. What :data:`SEED_TEXTS_PATH` was made from (:func:`save_seed_texts`); not read
+    by :func:`build_natural_mix` directly, because it changes with every installed package version (and with this
+    project's README, which is its own package description), and the mix must not."""
     docs, funcs = [], []
     for path in _python_files():
         try:
@@ -158,6 +164,41 @@ def seed_texts() -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ..
             if (p := _prose(para)) and "http" not in p:
                 docs.append((name, p))
     return tuple(docs), tuple(funcs)
+
+
+SEED_TEXTS_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
+                               "natural-mix-seed-texts.json.xz")
+
+
+def save_seed_texts(path: str, texts: SeedTexts) -> None:
+    """Write ``(docs, functions)`` (:func:`scan_seed_texts`) as lzma-compressed JSON, the format
+    :func:`load_seed_texts` reads."""
+    docs, funcs = texts
+    with lzma.open(path, "wt", encoding="utf-8", preset=9 | lzma.PRESET_EXTREME) as f:
+        json.dump({"docs": [list(d) for d in docs], "functions": [list(fn) for fn in funcs]}, f, ensure_ascii=False)
+
+
+def load_seed_texts(path: str) -> SeedTexts:
+    """The ``(docs, functions)`` saved by :func:`save_seed_texts`; a ValueError naming ``path`` when the file is not
+    in that format."""
+    with lzma.open(path, "rt", encoding="utf-8") as f:
+        raw = json.load(f)
+    pairs = []
+    for part in ("docs", "functions"):
+        rows = raw.get(part) if isinstance(raw, dict) else None
+        if not isinstance(rows, list) or not all(
+                isinstance(r, list) and len(r) == 2 and all(isinstance(x, str) for x in r) for r in rows):
+            raise ValueError(f"{path}: not a seed-texts file ('{part}' must be a list of [name, text] pairs)")
+        pairs.append(tuple(tuple(r) for r in rows))
+    return pairs[0], pairs[1]
+
+
+@lru_cache(maxsize=1)
+def seed_texts() -> SeedTexts:
+    """The seed texts of the mix: :data:`SEED_TEXTS_PATH`, a snapshot of :func:`scan_seed_texts` kept in the
+    repository, so that the mix (hence the prompt order of data shards already generated) is the same in every
+    environment."""
+    return load_seed_texts(SEED_TEXTS_PATH)
 
 
 # ---------------------------------------------------------------------------------------------------- phrasings

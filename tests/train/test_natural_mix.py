@@ -106,3 +106,57 @@ def test_prompt_keys_keep_user_texts_and_separate_system_prompts():
     a = [{"role": "system", "content": "A"}, {"role": "user", "content": "Why is the sea salty?"}]
     b = [{"role": "system", "content": "B"}, {"role": "user", "content": "Why is the sea salty?"}]
     assert prompt_text(a) != prompt_text(b) and json.loads(prompt_text(a)) == a
+
+
+SELF_PROMPTS_ASSET = "dflash_apps/assets/smollm2-135m-self-prompts.jsonl"
+# sha256 of the canonical JSON of the first 1,280 train prompts (shards 0-19 of the shipped natural data, the
+# order their responses and features were generated in): read from that data's prompts.json.
+FIRST_SHARDS_SHA256 = "8b07a74f0b3a60ef1f71f82ff8d31c501f8fa5f5c0cdad870cc1b2feb0bdbfeb"
+
+
+def test_first_train_shards_keep_their_prompts_and_the_supply_reaches_20k():
+    """The mix of the shipped natural data (seed 0, the shipped self-prompts file) keeps the prompt order of its
+    first 20 shards of 64 whatever packages are installed (the seed texts are a snapshot in the repository, not
+    this environment's docstrings and package metadata), and supplies at least 20,000 distinct train prompts."""
+    import hashlib
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    mix = [p for _, p in build_natural_mix(20000, "train", 0, os.path.join(root, SELF_PROMPTS_ASSET))]
+    assert hashlib.sha256(json.dumps(mix[:1280], sort_keys=True).encode()).hexdigest() == FIRST_SHARDS_SHA256
+    assert len({" ".join(_words(user_text(p))) for p in mix}) >= 20000
+
+
+def test_mix_does_not_read_this_environment(monkeypatch, tmp_path):
+    """A package installed (or upgraded) after the data was made leaves the mix alone: no installed file is
+    read while the mix is built."""
+    from dflash_apps.train import natural_mix
+
+    before = build_natural_mix(300, "train", seed=0)
+    meta = tmp_path / "aaa_new_pkg-1.0.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text("Name: aaa\n\n" + "A freshly installed package that describes itself at length "
+                                   "in plain words so that it reads as prose to the scanner. " * 3)
+    monkeypatch.setattr(natural_mix, "_site_packages", lambda: str(tmp_path))
+    natural_mix.seed_texts.cache_clear()
+    try:
+        assert build_natural_mix(300, "train", seed=0) == before
+        assert any(name == "aaa_new_pkg" for name, _ in natural_mix.scan_seed_texts()[0])  # the scanner does see it
+    finally:
+        natural_mix.seed_texts.cache_clear()
+
+
+def test_seed_texts_round_trip_and_bad_files(tmp_path):
+    from dflash_apps.train.natural_mix import load_seed_texts, save_seed_texts
+
+    texts = ((("mod.f", "Some prose. ünïcode"),), (("mod.g", "def g():\n    return 1"), ("m.h", "def h(): pass")))
+    path = str(tmp_path / "seeds.json.xz")
+    save_seed_texts(path, texts)
+    assert load_seed_texts(path) == texts
+    import lzma
+
+    for bad in ({"docs": [["a", "b"]]}, {"docs": [["a"]], "functions": []}, {"docs": [], "functions": [[1, "x"]]}, []):
+        with lzma.open(path, "wt") as f:
+            json.dump(bad, f)
+        with pytest.raises(ValueError, match="not a seed-texts file"):
+            load_seed_texts(path)

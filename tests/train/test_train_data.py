@@ -318,3 +318,89 @@ def test_responses_file_limits(tmp_path):
     (tmp_path / "plain.xz").write_bytes(b"not lzma")
     with pytest.raises(ValueError, match="not lzma-compressed"):
         load_responses(str(tmp_path / "plain.xz"))
+
+
+def _sharp_tiny_target(layers):
+    """:func:`tiny_target` with sharper logits, so that greedy responses vary instead of repeating one token."""
+    target = tiny_target(layers=layers)
+    with torch.no_grad():
+        for name, w in target.named_parameters():
+            if "norm" not in name:
+                w.mul_(5.0)
+    return target
+
+
+def test_engine_decoder_route_writes_the_hf_route_data(tmp_path):
+    """`generate_dataset(decode=engine_decoder(...))` (this project's runtime decodes, the feature pass checks)
+    writes the same responses as the HF route (`decode=None`) on a ragged set of prompts, features equal up to
+    bf16 storage, and the decoder's responses were the target's greedy ones (none corrected)."""
+    from dflash_apps.train.data import engine_decoder, generate_dataset
+
+    from test_train_blocks import tiny_draft
+
+    target = _sharp_tiny_target(layers=3)
+    prompts = [f"q{i}?" + "x" * (i * 3 % 7) for i in range(7)]
+    logs = []
+    kw = dict(model=target, tokenizer=_CharTokenizer(), max_new_tokens=9, batch_size=3, shard_size=4,
+              capture_layers=(1, 2), log=logs.append)
+    generate_dataset(str(tmp_path / "hf"), prompts, **kw)
+    generate_dataset(str(tmp_path / "engine"), prompts, decode=engine_decoder(target, tiny_draft(target)), **kw)
+    hf, eng = load_dataset(str(tmp_path / "hf")), load_dataset(str(tmp_path / "engine"))
+    assert len(hf) == len(eng) == len(prompts)
+    assert len({tuple(r["ids"][r["prompt_len"]:].tolist()) for r in hf}) > 1  # responses vary
+    for a, b in zip(hf, eng):
+        assert torch.equal(a["ids"], b["ids"]) and a["finished"] == b["finished"] and a["prompt_len"] == b["prompt_len"]
+        assert (a["features"].float() - b["features"].float()).abs().max() <= 2 ** -7 * a["features"].float().abs().max()
+    assert logs[-1].endswith("0 decoded responses corrected)"), logs[-1]
+
+
+def test_engine_route_corrects_a_planted_wrong_response(tmp_path):
+    """A decoder whose responses are wrong (one token changed mid-response, one response cut short, one
+    replaced by another prompt's) never gets its tokens stored: the feature pass checks every token against
+    the target's fp32 greedy choice, so the data equals the HF route's and the log counts the corrections."""
+    from dflash_apps.train.data import generate_dataset
+
+    target = _sharp_tiny_target(layers=2)
+    prompts = [f"p{i}!" for i in range(5)]
+    logs = []
+    kw = dict(model=target, tokenizer=_CharTokenizer(), max_new_tokens=8, batch_size=5, shard_size=5,
+              capture_layers=(1,), log=logs.append)
+    generate_dataset(str(tmp_path / "hf"), prompts, **kw)
+    hf = load_dataset(str(tmp_path / "hf"))
+    want = [r["ids"][r["prompt_len"]:].tolist() for r in hf]
+    assert len(want[1]) >= 3 and len(want[2]) >= 3 and want[3] != want[4]
+    wrong = [list(w) for w in want]
+    wrong[1][2] = (wrong[1][2] + 1) % V  # one token changed mid-response
+    wrong[2] = wrong[2][:2]  # cut short
+    wrong[3] = want[4]  # another prompt's response
+    planted = {tuple(r["ids"][:r["prompt_len"]].tolist()): w for r, w in zip(hf, wrong)}
+
+    def decode(prompt_ids, max_new_tokens, stop_ids):
+        return [planted[tuple(p)] for p in prompt_ids]
+
+    generate_dataset(str(tmp_path / "planted"), prompts, decode=decode, **kw)
+    got = load_dataset(str(tmp_path / "planted"))
+    assert [r["ids"][r["prompt_len"]:].tolist() for r in got] == want
+    for a, b in zip(hf, got):
+        assert a["finished"] == b["finished"]
+        assert (a["features"].float() - b["features"].float()).abs().max() <= 2 ** -7 * a["features"].float().abs().max()
+    assert logs[-1].endswith("3 decoded responses corrected)"), logs[-1]
+
+
+def test_length_groups_pad_little_and_respect_both_limits(seed):
+    """Every row lands in exactly one group; groups follow length order, hold at most max_rows rows and at most
+    max_tokens padded positions unless a single row is longer than that."""
+    import random
+
+    from dflash_apps.train.data import length_groups
+
+    rng = random.Random(seed)
+    lengths = {rng.randrange(1000): rng.randint(1, 500) for _ in range(80)}
+    lengths[-1] = 900  # longer than max_tokens: alone
+    groups = length_groups(lengths, 7, 800)
+    assert sorted(i for g in groups for i in g) == sorted(lengths)
+    flat = [lengths[i] for g in groups for i in g]
+    assert flat == sorted(flat)
+    for g in groups:
+        assert len(g) <= 7 and (len(g) == 1 or len(g) * max(lengths[i] for i in g) <= 800)
+    assert [-1] in groups and length_groups({}, 3, 10) == []

@@ -122,6 +122,13 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.empty(config.vocab_size, d2.selector_rank))
         self.hidden_projection = nn.Linear(config.hidden_size, d2.selector_rank, bias=False)
 
+    def transition_scores(self, projected: torch.Tensor, prev: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """``<predecessor[prev] * projected, successor[candidate]>`` for ``projected`` [..., r] (``hidden_projection``
+        of the rows), ``prev`` [...] and ``candidates`` [..., k] token ids -> [..., k]; training scores every row
+        at once with it (teacher-forced ``prev``)."""
+        return torch.einsum("...r,...kr->...k", self.predecessor_codebook[prev] * projected,
+                            self.successor_codebook[candidates])
+
     def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, temperature: float = 0.0,
                generator: torch.Generator | None = None):
         """hidden [b, n, H] and logits [b, n, V] of the n proposal rows, anchor [b] -> ``(path [b, n] int64,
@@ -132,8 +139,7 @@ class CandidateSelector(nn.Module):
         prev = anchor
         path, q_rows = [], []
         for i in range(hidden.shape[1]):
-            scores = unary[:, i] + torch.einsum("br,bkr->bk", self.predecessor_codebook[prev] * projected[:, i],
-                                                self.successor_codebook[candidates[:, i]])
+            scores = unary[:, i] + self.transition_scores(projected[:, i], prev, candidates[:, i])
             if temperature > 0:
                 q = torch.softmax(scores.float() / temperature, dim=-1)
                 index = torch.multinomial(q, 1, generator=generator)[:, 0]

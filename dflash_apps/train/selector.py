@@ -28,10 +28,10 @@ def training_candidates(logits: torch.Tensor, labels: torch.Tensor, top_k: int) 
     """The ``top_k`` best logits' indices [b, q, k] (best first), the label's place among them replacing the
     weakest where it is missing, and that place [b, q] (-100 where the row has no label)."""
     candidates = logits.detach().topk(top_k, dim=-1).indices
-    hit = candidates == labels.clamp(min=0)[..., None]
-    found = hit.any(-1)
-    candidates[..., -1] = torch.where(found, candidates[..., -1], labels.clamp(min=0))
-    place = torch.where(found, hit.long().argmax(-1), top_k - 1)
+    hit = candidates == labels[..., None]
+    keep = hit.any(-1) | (labels < 0)  # rows without a label keep their top-k
+    candidates[..., -1] = torch.where(keep, candidates[..., -1], labels)
+    place = torch.where(keep, hit.long().argmax(-1), top_k - 1)
     return candidates, torch.where(labels >= 0, place, -100)
 
 

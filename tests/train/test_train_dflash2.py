@@ -17,7 +17,9 @@ from dflash_apps.train import main as train_main
 from dflash_apps.train.blocks import draft_forward_dense, pack_batch
 from dflash_apps.train.data import compute_features
 from dflash_apps.train.selector import teacher_forced_predecessors, training_candidates
-from dflash_apps.train.trainer import Trainer, _save_atomic, build_draft, init_from_draft, make_draft_config
+from dflash_apps.train.trainer import (
+    Trainer, _save_atomic, build_draft, init_from_draft, init_from_target, make_draft_config,
+)
 from dflash_apps.train.vocab import with_draft_vocab
 from helpers.tiny_models import make_target
 
@@ -191,7 +193,10 @@ def test_vocabulary_subsets_and_tree_estimates_are_refused(trained, exported, tm
 
 
 def test_build_draft_starts_dflash2_convolutions_as_identities(target):
+    """Fresh DFlash2 convolutions are identities, also after ``--init target`` copies a target layer in."""
     draft = build_draft(tiny_config(target))
+    init_from_target(draft, target, [3])
+    assert torch.equal(draft.layers[0].mlp.down_proj.weight, target.model.layers[3].mlp.down_proj.weight)
     convs = [m for m in draft.modules() if isinstance(m, GroupedDynamicCausalConv)]
     assert len(convs) == 2
     for conv in convs:

@@ -196,7 +196,7 @@ class Trainer:
 
     def forward_loss(self, batch, training: bool = False):
         """``(loss, hidden, logits, stats)`` of a packed batch: the position-weighted loss (a DFlash2 draft's:
-        plus its selector's, whose stats are ``selector_*``), the draft's hidden states and logits (over the
+        plus its selector's, also in ``stats["selector_loss"]``), the draft's hidden states and logits (over the
         step's vocabulary subset when training with one)."""
         if self.attention == "flex":
             hidden = draft_forward_flex(self.draft, batch, self.embed_weight)
@@ -214,12 +214,10 @@ class Trainer:
         labels = labels.to(logits.device)
         loss, stats = weighted_block_loss(logits, labels, self.B, self.gamma)
         if self.draft.config.dflash2 is not None:
-            extra, selected = selector_loss(self.draft.candidate_selector, logits, hidden,
-                                            batch.block_ids.to(logits.device), labels,
-                                            batch.labels.to(logits.device), self.B, self.gamma, columns)
+            extra, _ = selector_loss(self.draft.candidate_selector, logits, hidden, batch.block_ids.to(logits.device),
+                                     labels, batch.labels.to(logits.device), self.B, self.gamma, columns)
             loss = loss + self.selector_loss_weight * extra
-            stats.update({"selector_loss": float(extra.detach()),
-                          **{f"selector_{k}": v for k, v in selected.items()}})
+            stats["selector_loss"] = float(extra.detach())
         return loss, hidden, logits, stats
 
     def make_batch(self, records):

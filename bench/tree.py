@@ -9,6 +9,9 @@ prompts no training generator shares, ``self`` the held-out slice of the target'
 the held-out prompts of the template generators that trained the shipped draft (the eval side of their hash split);
 chat template applied, the demo's stop tokens.
 
+A DFlash2 draft (``--draft`` a DFlash2 folder) runs the chain only: it proposes one path, its candidate selector's walk,
+and the runtimes build no trees from it.
+
 Every configuration (HF ``generate``, then per draft the chain and ``tree_budget`` = each budget) decodes
 every prompt once per rep; per prompt the configurations run back to back in an order rotated by prompt and rep, so a slow spell
 of a shared machine hits all of them alike. Reported per configuration: τ pooled over the prompts
@@ -101,8 +104,9 @@ def main(argv=None) -> int:
     # "full LM head" the argmax screen)
     variants = ([""] + ["torch formulas"] * args.without_native + ["fp32 GEMM"] * args.without_amx
                 + ["op path"] * args.op_path + ["full LM head"] * args.full_head)
+    budgets = common.parse_ints(args.budgets)
     configs: list = [HF] + [(lab, b, var) for var in variants for lab in labels
-                            for b in [None] + common.parse_ints(args.budgets)]
+                            for b in [None] + (budgets if drafts[lab].config.dflash2 is None else [])]
 
     def name(c) -> str:
         if c == HF:
@@ -166,7 +170,8 @@ def main(argv=None) -> int:
     columns = ["decoding", "tokens", "rounds", "tau", "tok_s", "vs_hf", "vs_chain", "draft_ms_round",
                "verify_ms_round", "identical_to_hf"]
     env = common.environment(torch.device("cpu"))
-    which = ", ".join(f"{lab} ({drafts[lab].config.num_hidden_layers} layers, B = "
+    which = ", ".join(f"{lab} ({'DFlash2, ' if drafts[lab].config.dflash2 is not None else ''}"
+                      f"{drafts[lab].config.num_hidden_layers} layers, B = "
                       f"{args.block_size or drafts[lab].config.block_size})" for lab in labels)
     decoding = "greedy" if sampling.greedy else f"temperature {sampling.temperature}, top-p {sampling.top_p}"
     head = (f"SmolLM2-135M + {which}, {decoding}, "

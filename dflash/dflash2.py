@@ -80,24 +80,38 @@ class GroupedDynamicCausalConv(nn.Module):
 
 class DFlash2DecoderLayer(DFlashDecoderLayer):
     """A DFlash layer whose attention and MLP are each wrapped by a grouped dynamic causal convolution; the
-    block's queries and its own keys/values come from the convolved rows."""
+    block's queries and its own keys/values come from the convolved rows.
+
+    The q block rows are one block, or, when an ``attention_mask`` or ``attention_fn`` packs many blocks into one
+    call (as ``dflash train`` does), q / ``block_size`` blocks of ``block_size`` rows each: every block is
+    convolved on its own, so no row reads a neighbouring block's."""
 
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__(config, layer_idx)
         d2 = config.dflash2
+        self.block_size = config.block_size
         self.attention_conv = GroupedDynamicCausalConv(config.hidden_size, d2.conv_kernel_size, d2.conv_group_size)
         self.mlp_conv = GroupedDynamicCausalConv(config.hidden_size, d2.conv_kernel_size, d2.conv_group_size)
 
     def forward(self, hidden, context, cos, sin, past_key_values=None, attention_mask=None, attention_fn=None):
+        rows = hidden.shape
         if attention_mask is not None or attention_fn is not None:
-            raise ValueError("a DFlash2 draft convolves over the rows of one block: packed blocks (attention_mask "
-                             "or attention_fn, as dflash train passes) would mix neighbouring blocks; run one "
-                             "block per call (training DFlash2 drafts is not supported yet)")
-        attn_in, kernel = self.attention_conv.prepare(self.input_layernorm(hidden))
-        attn_out = self.self_attn(attn_in, context, cos, sin, past_key_values, attention_mask, attention_fn)
-        hidden = hidden + self.attention_conv.finish(attn_out, kernel)
-        mlp_in, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(hidden))
-        return hidden + self.mlp_conv.finish(self.mlp(mlp_in), kernel)
+            if rows[1] % self.block_size:
+                raise ValueError(f"packed blocks (attention_mask or attention_fn given): {rows[1]} block rows are "
+                                 f"not a whole number of blocks of block_size={self.block_size}; pass "
+                                 f"block_size rows per packed block")
+
+            def blocks(x):
+                return x.reshape(-1, self.block_size, rows[-1])
+        else:
+            def blocks(x):
+                return x
+        attn_in, kernel = self.attention_conv.prepare(blocks(self.input_layernorm(hidden)))
+        attn_out = self.self_attn(attn_in.reshape(rows), context, cos, sin, past_key_values, attention_mask,
+                                  attention_fn)
+        hidden = hidden + self.attention_conv.finish(blocks(attn_out), kernel).reshape(rows)
+        mlp_in, kernel = self.mlp_conv.prepare(blocks(self.post_attention_layernorm(hidden)))
+        return hidden + self.mlp_conv.finish(self.mlp(mlp_in), kernel).reshape(rows)
 
 
 class CandidateSelector(nn.Module):
@@ -111,6 +125,13 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.empty(config.vocab_size, d2.selector_rank))
         self.hidden_projection = nn.Linear(config.hidden_size, d2.selector_rank, bias=False)
 
+    def transition_scores(self, projected: torch.Tensor, prev: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """``<predecessor[prev] * projected, successor[candidate]>`` for ``projected`` [..., r] (``hidden_projection``
+        of the rows), ``prev`` [...] and ``candidates`` [..., k] token ids -> [..., k]; training scores every row
+        at once with it (teacher-forced ``prev``)."""
+        return torch.einsum("...r,...kr->...k", self.predecessor_codebook[prev] * projected,
+                            self.successor_codebook[candidates])
+
     def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, temperature: float = 0.0,
                generator: torch.Generator | None = None):
         """hidden [b, n, H] and logits [b, n, V] of the n proposal rows, anchor [b] -> ``(path [b, n] int64,
@@ -121,8 +142,7 @@ class CandidateSelector(nn.Module):
         prev = anchor
         path, q_rows = [], []
         for i in range(hidden.shape[1]):
-            scores = unary[:, i] + torch.einsum("br,bkr->bk", self.predecessor_codebook[prev] * projected[:, i],
-                                                self.successor_codebook[candidates[:, i]])
+            scores = unary[:, i] + self.transition_scores(projected[:, i], prev, candidates[:, i])
             if temperature > 0:
                 q = torch.softmax(scores.float() / temperature, dim=-1)
                 index = torch.multinomial(q, 1, generator=generator)[:, 0]

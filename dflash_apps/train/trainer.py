@@ -1,5 +1,12 @@
-"""The training loop: frozen target embedding/LM head, trainable draft (layers, ``fc``, norms),
-AdamW (lr 6e-4, cosine decay, warmup ratio 0.04, grad-clip 1.0), resumable checkpoints.
+"""The training loop: frozen target embedding/LM head, trainable draft (layers, ``fc``, norms; a DFlash2 draft's
+convolutions and candidate selector too), AdamW (lr 6e-4, cosine decay, warmup ratio 0.04, grad-clip 1.0),
+resumable checkpoints.
+
+``fit --arch dflash2`` trains a DFlash2 draft (:mod:`dflash.dflash2`): the DFlash loss on its logits plus the
+selector's K-way loss (:mod:`dflash_apps.train.selector`); its convolutions start as identities (base tap 0 = 1,
+kernel projection 0), so a DFlash2 draft warm-started from a DFlash draft (``--init FOLDER``) first proposes what
+that draft's logits rank best, reranked by a fresh selector whose transition scores start near 0. Evaluation
+walks the selector's greedy path, as the runtimes propose, so both kinds of draft are chosen by the same τ.
 
 Checkpoint folder (``--out``):
   ``last.pt``     draft + optimizer state, step, RNG, args, loss history (resume point, rewritten every
@@ -19,8 +26,11 @@ from typing import Sequence
 
 import torch
 
-from dflash.config import DFlashConfig
-from dflash.model import DFlashDraftModel
+import dataclasses
+
+from dflash.config import DRAFT_TOKEN_IDS, DFlash2Settings, DFlashConfig
+from dflash.dflash2 import GroupedDynamicCausalConv
+from dflash.model import DFlash2DraftModel, DFlashDraftModel
 from dflash_apps.cli import device_arg
 from dflash_apps.train.blocks import (
     acceptance_lengths,
@@ -33,8 +43,14 @@ from dflash_apps.train.blocks import (
     weighted_block_loss,
 )
 from dflash_apps.train.data import load_plain
+from dflash_apps.train.selector import selector_loss, selector_path_acceptance
 
 SMOLLM2_MASK_TOKEN_ID = 16  # "<empty_output>": a special token that never occurs in normal text
+# DFlash2 settings for SmolLM2-135M (H = 576, vocabulary 49,152): the published drafts' taps, group and top-k
+# (K = 2, G = 16, k = 16), and a smaller rank than their 256 (chosen for H = 4096-6656): the two codebooks are
+# vocabulary x rank, so rank 64 is 6.3 M parameters, about the 2-layer draft's own 7.75 M (rank 256: 25 M, three
+# times the draft, with its Adam state, on a CPU), still 64 dims for a transition over 16 candidates.
+SMOLLM2_DFLASH2 = DFlash2Settings(conv_kernel_size=2, conv_group_size=16, selector_rank=64, selector_top_k=16)
 
 
 def lr_at(step: int, total: int, lr: float, warmup_ratio: float, min_ratio: float = 0.0) -> float:
@@ -47,7 +63,9 @@ def lr_at(step: int, total: int, lr: float, warmup_ratio: float, min_ratio: floa
 
 
 def make_draft_config(target_config, *, num_layers: int, block_size: int, mask_token_id: int,
-                      target_layer_ids=None, intermediate_size: int | None = None) -> DFlashConfig:
+                      target_layer_ids=None, intermediate_size: int | None = None,
+                      dflash2: DFlash2Settings | None = None) -> DFlashConfig:
+    """The config of a draft for ``target_config`` (a DFlash2 draft's with ``dflash2`` settings)."""
     tc = target_config
     rope = dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)})
     return DFlashConfig(
@@ -66,7 +84,23 @@ def make_draft_config(target_config, *, num_layers: int, block_size: int, mask_t
         block_size=block_size,
         mask_token_id=mask_token_id,
         target_layer_ids=target_layer_ids,
+        dflash2=dflash2,
     )
+
+
+def build_draft(config: DFlashConfig) -> DFlashDraftModel:
+    """A freshly initialised draft of ``config``: a DFlash2 draft's convolutions are identities (zero kernel
+    projections: the layers compute what DFlash layers do) and its selector is random (N(0, 0.02) codebooks and
+    projection: transition scores near 0, so the walk starts as the logits' argmax)."""
+    if config.dflash2 is None:
+        return DFlashDraftModel(config)
+    draft = DFlash2DraftModel(config)
+    with torch.no_grad():
+        for module in draft.modules():
+            if isinstance(module, GroupedDynamicCausalConv):
+                module.reset_base_kernel()
+                module.kernel_projection.weight.zero_()
+    return draft
 
 
 @torch.no_grad()
@@ -91,17 +125,22 @@ def init_from_target(draft: DFlashDraftModel, target, layer_ids) -> None:
 
 @torch.no_grad()
 def init_from_draft(draft: DFlashDraftModel, folder: str) -> None:
-    """Warm start from a trained z-lab draft folder of the same architecture (its network weights; a
-    draft vocabulary subset, if it has one, is not part of training and is dropped)."""
-    from dflash.config import DRAFT_TOKEN_IDS
-
+    """Warm start from a trained z-lab draft folder of the same shape (its network weights; a draft vocabulary
+    subset, if it has one, is not part of training and is dropped). A DFlash2 draft also starts from a DFlash
+    draft's folder: the parts both have are copied, its convolutions and selector keep their initialisation
+    (:func:`build_draft`)."""
     state = DFlashDraftModel.from_pretrained(folder, dtype=torch.float32).state_dict()  # any stored layout
     state.pop(DRAFT_TOKEN_IDS, None)
     own = draft.state_dict()
-    if set(state) != set(own) or any(state[k].shape != own[k].shape for k in own):
+    dflash2_only = set(draft.config.expected_weight_shapes()) - set(
+        dataclasses.replace(draft.config, dflash2=None).expected_weight_shapes())
+    missing = set(own) - set(state)
+    if (set(state) - set(own) or (missing and missing != dflash2_only)
+            or any(state[k].shape != own[k].shape for k in state)):
         raise ValueError(f"--init {folder}: its weights do not match the draft being trained (same --layers, "
-                         f"--block-size and taps needed)")
-    draft.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
+                         f"--block-size and taps needed; a DFlash2 draft starts from a DFlash or DFlash2 draft, a "
+                         f"DFlash draft from a DFlash draft)")
+    draft.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=False)
 
 
 def _labels_in(labels: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -116,8 +155,10 @@ class Trainer:
                  lr: float = 6e-4, weight_decay: float = 0.0, warmup_ratio: float = 0.04, grad_clip: float = 1.0,
                  total_steps: int = 1000, gamma: float | None = None, num_anchors: int = 16,
                  attention: str = "dense", seed: int = 0, vocab_subset: torch.Tensor | None = None,
-                 negatives: int = 0):
+                 negatives: int = 0, selector_loss_weight: float = 1.0):
+        """``selector_loss_weight``: a DFlash2 draft's loss is the DFlash loss + this x the selector's."""
         self.draft = draft
+        self.selector_loss_weight = selector_loss_weight
         # Frozen, shared with the target: never updated (no grad, not in the optimizer).
         self.embed_weight = embed_weight.detach().requires_grad_(False)
         self.lm_head_weight = lm_head_weight.detach().requires_grad_(False)
@@ -141,18 +182,22 @@ class Trainer:
         self.vocab_subset = None if subset is None else torch.unique(subset.long())
 
     def _head_for_step(self, labels: torch.Tensor, training: bool):
+        """``(head rows, labels as indices into them, the rows' token ids or None for the whole head)``."""
         V = self.lm_head_weight.shape[0]
         if self.vocab_subset is None or not training:
-            return self.lm_head_weight, labels
+            return self.lm_head_weight, labels, None
         ids = self.vocab_subset
         if self.negatives:
             extra = torch.randint(0, V, (self.negatives,), generator=self.gen)
             ids = torch.unique(torch.cat([ids, extra, labels[labels >= 0].unique()]))
         else:
             ids = torch.unique(torch.cat([ids, labels[labels >= 0].unique()]))
-        return self.lm_head_weight[ids.to(self.lm_head_weight.device)], _labels_in(labels, ids, V)
+        return self.lm_head_weight[ids.to(self.lm_head_weight.device)], _labels_in(labels, ids, V), ids
 
     def forward_loss(self, batch, training: bool = False):
+        """``(loss, hidden, logits, stats)`` of a packed batch: the position-weighted loss (a DFlash2 draft's:
+        plus its selector's, also in ``stats["selector_loss"]``), the draft's hidden states and logits (over the
+        step's vocabulary subset when training with one)."""
         if self.attention == "flex":
             hidden = draft_forward_flex(self.draft, batch, self.embed_weight)
         else:
@@ -162,11 +207,18 @@ class Trainer:
             # them; a label outside them is left out of the loss (and never matched by evaluate).
             logits = self.draft.compute_logits(hidden, SimpleNamespace(weight=self.lm_head_weight))
             labels = _labels_in(batch.labels, self.draft.vocab_ids, self.lm_head_weight.shape[0])
+            columns = self.draft.vocab_ids
         else:
-            head, labels = self._head_for_step(batch.labels, training)
+            head, labels, columns = self._head_for_step(batch.labels, training)
             logits = self.draft.compute_logits(hidden, lambda h: h @ head.T)
-        loss, stats = weighted_block_loss(logits, labels.to(logits.device), self.B, self.gamma)
-        return loss, logits, stats
+        labels = labels.to(logits.device)
+        loss, stats = weighted_block_loss(logits, labels, self.B, self.gamma)
+        if self.draft.config.dflash2 is not None:
+            extra, _ = selector_loss(self.draft.candidate_selector, logits, hidden, batch.block_ids.to(logits.device),
+                                     labels, batch.labels.to(logits.device), self.B, self.gamma, columns)
+            loss = loss + self.selector_loss_weight * extra
+            stats["selector_loss"] = float(extra.detach())
+        return loss, hidden, logits, stats
 
     def make_batch(self, records):
         anchors = [sample_anchors(r["prompt_len"], len(r["ids"]), self.num_anchors, self.gen) for r in records]
@@ -178,7 +230,7 @@ class Trainer:
         for g in self.opt.param_groups:
             g["lr"] = lr
         batch = self.make_batch(records)
-        loss, _, stats = self.forward_loss(batch, training=True)
+        loss, _, _, stats = self.forward_loss(batch, training=True)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
@@ -189,9 +241,11 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, records, stride: int = 4, max_anchors: int = 32, tree_budgets: Sequence[int] = ()) -> dict:
         """Teacher-forced τ estimate: anchors every ``stride`` response positions, acceptance length =
-        1 + leading run of draft argmaxes equal to the target's (greedy) continuation. ``tree_budgets``: also
-        the estimate of draft trees of each budget (``tree_tau_est``, by budget: :func:`tree_acceptance_lengths`
-        on the same blocks)."""
+        1 + leading run of proposals equal to the target's (greedy) continuation; the proposals are the draft's
+        argmaxes, a DFlash2 draft's the selector's greedy walk from the anchor. ``tree_budgets``: also the
+        estimate of draft trees of each budget (``tree_tau_est``, by budget: :func:`tree_acceptance_lengths` on the
+        same blocks; DFlash drafts only, as in the runtimes)."""
+        check_tree_budgets(self.draft, tree_budgets)
         self.draft.eval()
         lens, losses = [], []
         tree_lens: dict[int, list[torch.Tensor]] = {n: [] for n in tree_budgets}
@@ -201,8 +255,11 @@ class Trainer:
             if not any(len(a) for a in anchors):
                 continue
             batch = pack_batch(recs, anchors, self.B, self.mask_id)
-            loss, logits, _ = self.forward_loss(batch)
+            loss, hidden, logits, _ = self.forward_loss(batch)
             losses.append(float(loss))
+            if self.draft.config.dflash2 is not None:
+                lens.append(selector_path_acceptance(self.draft, hidden, logits, batch.block_ids, batch.labels))
+                continue
             pred = logits.argmax(-1)
             if self.draft.vocab_ids is not None:  # indices into the draft's own ids -> target ids
                 pred = self.draft.vocab_ids.to(pred.device)[pred]
@@ -232,6 +289,14 @@ class Trainer:
         random.setstate(s["py_random"])
 
 
+def check_tree_budgets(draft: DFlashDraftModel, tree_budgets: Sequence[int]) -> None:
+    """Refuses tree estimates for a DFlash2 draft, before any work: the runtimes build no trees from its walk."""
+    if tree_budgets and draft.config.dflash2 is not None:
+        raise ValueError("tree budgets need a DFlash draft: a DFlash2 draft proposes one path through its "
+                         "candidates and the runtimes build no trees from it; drop --tree-budgets / "
+                         "--eval-tree-budgets")
+
+
 # ------------------------------------------------------------------------------------------------ CLI
 def add_fit_args(sub) -> None:
     from dflash_apps.smollm2 import cache_path
@@ -241,6 +306,20 @@ def add_fit_args(sub) -> None:
     f.add_argument("--out", default=cache_path("runs", "smollm2-b8-l2"), help="checkpoint folder (resumes if it has last.pt)")
     f.add_argument("--max-shards", type=int, default=None,
                    help="train on the first N train shards only (fixes the data while `data` is still appending)")
+    f.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash",
+                   help="draft kind: DFlash, or DFlash2 (grouped dynamic convolutions + candidate selector, trained "
+                        "with the selector's K-way loss added)")
+    d2 = SMOLLM2_DFLASH2
+    f.add_argument("--conv-kernel-size", type=int, default=d2.conv_kernel_size, help="DFlash2: convolution taps K")
+    f.add_argument("--conv-group-size", type=int, default=d2.conv_group_size,
+                   help="DFlash2: channels sharing one dynamic kernel value G (divides the hidden size)")
+    f.add_argument("--selector-rank", type=int, default=d2.selector_rank,
+                   help="DFlash2: rank r of the selector's codebooks (vocabulary x r each; 64 for SmolLM2's 576 "
+                        "hidden, the published drafts use 256 at 4096+)")
+    f.add_argument("--selector-top-k", type=int, default=d2.selector_top_k,
+                   help="DFlash2: candidates the selector reranks per position")
+    f.add_argument("--selector-loss-weight", type=float, default=1.0,
+                   help="DFlash2: weight of the selector's K-way loss beside the DFlash loss")
     f.add_argument("--layers", type=int, default=2)
     f.add_argument("--block-size", type=int, default=8)
     f.add_argument("--gamma", type=float, default=None, help="loss decay γ (default: 7 for B=16, 5 for B=10, 4 for B=8)")
@@ -335,9 +414,12 @@ def fit_main(args) -> int:
 
     target, _tok = smollm2.load()
     layer_ids = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else None
+    dflash2 = (DFlash2Settings(args.conv_kernel_size, args.conv_group_size, args.selector_rank, args.selector_top_k)
+               if args.arch == "dflash2" else None)
     cfg = make_draft_config(target.config, num_layers=args.layers, block_size=args.block_size,
-                            mask_token_id=args.mask_token_id, target_layer_ids=layer_ids)
-    draft = DFlashDraftModel(cfg)
+                            mask_token_id=args.mask_token_id, target_layer_ids=layer_ids, dflash2=dflash2)
+    draft = build_draft(cfg)
+    check_tree_budgets(draft, tree_budgets)
     if args.init == "target":
         n = target.config.num_hidden_layers
         init_from_target(draft, target, list(range(n - args.layers, n)))
@@ -350,7 +432,8 @@ def fit_main(args) -> int:
     trainer = Trainer(draft, embed, head, lr=args.lr, weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio,
                       grad_clip=args.grad_clip, total_steps=args.steps, gamma=args.gamma, num_anchors=args.anchors,
                       attention=args.attention, seed=args.seed,
-                      negatives=args.negatives if args.vocab_subset == "data" else 0)
+                      negatives=args.negatives if args.vocab_subset == "data" else 0,
+                      selector_loss_weight=args.selector_loss_weight)
     last = os.path.join(args.out, "last.pt")
     best_tau = -1.0
     # Sequences of the current epoch not yet visited; saved with the checkpoint so that a resumed run
@@ -362,8 +445,10 @@ def fit_main(args) -> int:
         best_tau = state.get("best_tau", -1.0)
         order = list(state.get("epoch_order", []))
         log(f"resumed from {last} at step {trainer.step} (best τ-estimate so far {best_tau:.3f})")
-    log(f"draft: {cfg.num_hidden_layers} layers, B={cfg.block_size}, γ={trainer.gamma}, taps {cfg.target_layer_ids}, "
-        f"mask id {cfg.mask_token_id}, {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M trainable params")
+    kind = "DFlash" if dflash2 is None else f"DFlash2 ({dflash2})"
+    log(f"draft: {kind}, {cfg.num_hidden_layers} layers, B={cfg.block_size}, γ={trainer.gamma}, taps "
+        f"{cfg.target_layer_ids}, mask id {cfg.mask_token_id}, "
+        f"{sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M trainable params")
 
     def load_train():
         recs = load_dataset(os.path.join(args.data, "train"), cfg.target_layer_ids, max_shards=args.max_shards)
@@ -387,6 +472,7 @@ def fit_main(args) -> int:
     acc_c = torch.zeros(args.block_size)
     acc_n = torch.zeros(args.block_size)
     losses: list[float] = []
+    selector_losses: list[float] = []
     step_times: list[float] = []
     while trainer.step < args.steps:
         if not order:
@@ -402,19 +488,23 @@ def fit_main(args) -> int:
         out = trainer.train_step([train[i] for i in idx])
         step_times.append(time.perf_counter() - t0)
         losses.append(out["loss"])
+        if "selector_loss" in out:
+            selector_losses.append(out["selector_loss"])
         acc_c += out["per_k_correct"].cpu()
         acc_n += out["per_k_count"].cpu()
         s = trainer.step
         if s % args.log_every == 0 or s == args.steps:
             acc = (acc_c[1:] / acc_n[1:].clamp(min=1)).tolist()
             sp = sum(step_times) / len(step_times)
-            log(f"step {s}/{args.steps} loss {sum(losses) / len(losses):.4f} lr {out['lr']:.2e} "
+            selector = ({"selector_loss": sum(selector_losses) / len(selector_losses)} if selector_losses else {})
+            log(f"step {s}/{args.steps} loss {sum(losses) / len(losses):.4f}"
+                + "".join(f" (selector {v:.4f})" for v in selector.values()) + f" lr {out['lr']:.2e} "
                 f"gnorm {out['grad_norm']:.2f} acc@k1..{args.block_size - 1} "
                 + " ".join(f"{a:.2f}" for a in acc) + f" | {sp:.2f} s/step, ETA {_fmt(sp * (args.steps - s))}")
             with open(log_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"step": s, "loss": sum(losses) / len(losses), "lr": out["lr"],
+                f.write(json.dumps({"step": s, "loss": sum(losses) / len(losses), **selector, "lr": out["lr"],
                                     "grad_norm": out["grad_norm"], "acc": acc, "time": time.time()}) + "\n")
-            losses, step_times = [], []
+            losses, selector_losses, step_times = [], [], []
             acc_c.zero_(); acc_n.zero_()
         if eval_recs and (s % args.eval_every == 0 or s == args.steps):
             ev = trainer.evaluate(eval_recs, tree_budgets=tree_budgets)
@@ -450,7 +540,8 @@ def export_main(args) -> int:
         draft = DFlashDraftModel.from_pretrained(best, dtype=torch.float32)
     elif os.path.isfile(last):
         state = load_plain(last)
-        draft = DFlashDraftModel(DFlashConfig.from_dict(state["config"]))
+        config = DFlashConfig.from_dict(state["config"], source=last)
+        draft = DFlashDraftModel.class_for(config, source=last)(config)
         draft.load_state_dict(state["draft"])
     else:
         raise SystemExit(f"export: no checkpoint in {src} (expected best/, last.pt or config.json)")
@@ -468,6 +559,7 @@ def evaluate_main(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     draft = DFlashDraftModel.from_pretrained(args.draft, dtype=torch.float32)
+    check_tree_budgets(draft, tree_budgets)
     target, _ = smollm2.load()
     trainer = Trainer(draft, target.get_input_embeddings().weight.float(), target.lm_head.weight.float())
     recs = load_dataset(args.data, draft.config.target_layer_ids)

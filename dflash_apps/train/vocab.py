@@ -5,6 +5,10 @@ Proposals outside the subset are impossible, never wrong: verification keeps the
 target's, a token the draft cannot propose only ends that round's accepted prefix. The share of
 held-out response tokens inside the subset (its coverage) is therefore an upper bound on how often
 the subset is what stops acceptance, and the number to report.
+
+DFlash drafts only: a DFlash2 draft keeps the full vocabulary (refused with a ValueError), since its selector's
+codebooks have a row per target token and the runtimes (here, vLLM, SGLang) take its candidates from the full LM
+head; speculators refuses pruned DFlash2 vocabularies too.
 """
 from __future__ import annotations
 
@@ -56,8 +60,17 @@ def coverage_of(ids: torch.Tensor, counts: torch.Tensor) -> float:
     return float(counts[ids].sum()) / max(int(counts.sum()), 1)
 
 
+def check_subset_allowed(draft: DFlashDraftModel, source: str = "draft") -> None:
+    """Refuses a DFlash2 draft (see the module docstring)."""
+    if draft.config.dflash2 is not None:
+        raise ValueError(f"{source}: a DFlash2 draft keeps the full target vocabulary (its candidate selector has a "
+                         "codebook row per target token and ranks the full LM head's top-k); use the draft as it is, "
+                         "vocab subsets are for DFlash drafts")
+
+
 def with_draft_vocab(draft: DFlashDraftModel, ids: torch.Tensor) -> DFlashDraftModel:
     """A copy of ``draft`` (full vocabulary) whose LM head scores only ``ids``; same network weights."""
+    check_subset_allowed(draft)
     if draft.config.draft_vocab_size is not None:
         raise ValueError("draft: it already has a vocabulary subset; start from its full-vocabulary checkpoint")
     config = dataclasses.replace(draft.config, draft_vocab_size=int(ids.numel()))
@@ -70,13 +83,14 @@ def with_draft_vocab(draft: DFlashDraftModel, ids: torch.Tensor) -> DFlashDraftM
 def vocab_main(args) -> int:
     from dflash_apps.train.data import load_dataset
 
+    draft = DFlashDraftModel.from_pretrained(args.draft, dtype=torch.float32)
+    check_subset_allowed(draft, args.draft)
     included = []
     for folder in args.include:
         other = DFlashDraftModel.from_pretrained(folder, dtype=torch.float32)
         if other.config.draft_vocab_size is None:
             raise ValueError(f"--include {folder}: that draft has no vocabulary subset to include")
         included.append(other.draft_token_ids.long())
-    draft = DFlashDraftModel.from_pretrained(args.draft, dtype=torch.float32)
     vocab = args.vocab or draft.config.vocab_size
     if vocab is None:
         raise SystemExit(f"vocab: {args.draft}'s config has no vocab_size; pass --vocab (the target's vocabulary size)")

@@ -206,6 +206,33 @@ def test_tree_bench_compares_drafts(tmp_path):
         tree.main(["--draft", str(tree.DRAFT), "--draft", str(tree.DRAFT)])
 
 
+@pytest.mark.slow
+def test_tree_bench_runs_a_dflash2_draft_as_a_chain(tmp_path):
+    """A DFlash2 draft beside the shipped DFlash draft: its chain only (no trees from a DFlash2 draft), named as
+    DFlash2 in the header, output identical to HF's."""
+    import dataclasses
+
+    from dflash import DFlash2DraftModel, DFlashConfig
+    from dflash.config import DFlash2Settings
+    from dflash_apps import smollm2
+
+    if smollm2.unavailable_reason():
+        pytest.skip(smollm2.unavailable_reason())
+    tree = bench_module("tree")
+    base = DFlashConfig.from_json_file(tree.DRAFT)
+    config = dataclasses.replace(base, draft_vocab_size=None, dflash2=DFlash2Settings(2, 16, 8, 8))
+    DFlash2DraftModel(config).save_pretrained(tmp_path / "d2")
+    out = tmp_path / "tree.md"
+    assert tree.main(["--budgets", "2", "--prompts", "1", "--max-new-tokens", "5", "--reps", "1", "--threads", "1",
+                      "--draft", str(tree.DRAFT), "--draft", str(tmp_path / "d2"), "--out", str(out)]) == 0
+    text = out.read_text(encoding="utf-8")
+    cells = _markdown_cells(text)
+    header, rows = cells[0], {r[0]: r for r in cells[2:]}
+    assert set(rows) == {"HF generate", "shipped draft: chain", "shipped draft: tree 2", "d2: chain"}, text
+    assert all(r[header.index("identical_to_hf")] == "yes" for r in rows.values()), text
+    assert "d2 (DFlash2, 2 layers, B = 8)" in text
+
+
 def test_cpu_forward_bench_smoke(tmp_path):
     """bench/cpu_forward.py at one row, one rep: every setting of the native kernels, the AMX path and the
     bf16-packed weights, every part's column, the native forward, the weights' floor (halved for bf16 storage); the

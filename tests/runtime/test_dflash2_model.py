@@ -3,6 +3,7 @@ speculators ``dflash2``), the convolution and selector against direct definition
 (both runtimes run it greedily, sampling runs on the reference, trees refuse it with a clear error)."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -18,6 +19,7 @@ from dflash_apps import cli, smollm2, zlab_cli
 
 from test_speculators import write_speculators
 from helpers.tiny_models import VOCAB, make_draft, make_target
+from helpers.tol import assert_within_rule
 
 D2 = DFlash2Settings(conv_kernel_size=3, conv_group_size=8, selector_rank=12, selector_top_k=6)
 
@@ -195,16 +197,32 @@ def test_runtimes_choose_and_refuse_clearly():
         draft.propose(torch.zeros(1, 8, 32), target.lm_head)
 
 
-def test_packed_blocks_are_refused():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_blocks_convolve_each_block_alone(dtype):
+    """Blocks packed into one call with a mask (as ``dflash train`` packs them) give each block the rows it gets
+    alone: the convolution never reaches across a block boundary; a row count that is not whole blocks is refused."""
+    torch.manual_seed(0)
     target = make_target("qwen3")
-    draft = make_dflash2(target)
-    args = dict(position_ids=torch.arange(3 + 8)[None], noise_embedding=torch.zeros(1, 8, 32),
-                target_hidden=torch.zeros(1, 3, 32 * draft.config.num_taps))
-    with pytest.raises(ValueError, match="convolves over the rows of one block"):
-        draft(**args, attention_mask=torch.ones(1, 1, 8, 11, dtype=torch.bool))
-    with pytest.raises(ValueError, match="convolves over the rows of one block"):
-        draft(**args, attention_fn=lambda q, k, v: q)
-    assert draft(**args).shape == (1, 8, 32)
+    draft64 = make_dflash2(target).double()
+    B, C, n = draft64.config.block_size, 3, 3
+    noise = torch.randn(n, B, 32, dtype=torch.float64)
+    target_hidden = torch.randn(1, C, 32 * draft64.config.num_taps, dtype=torch.float64)
+    positions = torch.arange(C + B)[None]
+    own_block = torch.arange(n).repeat_interleave(B)
+    mask = torch.cat([torch.ones(n * B, C, dtype=torch.bool), own_block[:, None] == own_block[None, :]], dim=1)
+    packed_positions = torch.cat([positions[:, :C], positions[:, C:].repeat(1, n)], dim=1)
+
+    def alone(model):
+        return torch.cat([model(position_ids=positions, noise_embedding=noise[j:j + 1].to(dtype=model.fc.weight.dtype),
+                                target_hidden=target_hidden.to(model.fc.weight.dtype)) for j in range(n)], dim=1)
+
+    draft = copy.deepcopy(draft64).to(dtype)
+    packed = draft(position_ids=packed_positions, noise_embedding=noise.reshape(1, n * B, 32).to(dtype),
+                   target_hidden=target_hidden.to(dtype), attention_mask=mask[None, None])
+    assert_within_rule(packed, alone(draft64), alone(draft), f"packed blocks, {dtype}")
+    with pytest.raises(ValueError, match=f"not a whole number of blocks of block_size={B}"):
+        draft(position_ids=packed_positions[:, :-1], noise_embedding=noise.reshape(1, n * B, 32)[:, :-1].to(dtype),
+              target_hidden=target_hidden.to(dtype), attention_fn=lambda q, k, v: q)
 
 
 @pytest.mark.parametrize("backend", ["reference", "fast"])

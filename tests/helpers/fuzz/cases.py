@@ -623,7 +623,7 @@ class GateUpSilu:
 
     def registered(self, backend):
         out = torch.empty((*self.x.shape[:-1], self.weight.shape[0] // 2), dtype=self.x.dtype)
-        torch.ops.dflash.gate_up_silu(self.x, self.weight, out, backend)
+        torch.ops.dflash.gate_up_silu(self.x, self.weight, out, None, None, backend)
         return [out]
 
     def reference(self):

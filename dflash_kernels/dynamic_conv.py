@@ -155,6 +155,16 @@ def check_conv(op: str, x, dynamic, base, x_name: str = "x", dynamic_name: str =
         raise ValueError(f"{op}: {base_name} must be contiguous; pass {base_name}.contiguous()")
 
 
+def check_fused_conv(op: str, x, conv_dynamic, conv_base, into: str) -> None:
+    """The optional convolution an op runs on its input x before ``into`` (its ``conv_dynamic`` / ``conv_base``):
+    both or neither, and then :func:`check_conv`'s operands."""
+    if (conv_dynamic is None) != (conv_base is None):
+        raise ValueError(f"{op}: pass conv_dynamic and conv_base together (a convolution of x before {into}), or "
+                         "neither")
+    if conv_dynamic is not None:
+        check_conv(op, x, conv_dynamic, conv_base, dynamic_name="conv_dynamic", base_name="conv_base")
+
+
 def check_conv_out(op: str, x, out, x_name: str = "x") -> None:
     """``out``: a contiguous tensor of x's shape, dtype and device sharing no memory with x (row t of a
     convolution reads rows t-K+1..t of x)."""

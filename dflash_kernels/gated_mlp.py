@@ -46,7 +46,7 @@ from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2,
 )
 from dflash_kernels.dynamic_conv import (
-    _grouped_dynamic_conv_triton, check_conv, conv_taps, grouped_dynamic_conv_reference, overlap,
+    _grouped_dynamic_conv_triton, check_fused_conv, conv_taps, grouped_dynamic_conv_reference, overlap,
 )
 from dflash_kernels.layer_ops import _round_to, _silu_mul_triton, silu_mul_reference
 
@@ -182,11 +182,7 @@ def _gate_up_silu_triton(x: torch.Tensor, weight: torch.Tensor, out: torch.Tenso
 
 
 def _validate(x, weight, out, conv_dynamic=None, conv_base=None):
-    if (conv_dynamic is None) != (conv_base is None):
-        raise ValueError(f"{OP}: pass conv_dynamic and conv_base together (a convolution of x before the GEMM), or "
-                         "neither")
-    if conv_dynamic is not None:
-        check_conv(OP, x, conv_dynamic, conv_base, dynamic_name="conv_dynamic", base_name="conv_base")
+    check_fused_conv(OP, x, conv_dynamic, conv_base, "the GEMM")
     check_tensor(OP, "x", x, dtypes=FLOAT_DTYPES)
     if x.dim() < 1:
         raise ValueError(f"{OP}: x must be [..., K] with at least one dim, got a 0-d tensor")

@@ -28,7 +28,7 @@ from dflash_kernels._dispatch import call_op, checked_by, lean_version_bump, reg
 from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, rms_norm_reference,
 )
-from dflash_kernels.dynamic_conv import check_conv, conv_taps, grouped_dynamic_conv_reference, overlap
+from dflash_kernels.dynamic_conv import check_fused_conv, conv_taps, grouped_dynamic_conv_reference, overlap
 
 _BACKENDS = ("triton", "torch")  # and the wings' registered bodies (dflash_kernels.cpu)
 
@@ -114,11 +114,7 @@ def _add_rms_norm_triton(x, weight, eps, residual, out, conv_dynamic=None, conv_
 
 def _validate_add_rms_norm(x, weight, eps, residual, out, conv_dynamic=None, conv_base=None):
     op = ADD_RMS_NORM
-    if (conv_dynamic is None) != (conv_base is None):
-        raise ValueError(f"{op}: pass conv_dynamic and conv_base together (a convolution of x before the add), or "
-                         "neither")
-    if conv_dynamic is not None:
-        check_conv(op, x, conv_dynamic, conv_base, dynamic_name="conv_dynamic", base_name="conv_base")
+    check_fused_conv(op, x, conv_dynamic, conv_base, "the add")
     check_tensor(op, "x", x, dtypes=FLOAT_DTYPES)
     if x.dim() < 1:
         raise ValueError(f"{op}: x must be [..., H] with at least one dim, got a 0-d tensor")

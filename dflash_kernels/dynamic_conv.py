@@ -22,7 +22,7 @@ import triton.language as tl
 
 from dflash_kernels._dispatch import call_op, checked_by, resolve_backend
 from dflash_kernels._triton_utils import (
-    FLOAT_DTYPES, check_last_dim_contiguous, check_shape, check_tensor, interpreting, next_pow2,
+    FLOAT_DTYPES, check_last_dim_contiguous, check_shape, check_tensor, interpreting, next_pow2, round_to,
 )
 
 GROUPED_DYNAMIC_CONV = "grouped_dynamic_conv"
@@ -77,7 +77,8 @@ def _grouped_dynamic_conv_kernel(out_ptr, x_ptr, d_ptr, base_ptr, B, H, G,
     m = cols < H
     acc = conv_taps(x_ptr, d_ptr, base_ptr, n, t, cols, m, H, G, stride_xn, stride_xt, stride_dn, stride_dt,
                     stride_do, TAPS)
-    tl.store(out_ptr + row * H + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + row * H + cols, round_to(acc, dtype).to(dtype), mask=m)
 
 
 def _grouped_dynamic_conv_triton(x, dynamic, base, out) -> None:

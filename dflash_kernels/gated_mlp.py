@@ -8,7 +8,7 @@ K once for both, and applies silu·mul in the epilogue: one launch, one ``[M, I]
 
 Numerics follow HF in the input dtype (``F.silu(gate_proj(x)) * up_proj(x)``): fp32 accumulation, gate and
 up rounded to the dtype (where the GEMM's output would be), ``silu`` in fp32 rounded, the product rounded
-(``layer_ops._round_to``, the rounding ``silu_mul`` uses). On the GPU, 16-bit inputs go into the dots as
+(``_triton_utils.round_to``, the rounding ``silu_mul`` uses). On the GPU, 16-bit inputs go into the dots as
 16-bit operands (fp32 accumulation, what cuBLAS does); fp32 inputs use IEEE fp32 dots; the interpreter
 converts every load to fp32.
 
@@ -43,12 +43,12 @@ import triton.language as tl
 
 from dflash_kernels._dispatch import call_op, checked_by, resolve_backend
 from dflash_kernels._triton_utils import (
-    FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2,
+    FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, round_to,
 )
 from dflash_kernels.dynamic_conv import (
     _grouped_dynamic_conv_triton, check_fused_conv, conv_taps, grouped_dynamic_conv_reference, overlap,
 )
-from dflash_kernels.layer_ops import _round_to, _silu_mul_triton, silu_mul_reference
+from dflash_kernels.layer_ops import _silu_mul_triton, silu_mul_reference
 
 OP = "gate_up_silu"
 MAX_FUSED_ROWS = 128
@@ -108,7 +108,7 @@ def _gate_up_silu_kernel(out_ptr, x_ptr, w_ptr, d_ptr, base_ptr, M, K, I, B, G, 
         k_ok = ks < K
         x_mask = row_ok[:, None] & k_ok[None, :]
         if TAPS > 0:
-            x = _round_to(conv_taps(x_ptr, d_ptr, base_ptr, n, t, ks[None, :], x_mask, K, G, stride_xn, stride_xm,
+            x = round_to(conv_taps(x_ptr, d_ptr, base_ptr, n, t, ks[None, :], x_mask, K, G, stride_xn, stride_xm,
                                     stride_dn, stride_dt, stride_do, TAPS), dtype)
             if LOWP_DOT:
                 x = x.to(dtype)
@@ -124,11 +124,11 @@ def _gate_up_silu_kernel(out_ptr, x_ptr, w_ptr, d_ptr, base_ptr, M, K, I, B, G, 
         acc_gate = tl.dot(x, tl.trans(wg), acc_gate, input_precision=DOT_PREC)
         acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=DOT_PREC)
     # HF rounds the projections to the dtype, then silu (fp32 inside, rounded), then the product.
-    gate = _round_to(acc_gate, dtype)
-    up = _round_to(acc_up, dtype)
-    act = _round_to(gate / (1.0 + tl.exp(-gate)), dtype)
+    gate = round_to(acc_gate, dtype)
+    up = round_to(acc_up, dtype)
+    act = round_to(gate / (1.0 + tl.exp(-gate)), dtype)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols.to(tl.int64)[None, :],
-             _round_to(act * up, dtype).to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+             round_to(act * up, dtype).to(dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def _tile(m: int, k: int, i: int, fp32: bool) -> tuple[dict, int]:

@@ -34,6 +34,7 @@ Launches and bytes per call (e = element size; :func:`gate_up_silu_cost` is this
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -152,7 +153,7 @@ def _gate_up_silu_triton(x: torch.Tensor, weight: torch.Tensor, out: torch.Tenso
                          conv_dynamic: Optional[torch.Tensor] = None, conv_base: Optional[torch.Tensor] = None) -> None:
     k = x.shape[-1]
     i = weight.shape[0] // 2
-    m = x.numel() // k if k else 0
+    m = math.prod(x.shape[:-1])
     if m == 0 or i == 0:
         return
     out2 = out.view(m, i)

@@ -54,6 +54,15 @@ def test_strided_rows_and_fp16(backend):
     assert_within_rule(gate_up_silu(x16, w16, backend=backend), *ref(x16, w16))
 
 
+@pytest.mark.parametrize("rows", [5, MAX_FUSED_ROWS + 1])
+def test_empty_k_gives_zeros(rows):
+    """K = 0: every projection is an empty sum, 0, so silu(0) * 0 = 0 in every row, as the reference gives (the
+    launcher used to reshape to [-1, 0], which raises)."""
+    out = torch.full((rows, 3), float("nan"))
+    gate_up_silu(torch.randn(rows, 0), torch.randn(6, 0), out=out, backend="triton")
+    assert torch.equal(out, gate_up_silu_reference(torch.randn(rows, 0), torch.randn(6, 0)))
+
+
 def test_bf16_rounds_where_the_reference_rounds():
     """bf16: gate and up rounded to bf16 before silu·mul, as HF's projections are. The GEMM sums K in another
     order than torch's CPU GEMM, so a few fp32 sums fall on the other side of a bf16 rounding boundary:

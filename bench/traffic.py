@@ -17,7 +17,7 @@ Model, per recorded op (a model, not a measurement):
             one column tile covers H), inject_context_kv 1, draft_attention / verify_attention 1
             (split-KV, merged by the last split to finish; + 1 memset of its merge counters when the grid
             has more than one split), add_rms_norm 1, silu_mul 1, gate_up_silu 1 (2 above
-            ``MAX_FUSED_ROWS`` rows: cuBLAS + silu_mul), verify_greedy 2, verify_sample 2 (+ the
+            ``MAX_FUSED_ROWS`` rows: cuBLAS + silu_mul; 3 with a convolution in front), verify_greedy 2, verify_sample 2 (+ the
             radix-select threshold's launches with top-k/top-p, ``threshold_launches``),
             commit_round 1 (the ext op), draft_round_setup 1. Draft trees (``--tree-budget``): build_tree 3 + ATen's
             logsumexp of the fp32 draft logits (assumed 9 kernels: amax, abs, eq, masked_fill_, sub,
@@ -34,8 +34,9 @@ Model, per recorded op (a model, not a measurement):
             the merging one (the kernels' own rule), written and read once, and their merge counters;
             verify_attention also writes the block's K/V rows; add_rms_norm reads x, the weight and the
             residual and writes the output and the residual; silu_mul reads [.., 2I] and writes
-            [.., I]; gate_up_silu reads x and the [2I, K] weight and writes [.., I] (+ the [.., 2I] GEMM
-            output written and read above ``MAX_FUSED_ROWS``: ``gate_up_silu_cost``); draft_round_setup reads four and
+            [.., I]; gate_up_silu reads x and the [2I, K] weight and writes [.., I] (+ a convolution's dynamic
+            kernels and base in its x-tile load; + the [.., 2I] GEMM output written and read above
+            ``MAX_FUSED_ROWS``: ``gate_up_silu_cost``); draft_round_setup reads four and
             writes three [N] int64 vectors (block[:, 0] is one); inject_context_kv reads the rows'
             projected K/V and writes only the injected rows; fused_context reads the taps and the fc
             weight once (+ fp32 split-K partials); the top-k/top-p threshold per
@@ -287,12 +288,14 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
                 4 * x.numel() + conv_flops)
     if name == "silu_mul":
         return 1, distinct_bytes(args[0]) + distinct_bytes(out), 4 * out.numel()
-    if name == "gate_up_silu":  # (x, weight, out, backend): the kernel module's own launch/byte rule
-        x, weight = args[0], args[1]
+    if name == "gate_up_silu":  # (x, weight, out, conv_dynamic, conv_base, backend): the kernel module's own rule
+        x, weight, conv_dynamic, conv_base = args[0], args[1], args[3], args[4]
         k, i = x.shape[-1], weight.shape[0] // 2
         m = x.numel() // k if k else 0
-        launches, moved = gate_up_silu_cost(m, k, i, x.element_size())
-        return launches, moved, 2 * m * k * 2 * i + 4 * m * i
+        conv = None if conv_dynamic is None else nbytes([conv_dynamic, conv_base])
+        launches, moved = gate_up_silu_cost(m, k, i, x.element_size(), conv)
+        conv_flops = 0 if conv is None else 2 * x.numel() * conv_base.shape[0]
+        return launches, moved, 2 * m * k * 2 * i + 4 * m * i + conv_flops
     if name == "verify_greedy":
         return 2, nbytes(args) + nbytes(out), args[0].numel()
     if name == "verify_sample":  # the sampling pass + acceptance, plus the radix-select threshold when filtering

@@ -24,10 +24,11 @@ write):
                stacked under the block rows, so the K/V weights are read once per step; their K/V go to
                the layer's context cache (inject_context_kv: k_norm + RoPE + cache write) before its
                attention: eight kernels per draft layer. A DFlash2 draft also convolves each request's block
-               rows around attention and around the MLP: ``prepare`` before a sublayer (the kernel projection
-               with the convolution in its epilogue, ``dynamic_conv_prepare``; on CPU the steps' GEMM, then
-               ``grouped_dynamic_conv``), ``finish`` after it fused into the next ``add_rms_norm``: ten
-               kernels per layer. It proposes the candidate selector's walk from the anchor
+               rows around attention and around the MLP: ``prepare`` before a sublayer (attention: the kernel
+               projection with the convolution in its epilogue, ``dynamic_conv_prepare``, writing the QKV
+               GEMM's rows; MLP: the projection GEMM, the convolution in gate_up_silu's x-tile load; on CPU
+               the steps' GEMM, then ``grouped_dynamic_conv``), ``finish`` after it fused into the next
+               ``add_rms_norm``: ten kernels per layer. It proposes the candidate selector's walk from the anchor
                (``candidate_select``: its argmax, or when sampling its draws, whose candidates and q the
                verify step's rejection sampling takes), written into the engine's buffers.
   verify step  lean target forward over [anchor, proposals] at positions[r] (verify_attention writes
@@ -64,7 +65,8 @@ from dflash.results import GenerateResult, device_clock
 from dflash.sampling import GREEDY_EPS, SamplingParams, sample
 from dflash_kernels import (
     add_rms_norm, backend_traits, build_tree, candidate_select, commit_round, default_backend, draft_attention,
-    draft_round_setup, dynamic_conv_prepare, first_token_done, fused_context, grouped_dynamic_conv, inject_context_kv,
+    draft_round_setup, dynamic_conv_prepare, first_token_done, fused_context, gate_up_silu, grouped_dynamic_conv,
+    inject_context_kv,
     tree_accept_greedy, tree_accept_greedy_tokens, tree_accept_sample, tree_ancestor_mask, tree_compact,
     verify_greedy, verify_greedy_tokens, verify_sample,
 )
@@ -284,6 +286,20 @@ class DFlashEngine:
             x = grouped_dynamic_conv(x, dynamic[:, :, 0], conv.base_kernel[0], out=out, backend=self.backend)
         return x, dict(conv_dynamic=dynamic[:, :, 1], conv_base=conv.base_kernel[1])
 
+    def _conv_mlp(self, conv, x: torch.Tensor, gate_up: torch.Tensor):
+        """The MLP's ``silu(gate) * up`` of a DFlash2 layer on its normed input x [n, B, H], with ``prepare``
+        before it -> (the activation, ``finish`` as :meth:`_conv_prepare` returns it). Where the GEMMs fuse
+        (``fused_gemm``): the projection GEMM, then ``gate_up_silu`` with side 0's convolution in its x-tile load
+        (the convolved rows are never written); elsewhere :meth:`_conv_prepare`, then the steps' gate/up path."""
+        if not self.traits.fused_gemm:
+            x, finish = self._conv_prepare(conv, x)
+            return gate_up_act(x, gate_up, None, backend=self.backend, linear=self.linear), finish
+        n, B = x.shape[:2]
+        dynamic = self.linear(x, conv.kernel_projection.weight).view(n, B, 2, conv.kernel_size, -1)
+        act = gate_up_silu(x, gate_up, conv_dynamic=dynamic[:, :, 0], conv_base=conv.base_kernel[0],
+                           backend=self.backend)
+        return act, dict(conv_dynamic=dynamic[:, :, 1], conv_base=conv.base_kernel[1])
+
     def _inject(self, li: int, kv: torch.Tensor, cu_lens, cache_lens, cache_batch_idx=None):
         """Layer ``li``'s context rows into its cache; ``kv`` [M, 2*kvH*D] holds their k_proj and v_proj columns."""
         attn = self.draft.layers[li].self_attn
@@ -338,8 +354,9 @@ class DFlashEngine:
             norm = layer.post_attention_layernorm
             x = add_rms_norm(delta, norm.weight, norm.eps, residual=h, backend=self.backend, **finish)
             if dflash2:
-                x, finish = self._conv_prepare(layer.mlp_conv, x)
-            act = gate_up_act(x, self.gate_up[li], None, backend=self.backend, linear=self.linear)
+                act, finish = self._conv_mlp(layer.mlp_conv, x, self.gate_up[li])
+            else:
+                act = gate_up_act(x, self.gate_up[li], None, backend=self.backend, linear=self.linear)
             delta = self.linear(act, layer.mlp.down_proj.weight)
         x = add_rms_norm(delta, draft.norm.weight, draft.norm.eps, residual=h, backend=self.backend, **finish)
         if dflash2:  # the selector's walk from each request's anchor (rows past a tail block: unused)

@@ -164,3 +164,17 @@ def page_table(op: str, n_req: int, block_table, cache_batch_idx, device):
             raise ValueError(f"{op}: cache_batch_idx must be [N_req={n_req}], got {tuple(cache_batch_idx.shape)}")
         return cache_batch_idx.view(n_req, 1), False
     return None, False
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr):
+    """fp32 ``x`` rounded to DTYPE (nearest even), returned as fp32 so that the store is exact.
+
+    The CPU interpreter truncates fp32 -> bf16 casts, so bf16 rounds by integer ops here; the GPU gives
+    the same bits (NaN passes through unchanged)."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+    else:
+        return x.to(DTYPE).to(tl.float32)

@@ -28,10 +28,9 @@ import triton.language as tl
 
 from dflash_kernels._dispatch import call_op, checked_by, resolve_backend
 from dflash_kernels._triton_utils import (
-    FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2,
+    FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, round_to,
 )
 from dflash_kernels.dynamic_conv import check_conv_out, conv_taps, grouped_dynamic_conv_reference, overlap
-from dflash_kernels.layer_ops import _round_to
 
 DYNAMIC_CONV_PREPARE = "dynamic_conv_prepare"
 _BACKENDS = ("triton", "torch")
@@ -80,7 +79,7 @@ def _dynamic_conv_prepare_kernel(out_ptr, dyn_ptr, x_ptr, w_ptr, base_ptr, M, B,
     dtype = out_ptr.dtype.element_ty
     # dynamic is [M, 2K, NG] contiguous: row stride 2K*NG, (side, tap) stride NG
     per_row = 2 * TAPS * NG
-    tl.store(dyn_ptr + rows[:, None] * per_row + (j * NG + group)[None, :], _round_to(acc, dtype).to(dtype),
+    tl.store(dyn_ptr + rows[:, None] * per_row + (j * NG + group)[None, :], round_to(acc, dtype).to(dtype),
              mask=row_ok[:, None] & col_ok[None, :])
     tl.debug_barrier()  # the convolution below reads this program's side-0 values back
     c_lo = pid_g * BLOCK_G * G  # the tile's channels: [c_lo, c_lo + BLOCK_G * G) inside H
@@ -89,7 +88,7 @@ def _dynamic_conv_prepare_kernel(out_ptr, dyn_ptr, x_ptr, w_ptr, base_ptr, M, B,
         m = row_ok[:, None] & ((ch < H) & (ch < c_lo + BLOCK_G * G))[None, :]
         conv = conv_taps(x_ptr, dyn_ptr, base_ptr, n[:, None], t[:, None], ch[None, :], m, H, G, stride_xn,
                          stride_xt, B * per_row, per_row, NG, TAPS)
-        tl.store(out_ptr + rows[:, None] * H + ch[None, :], _round_to(conv, dtype).to(dtype), mask=m)
+        tl.store(out_ptr + rows[:, None] * H + ch[None, :], round_to(conv, dtype).to(dtype), mask=m)
 
 
 def _tile(m: int, taps: int, groups: int, g: int, fp32: bool) -> tuple[dict, int]:

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from dflash_kernels._dispatch import call_op, checked_by, resolve_backend
 from dflash_kernels._triton_utils import (
-    FLOAT_DTYPES, check_last_dim_contiguous, check_shape, check_tensor, interpreting, next_pow2,
+    FLOAT_DTYPES, check_last_dim_contiguous, check_shape, check_tensor, interpreting, next_pow2, round_to,
 )
 
 GROUPED_DYNAMIC_CONV = "grouped_dynamic_conv"
@@ -77,7 +77,8 @@ def _grouped_dynamic_conv_kernel(out_ptr, x_ptr, d_ptr, base_ptr, B, H, G,
     m = cols < H
     acc = conv_taps(x_ptr, d_ptr, base_ptr, n, t, cols, m, H, G, stride_xn, stride_xt, stride_dn, stride_dt,
                     stride_do, TAPS)
-    tl.store(out_ptr + row * H + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + row * H + cols, round_to(acc, dtype).to(dtype), mask=m)
 
 
 def _grouped_dynamic_conv_triton(x, dynamic, base, out) -> None:
@@ -153,6 +154,16 @@ def check_conv(op: str, x, dynamic, base, x_name: str = "x", dynamic_name: str =
         raise ValueError(f"{op}: {base_name} must have at least one tap (K >= 1), got shape {tuple(base.shape)}")
     if not base.is_contiguous():
         raise ValueError(f"{op}: {base_name} must be contiguous; pass {base_name}.contiguous()")
+
+
+def check_fused_conv(op: str, x, conv_dynamic, conv_base, into: str) -> None:
+    """The optional convolution an op runs on its input x before ``into`` (its ``conv_dynamic`` / ``conv_base``):
+    both or neither, and then :func:`check_conv`'s operands."""
+    if (conv_dynamic is None) != (conv_base is None):
+        raise ValueError(f"{op}: pass conv_dynamic and conv_base together (a convolution of x before {into}), or "
+                         "neither")
+    if conv_dynamic is not None:
+        check_conv(op, x, conv_dynamic, conv_base, dynamic_name="conv_dynamic", base_name="conv_base")
 
 
 def check_conv_out(op: str, x, out, x_name: str = "x") -> None:

@@ -26,25 +26,11 @@ import triton.language as tl
 
 from dflash_kernels._dispatch import call_op, checked_by, lean_version_bump, registered, resolve_backend
 from dflash_kernels._triton_utils import (
-    FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, rms_norm_reference,
+    FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, rms_norm_reference, round_to,
 )
-from dflash_kernels.dynamic_conv import check_conv, conv_taps, grouped_dynamic_conv_reference, overlap
+from dflash_kernels.dynamic_conv import check_fused_conv, conv_taps, grouped_dynamic_conv_reference, overlap
 
 _BACKENDS = ("triton", "torch")  # and the wings' registered bodies (dflash_kernels.cpu)
-
-
-@triton.jit
-def _round_to(x, DTYPE: tl.constexpr):
-    """fp32 ``x`` rounded to DTYPE (nearest even), returned as fp32 so that the store is exact.
-
-    The CPU interpreter truncates fp32 -> bf16 casts, so bf16 rounds by integer ops here; the GPU gives
-    the same bits (NaN passes through unchanged)."""
-    if DTYPE == tl.bfloat16:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
-    else:
-        return x.to(DTYPE).to(tl.float32)
 
 
 # ---------------------------------------------------------------------------------------------- add_rms_norm
@@ -77,18 +63,18 @@ def _add_rms_norm_kernel(out_ptr, x_ptr, res_ptr, w_ptr, d_ptr, base_ptr, H, B, 
     m = offs < H
     dtype = out_ptr.dtype.element_ty
     if TAPS > 0:
-        x = _round_to(conv_taps(x_ptr, d_ptr, base_ptr, row // B, row % B, offs, m, H, G, stride_xn, stride_x,
+        x = round_to(conv_taps(x_ptr, d_ptr, base_ptr, row // B, row % B, offs, m, H, G, stride_xn, stride_x,
                                 stride_dn, stride_dt, stride_do, TAPS), dtype)
     else:
         x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * H + offs, mask=m, other=0.0).to(tl.float32)
-        x = _round_to(x + r, dtype)
+        x = round_to(x + r, dtype)
         tl.store(res_ptr + row * H + offs, x.to(dtype), mask=m)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
-    w = _round_to(tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32), dtype)
-    y = w * _round_to(x * rstd, dtype)
-    tl.store(out_ptr + row * H + offs, _round_to(y, dtype).to(dtype), mask=m)
+    w = round_to(tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32), dtype)
+    y = w * round_to(x * rstd, dtype)
+    tl.store(out_ptr + row * H + offs, round_to(y, dtype).to(dtype), mask=m)
 
 
 def _add_rms_norm_triton(x, weight, eps, residual, out, conv_dynamic=None, conv_base=None) -> None:
@@ -114,11 +100,7 @@ def _add_rms_norm_triton(x, weight, eps, residual, out, conv_dynamic=None, conv_
 
 def _validate_add_rms_norm(x, weight, eps, residual, out, conv_dynamic=None, conv_base=None):
     op = ADD_RMS_NORM
-    if (conv_dynamic is None) != (conv_base is None):
-        raise ValueError(f"{op}: pass conv_dynamic and conv_base together (a convolution of x before the add), or "
-                         "neither")
-    if conv_dynamic is not None:
-        check_conv(op, x, conv_dynamic, conv_base, dynamic_name="conv_dynamic", base_name="conv_base")
+    check_fused_conv(op, x, conv_dynamic, conv_base, "the add")
     check_tensor(op, "x", x, dtypes=FLOAT_DTYPES)
     if x.dim() < 1:
         raise ValueError(f"{op}: x must be [..., H] with at least one dim, got a 0-d tensor")
@@ -240,8 +222,8 @@ def _silu_mul_kernel(out_ptr, gu_ptr, I, stride_gu, BLOCK_I: tl.constexpr):
     dtype = out_ptr.dtype.element_ty
     g = tl.load(gu_ptr + row * stride_gu + cols, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * stride_gu + I + cols, mask=m, other=0.0).to(tl.float32)
-    act = _round_to(g / (1.0 + tl.exp(-g)), dtype)
-    tl.store(out_ptr + row * I + cols, _round_to(act * u, dtype).to(dtype), mask=m)
+    act = round_to(g / (1.0 + tl.exp(-g)), dtype)
+    tl.store(out_ptr + row * I + cols, round_to(act * u, dtype).to(dtype), mask=m)
 
 
 def _silu_mul_triton(gate_up, out=None) -> torch.Tensor:

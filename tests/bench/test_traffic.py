@@ -241,6 +241,12 @@ def test_dflash2_op_contracts_by_hand():
     projection, kernels = torch.empty(16, 64), torch.empty(2, 16, 2, 2, 4)
     assert traffic.dflash_cost("dynamic_conv_prepare", (x, projection, base, out, kernels, "auto"), None, 0) == (
         1, 4 * (2048 + 16 * 64 + 128 + 2048 + 2 * 16 * 16), 2 * 2048 * 16 + 2 * 2048 * 2)
+    # gate_up_silu with prepare's convolution in its x-tile load: + the dynamic kernels and base, read once
+    w, act = torch.empty(2 * 48, 64), torch.empty(2, 16, 48)
+    plain = traffic.dflash_cost("gate_up_silu", (x, w, act, None, None, "auto"), None, 0)
+    fused = traffic.dflash_cost("gate_up_silu", (x, w, act, dynamic, base, "auto"), None, 0)
+    assert plain == (1, 4 * (2048 + 96 * 64 + 32 * 48), 2 * 32 * 64 * 96 + 4 * 32 * 48)
+    assert fused == (1, plain[1] + 4 * (2 * 16 * 2 * 4 + 128), plain[2] + 2 * 2048 * 2)
     logits, projected = torch.empty(3, 15, 1000, dtype=torch.bfloat16), torch.empty(3, 15, 8, dtype=torch.bfloat16)
     codebook, anchor = torch.empty(1000, 8, dtype=torch.bfloat16), torch.empty(3, dtype=torch.int64)
     seed, offset = torch.empty(1, dtype=torch.int64), torch.empty(1, dtype=torch.int64)
@@ -254,13 +260,15 @@ def test_dflash2_op_contracts_by_hand():
 
 @pytest.mark.parametrize("batch", [1, 8])
 def test_qwen3_8b_dflash2_draft_step(batch):
-    """The DFlash2 draft step: per layer the DFlash layer's launches + 2 (each sublayer's prepare, the projection
-    GEMM with the convolution in its epilogue; each finish rides in the next add_rms_norm); outside the layers the
-    DFlash step's count (the selector's projection GEMM in place of the argmax, its results written into the
-    engine's buffers, the LM head over all B rows: no copy of rows 1..B-1). Its bytes over the floor exceed the
-    DFlash step's only by the activations DFlash2 adds (prepare's input and output rows and kernels, finish's
-    kernels, the selector's projection, the LM head's row 0): <= 1.05 x floor at batch 1; at batch 8 those
-    activations (~31 MB, 0.8 % of the floor) put it at 1.054x (the DFlash step's own excess, 4.8 %, is most of it)."""
+    """The DFlash2 draft step: per layer the DFlash layer's launches + 2 (attention's prepare, the projection GEMM
+    with the convolution in its epilogue; the MLP's projection GEMM, its convolution in gate_up_silu's x-tile load;
+    each finish rides in the next add_rms_norm); outside the layers the DFlash step's count (the selector's
+    projection GEMM in place of the argmax, its results written into the engine's buffers, the LM head over all B
+    rows: no copy of rows 1..B-1). Its bytes over the floor exceed the DFlash step's only by the activations
+    DFlash2 adds (attention's prepare rows in and out and kernels; the MLP projection's rows in and kernels, read
+    again by gate_up_silu with base; finish's kernels; the selector's projection; the LM head's row 0):
+    <= 1.05 x floor at batch 1; at batch 8 those activations (~25 MB, 0.65 % of the floor) put it at 1.053x (the
+    DFlash step's own excess, 4.8 %, is most of it)."""
     plain = traffic.measure("qwen3-8b", batch=batch, context=2048, capacity=32768, block=16)[0]
     draft = traffic.measure("qwen3-8b", batch=batch, context=2048, capacity=32768, block=16, draft="dflash2")[0]
     if batch == 1:
@@ -268,20 +276,30 @@ def test_qwen3_8b_dflash2_draft_step(batch):
     assert draft["launches_per_layer"] == plain["launches_per_layer"] + 2 <= traffic.GOALS["draft"]["per_layer"]
     assert draft["launches_outside_layers"] <= traffic.GOALS["draft"]["outside"]
     assert "dflash.grouped_dynamic_conv" not in draft["ops"]
-    assert draft["ops"]["dflash.dynamic_conv_prepare"]["launches"] == 2 * draft["layers"]
+    assert draft["ops"]["dflash.dynamic_conv_prepare"]["launches"] == draft["layers"]
     assert draft["ops"]["dflash.candidate_select"]["launches"] == 1
     assert "aten.copy_" not in draft["ops"] and "aten.clone" not in draft["ops"]
     s, e = traffic.MODELS["qwen3-8b"], 2
     rows, hidden = batch * 16, s["hidden"]
     d2 = DFLASH2_DEFAULTS  # the settings traffic assumes for DFlash2 drafts
     k, g, rank, top_k = (d2[key] for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"))
-    prepare = 2 * draft["layers"] * rows * (2 * hidden + 2 * k * hidden // g) * e  # rows in and out, kernels out
-    finish = 2 * draft["layers"] * (rows * k * hidden // g + k * hidden) * e
+    side = rows * k * hidden // g  # one side's dynamic kernels
+    attention = draft["layers"] * rows * (2 * hidden + 2 * k * hidden // g) * e  # rows in and out, kernels out
+    mlp = draft["layers"] * (rows * hidden + 2 * side + side + k * hidden) * e  # rows in, kernels out, side 0 + base
+    finish = 2 * draft["layers"] * (side + k * hidden) * e
     selector = rows * (hidden + rank) * e + batch * 15 * (top_k + 1) * rank * e + batch * 15 * (8 + 16 * top_k)
     head_row0 = batch * s["vocab"] * e
-    added = prepare + finish + selector + head_row0
+    added = attention + mlp + finish + selector + head_row0
     excess = (draft["bytes"] - draft["floor_bytes"]) - (plain["bytes"] - plain["floor_bytes"])
     assert 0 < excess <= added, (excess, added)
+
+
+@pytest.mark.xfail(strict=True, reason="11.3 MB over 1.05 x floor: the QKV GEMM's convolved rows (written by "
+                   "dynamic_conv_prepare, 4.6 MB net) and the context rows' unused Q columns (5.2 MB) are the next "
+                   "fusions (bench/results/traffic-qwen3-8b-dflash2.md)")
+def test_qwen3_8b_dflash2_batch8_draft_step_meets_the_byte_goal():
+    draft = traffic.measure("qwen3-8b", batch=8, context=2048, capacity=32768, block=16, draft="dflash2")[0]
+    assert draft["ratio"] <= traffic.GOALS["draft"]["ratio"], draft["ratio"]
 
 
 @pytest.mark.parametrize("graphs", [True, False])

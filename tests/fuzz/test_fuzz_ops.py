@@ -97,6 +97,10 @@ KNOBS["dynamic_conv_prepare"] = (
     dict(n=_ints(0, 3), b=_ints(1, 6), taps=_ints(1, 4), groups=_ints(1, 8), g=_ints(1, 6),
          layout=st.sampled_from(["contiguous", "strided"])),
     ("triton", "cpu", "torch"), EXTENT)
+KNOBS["gate_up_silu_conv"] = (
+    dict(n=_ints(0, 3), b=_ints(1, 6), taps=_ints(1, 4), groups=_ints(1, 8), g=_ints(1, 6), i=_ints(1, 20),
+         layout=st.sampled_from(["contiguous", "strided"])),
+    ("triton", "torch"), EXTENT)
 KNOBS["candidate_select"] = (
     dict(n=_ints(0, 3), p=_ints(0, 5), v=_ints(1, 300), r=_ints(1, 40), top_k=st.sampled_from([1, 2, 5, 16, 64, 65]),
          sampled=st.booleans(), per_request=st.booleans(), ties=st.booleans(),

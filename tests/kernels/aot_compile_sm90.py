@@ -216,12 +216,16 @@ def configs():
     add("silu_mul", lo._silu_mul_kernel, dict(out_ptr=bf, gu_ptr=bf, stride_gu="i64"), dict(BLOCK_I=1024))
     # The launcher's tiles (_tile) at the decode rows: batch 1 and 8 x block 16 (M = 16, 128) and 64; Qwen3-8B
     # target and z-lab draft share K = 4096, I = 12288 (so do their 16-aligned strides). fp32: IEEE dots.
-    for (ptr, fp32), m in itertools.product(((bf, False), (f32, True)), (16, 64, 128)):
+    # taps 2: DFlash2's prepare convolution in the x-tile load (the draft's MLP: K 2, G 16, bf16 base)
+    for (ptr, fp32), m, taps in itertools.product(((bf, False), (f32, True)), (16, 64, 128), (0, 2)):
         tile, warps = gm._tile(m, 4096, 12288, fp32)
-        add(f"gate_up_silu M={m} Qwen3-8B {'fp32 ieee' if fp32 else 'bf16'}", gm._gate_up_silu_kernel,
-            dict(out_ptr=ptr, x_ptr=ptr, w_ptr=ptr), dict(LOWP_DOT=not fp32, DOT_PREC="ieee" if fp32 else "tf32",
-                                                          **tile), num_warps=warps,
-            ints=dict(M=m, K=4096, I=12288, stride_xm=4096, stride_wn=4096, stride_om=12288))
+        add(f"gate_up_silu M={m} Qwen3-8B {'fp32 ieee' if fp32 else 'bf16'} conv taps={taps}",
+            gm._gate_up_silu_kernel, dict(out_ptr=ptr, x_ptr=ptr, w_ptr=ptr, d_ptr=ptr, base_ptr=ptr),
+            dict(LOWP_DOT=not fp32, DOT_PREC="ieee" if fp32 else "tf32", TAPS=taps, **tile), num_warps=warps,
+            ints=dict(M=m, K=4096, I=12288, B=1 if taps == 0 else 16, G=1 if taps == 0 else 16, stride_xm=4096,
+                      stride_xn=0 if taps == 0 else 16 * 4096, stride_wn=4096, stride_om=12288,
+                      stride_dn=0 if taps == 0 else 16 * 1024, stride_dt=0 if taps == 0 else 1024,
+                      stride_do=0 if taps == 0 else 256))
 
     # Draft trees at budget 64 (T = 65) over a full Qwen3 draft vocabulary (151,936 ids: 75 splits of 2048).
     add("build_tree top-K partial", tr._topk_partial_kernel, dict(z_ptr=bf, pval_ptr=f32, pidx_ptr="*i32",

@@ -56,6 +56,22 @@ def test_grouped_dynamic_conv(backend, dtype, shape, strided):
                        "grouped_dynamic_conv")
 
 
+def test_triton_bf16_rounds_to_nearest_even():
+    """The kernel sums the taps in fp32 and rounds once to nearest even, as a GPU store does and as
+    dynamic_conv_prepare's epilogue does: under the interpreter too, whose fp32 -> bf16 cast truncates. The fp32 sum
+    is written out in the kernel's order (tap 0, then each later tap added), so the bits must match exactly."""
+    x, dynamic, base = _inputs(3, 7, 40, 3, 8, torch.bfloat16)
+    got = grouped_dynamic_conv(x, dynamic, base, backend="triton")
+    g = x.shape[-1] // dynamic.shape[-1]
+    weight = base.float()[None, None] + dynamic.float().repeat_interleave(g, dim=-1)  # [N, B, K, H]
+    acc = torch.zeros(x.shape)
+    for o in range(base.shape[0]):
+        shifted = torch.zeros(x.shape)
+        shifted[:, o:] = x[:, :x.shape[1] - o].float()
+        acc = weight[:, :, o] * shifted if o == 0 else acc + weight[:, :, o] * shifted
+    assert torch.equal(got, acc.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_tail_rows_do_not_reach_earlier_rows(backend):
     x, dynamic, base = _inputs(2, 8, 16, 3, 4, torch.float32)

@@ -26,7 +26,7 @@ def _cases():
     cargs, ckw = _commit_args()
     return {
         "gate_up_silu": (gated_mlp, ("_validate",), lambda: gated_mlp.gate_up_silu(x, w, backend="torch"),
-                         lambda: torch.ops.dflash.gate_up_silu(x, w, torch.empty(3, 5), "torch")),
+                         lambda: torch.ops.dflash.gate_up_silu(x, w, torch.empty(3, 5), None, None, "torch")),
         "fused_context": (fused_context, ("_validate",),
                           lambda: fused_context.fused_context(taps, fc, nw, 1e-6, backend="torch"),
                           lambda: torch.ops.dflash.fused_context(taps, fc, nw, 1e-6, torch.empty(2, 6), "torch")),

@@ -623,11 +623,51 @@ class GateUpSilu:
 
     def registered(self, backend):
         out = torch.empty((*self.x.shape[:-1], self.weight.shape[0] // 2), dtype=self.x.dtype)
-        torch.ops.dflash.gate_up_silu(self.x, self.weight, out, backend)
+        torch.ops.dflash.gate_up_silu(self.x, self.weight, out, None, None, backend)
         return [out]
 
     def reference(self):
         return [gated_mlp.gate_up_silu_reference(self.x, self.weight)]
+
+
+class GateUpSiluConv:
+    """``gate_up_silu`` with DFlash2's prepare convolution in its x-tile load (``conv_dynamic`` / ``conv_base``, x
+    ``[N, B, K]``) into a NaN prefilled ``out``. ``bad_extent``: the dynamic kernels one tap longer than base, a
+    base of no taps, or ``out`` sharing x's memory."""
+
+    def __init__(self, c: dict, b: Build):
+        n, bs, taps, groups, g, i = c["n"], c["b"], c["taps"], c["groups"], c["g"], c["i"]
+        k = groups * g
+        self.x = b.floats((n, bs, k), layout=c["layout"])
+        self.weight = b.floats((2 * i, k), 1.0 / k ** 0.5)
+        self.base = b.floats((taps, k))
+        dynamic_taps = taps
+        self.out = torch.full((n, bs, i), float("nan"), dtype=self.x.dtype)
+        if c["mutation"] == "past_end":
+            bad = ("taps", "base", "overlap")[b.pick(3)]
+            if bad == "taps":
+                dynamic_taps += 1
+            elif bad == "base":
+                self.base = self.base[:0]
+            elif self.x.is_contiguous() and 0 < self.out.numel() <= self.x.numel() and i <= k:
+                self.out = self.x.view(-1)[:self.out.numel()].view(self.out.shape)
+            else:
+                bad = None
+            if bad is not None:
+                b.mark("invalid")
+        # one side of a [N, B, 2, K, H/G] projection output, as the engine passes it
+        self.dynamic = b.floats((n, bs, 2, dynamic_taps, groups), 0.5)[:, :, 0]
+
+    def public(self, backend):
+        return [dk.gate_up_silu(self.x, self.weight, out=self.out, conv_dynamic=self.dynamic, conv_base=self.base,
+                                backend=backend)]
+
+    def registered(self, backend):
+        torch.ops.dflash.gate_up_silu(self.x, self.weight, self.out, self.dynamic, self.base, backend)
+        return [self.out]
+
+    def reference(self):
+        return [gated_mlp.gate_up_silu_reference(self.x, self.weight, self.dynamic, self.base)]
 
 
 class FusedContext:
@@ -899,6 +939,7 @@ OPS = {
     "commit_round": CommitRound,
     "draft_round_setup": DraftRoundSetup,
     "gate_up_silu": GateUpSilu,
+    "gate_up_silu_conv": GateUpSiluConv,
     "fused_context": FusedContext,
     "verify_sample": Sampling,
     "tree_accept_sample": Sampling,

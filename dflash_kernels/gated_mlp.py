@@ -106,7 +106,7 @@ def _gate_up_silu_kernel(out_ptr, x_ptr, w_ptr, d_ptr, base_ptr, M, K, I, B, G, 
         k_ok = ks < K
         x_mask = row_ok[:, None] & k_ok[None, :]
         x = gemm_x_tile(x_ptr, d_ptr, base_ptr, rows, ks, x_mask, M, K, B, G, stride_xn, stride_xm, stride_dn,
-                        stride_dt, stride_do, dtype, TAPS, LOWP_DOT)
+                        stride_dt, stride_do, dtype, TAPS, LOWP_DOT, False)
         w_mask = col_ok[:, None] & k_ok[None, :]
         wg = tl.load(gate_rows + ks[None, :], mask=w_mask, other=0.0)
         wu = tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0)

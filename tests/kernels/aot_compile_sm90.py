@@ -36,6 +36,7 @@ tr = importlib.import_module("dflash_kernels.tree")
 dc = importlib.import_module("dflash_kernels.dynamic_conv")
 cs = importlib.import_module("dflash_kernels.candidate_select")
 cp = importlib.import_module("dflash_kernels.conv_prepare")
+qp = importlib.import_module("dflash_kernels.qkv_proj")
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -224,6 +225,18 @@ def configs():
             dict(LOWP_DOT=not fp32, DOT_PREC="ieee" if fp32 else "tf32", TAPS=taps, **tile), num_warps=warps,
             ints=dict(M=m, K=4096, I=12288, B=1 if taps == 0 else 16, G=1 if taps == 0 else 16, stride_xm=4096,
                       stride_xn=0 if taps == 0 else 16 * 4096, stride_wn=4096, stride_om=12288,
+                      stride_dn=0 if taps == 0 else 16 * 1024, stride_dt=0 if taps == 0 else 1024,
+                      stride_do=0 if taps == 0 else 256))
+    # qkv_proj: the launcher's tiles (_tile) at the draft step's rows, block + context rows of batch 1 and 8 x block
+    # 16 (M = 32, 256) and batch 4 (128); Qwen3-8B's draft layer (K 4096, N 6144, 4096 Q columns); taps 2: DFlash2's prepare
+    # convolution of the block rows in the x-tile load (K 2, G 16)
+    for (ptr, fp32), m, taps in itertools.product(((bf, False), (f32, True)), (32, 128, 256), (0, 2)):
+        tile, launch = qp._tile(m, fp32)
+        add(f"qkv_proj M={m} Qwen3-8B {'fp32 ieee' if fp32 else 'bf16'} conv taps={taps}",
+            qp._qkv_proj_kernel, dict(out_ptr=ptr, x_ptr=ptr, w_ptr=ptr, d_ptr=ptr, base_ptr=ptr),
+            dict(LOWP_DOT=not fp32, DOT_PREC="ieee" if fp32 else "tf32", TAPS=taps, **tile), launch=launch,
+            ints=dict(M=m, K=4096, N=6144, Q_COLS=4096, Q_ROWS=m // 2, B=1 if taps == 0 else 16,
+                      G=1 if taps == 0 else 16, stride_xm=4096, stride_wn=4096, stride_om=6144,
                       stride_dn=0 if taps == 0 else 16 * 1024, stride_dt=0 if taps == 0 else 1024,
                       stride_do=0 if taps == 0 else 256))
 

@@ -61,7 +61,8 @@ def _tile(m: int, fp32: bool) -> tuple[dict, dict]:
     SMs) up to 16 rows, 64 at 16-bit m <= 128 (x, re-read by every column program from L2, at most as many bytes
     as the weight), 32 above 128 rows (the [256, 32] fp32 accumulator). fp32 operands (IEEE dots on FMA units)
     take smaller column and K tiles. Above 64 rows, two pipeline stages (and above 128 rows K tiles of 32, 16 in
-    fp32) keep the convolving load's shared memory under an H200 SM's 227 KB, at 0 spills (tests/kernels/aot_compile_sm90.py).
+    fp32) keep the convolving load's shared memory under an H200 SM's 227 KB, at 0 spills
+    (tests/kernels/aot_compile_sm90.py).
     Guesses to be measured on the GPU (bench/kernels.py)."""
     block_m = min(MAX_BLOCK_M, max(16, next_pow2(m)))
     if block_m == 16:
@@ -69,7 +70,8 @@ def _tile(m: int, fp32: bool) -> tuple[dict, dict]:
     if block_m <= 128:
         return (dict(BLOCK_M=block_m, BLOCK_N=32 if fp32 else 64, BLOCK_K=32 if fp32 else 64),
                 dict(num_warps=4) if block_m <= 64 else dict(num_warps=8, num_stages=2))
-    return dict(BLOCK_M=block_m, BLOCK_N=16 if fp32 else 32, BLOCK_K=16 if fp32 else 32), dict(num_warps=8, num_stages=2)
+    return (dict(BLOCK_M=block_m, BLOCK_N=16 if fp32 else 32, BLOCK_K=16 if fp32 else 32),
+            dict(num_warps=8, num_stages=2))
 
 
 def qkv_proj_cost(m: int, q_rows: int, k: int, n: int, q_cols: int, elem: int,

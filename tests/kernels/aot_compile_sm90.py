@@ -202,7 +202,8 @@ def configs():
         dict(k_ptr=bf, v_ptr=bf, knw_ptr=bf, cu_ptr="*i64", lens_ptr="*i64", table_ptr="*i32", inv_freq_ptr=f32,
              kc_ptr=bf, vc_ptr=bf, attention_scaling="fp32", eps="fp32", stride_kcp="i64", stride_vcp="i64"),
         dict(HAS_TABLE=True, BLOCK_M=16, BLOCK_HALF=64, BLOCK_REQ=1))
-    norm_args = dict(eps="fp32", stride_x="i64", stride_xn="i64", stride_dn="i64", stride_dt="i64", stride_do="i64")
+    norm_args = dict(eps="fp32", stride_x="i64", stride_xn="i64", stride_dn="i64", stride_dt="i64", stride_do="i64",
+                     stride_on="i64", stride_ot="i64")
     for res, taps in ((False, 0), (True, 0), (True, 2)):  # taps 2: DFlash2's finish convolution in front
         add(f"add_rms_norm residual={res} conv taps={taps}", lo._add_rms_norm_kernel,
             dict(out_ptr=bf, x_ptr=bf, res_ptr=bf, w_ptr=bf, d_ptr=bf, base_ptr=f32, **norm_args),

@@ -366,19 +366,25 @@ class DFlashEngine:
             else:
                 act = gate_up_act(x, self.gate_up[li], None, backend=self.backend, linear=self.linear)
             delta = self.linear(act, layer.mlp.down_proj.weight)
-        x = add_rms_norm(delta, draft.norm.weight, draft.norm.eps, residual=h, backend=self.backend, **finish)
         if dflash2:  # the selector's walk from each request's anchor (rows past a tail block: unused)
             selector = draft.candidate_selector
-            # The LM head over all B rows (x is contiguous: no copy of rows 1..B-1 for the GEMM); a DFlash2 draft
-            # proposes from rows 1..B-1 over the full vocabulary (DFlashConfig checks both), so those are its logits.
+            # A DFlash2 draft proposes from rows 1..B-1 over the full vocabulary (DFlashConfig checks both). The final
+            # norm writes token-major rows [B, n, H], so rows 1..B-1 of every request lie contiguous: the LM head and
+            # the selector's projection skip row 0 without a copy, and candidate_select reads their outputs strided.
+            token_major = h.new_empty((B, n, h.shape[-1]))
+            add_rms_norm(delta, draft.norm.weight, draft.norm.eps, residual=h, out=token_major.transpose(0, 1),
+                         backend=self.backend, **finish)
+            x = token_major[1:]
             logits = draft.compute_logits(x.to(self.target_model.lm_head.weight.dtype), self.target_model.lm_head,
-                                          self.linear)[:, 1:]
-            candidate_select(logits, self.linear(x, selector.hidden_projection.weight)[:, 1:],
+                                          self.linear).transpose(0, 1)
+            candidate_select(logits, self.linear(x, selector.hidden_projection.weight).transpose(0, 1),
                              selector.predecessor_codebook, selector.successor_codebook, self.anchor,
                              top_k=selector.top_k, temperature=None if self.sampling.greedy else self.temperature,
                              seed=self.seed, offset=self.offset, out=(self.proposals, self.candidates, self.draft_q),
                              backend=self.backend)
-        elif self.tree_budget is None:
+            return
+        x = add_rms_norm(delta, draft.norm.weight, draft.norm.eps, residual=h, backend=self.backend, **finish)
+        if self.tree_budget is None:
             draft.propose(x, self.target_model.lm_head, out=self.proposals, linear=self.linear)
         else:  # tree mode: the verify step builds the tree from all of the block's logits
             finite_tree_logits_(self.draft_logits.copy_(draft.block_logits(x, self.target_model.lm_head, self.linear)))

@@ -17,7 +17,8 @@ Model, per recorded op (a model, not a measurement):
             one column tile covers H), inject_context_kv 1, draft_attention / verify_attention 1
             (split-KV, merged by the last split to finish; + 1 memset of its merge counters when the grid
             has more than one split), add_rms_norm 1, silu_mul 1, gate_up_silu 1 (2 above
-            ``MAX_FUSED_ROWS`` rows: cuBLAS + silu_mul; 3 with a convolution in front), verify_greedy 2, verify_sample 2 (+ the
+            ``MAX_FUSED_ROWS`` rows: cuBLAS + silu_mul; 3 with a convolution in front), qkv_proj 1 (none when empty),
+            verify_greedy 2, verify_sample 2 (+ the
             radix-select threshold's launches with top-k/top-p, ``threshold_launches``),
             commit_round 1 (the ext op), draft_round_setup 1. Draft trees (``--tree-budget``): build_tree 3 + ATen's
             logsumexp of the fp32 draft logits (assumed 9 kernels: amax, abs, eq, masked_fill_, sub,
@@ -36,7 +37,10 @@ Model, per recorded op (a model, not a measurement):
             residual and writes the output and the residual; silu_mul reads [.., 2I] and writes
             [.., I]; gate_up_silu reads x and the [2I, K] weight and writes [.., I] (+ a convolution's dynamic
             kernels and base in its x-tile load; + the [.., 2I] GEMM output written and read above
-            ``MAX_FUSED_ROWS``: ``gate_up_silu_cost``); draft_round_setup reads four and
+            ``MAX_FUSED_ROWS``: ``gate_up_silu_cost``); qkv_proj reads x once, the weight once per row tile of
+            the GPU tiles (Q-only column tiles over the block rows only: once at up to 256 rows), a
+            convolution's dynamic kernels and base once, and writes all but the context rows' Q columns
+            (``qkv_proj_cost``); draft_round_setup reads four and
             writes three [N] int64 vectors (block[:, 0] is one); inject_context_kv reads the rows'
             projected K/V and writes only the injected rows; fused_context reads the taps and the fc
             weight once (+ fp32 split-K partials); the top-k/top-p threshold per
@@ -98,6 +102,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from dflash.engine import HOST_READS_PER_ROUND  # noqa: E402
 from dflash_kernels.draft_attention import merge_round_trips, partial_slots, pick_max_splits  # noqa: E402
 from dflash_kernels.gated_mlp import gate_up_silu_cost  # noqa: E402
+from dflash_kernels.qkv_proj import qkv_proj_cost  # noqa: E402
 from dflash_kernels.verify import threshold_bytes, threshold_launches  # noqa: E402
 
 H200_BYTES_PER_S = 4.3e12
@@ -296,6 +301,13 @@ def dflash_cost(name: str, args, out, context: int) -> tuple[int, int, int]:
         launches, moved = gate_up_silu_cost(m, k, i, x.element_size(), conv)
         conv_flops = 0 if conv is None else 2 * x.numel() * conv_base.shape[0]
         return launches, moved, 2 * m * k * 2 * i + 4 * m * i + conv_flops
+    if name == "qkv_proj":  # (x, weight, out, q_cols, q_rows, conv_dynamic, conv_base, backend): the module's own rule
+        x, weight, q_cols, q_rows, conv_dynamic, conv_base = args[0], args[1], *args[3:7]
+        (m, k), n = x.shape, weight.shape[0]
+        conv = None if conv_dynamic is None else nbytes([conv_dynamic, conv_base])
+        launches, moved, _ = qkv_proj_cost(m, q_rows, k, n, q_cols, x.element_size(), conv)
+        conv_flops = 0 if conv is None else 2 * q_rows * k * conv_base.shape[0]
+        return launches, moved, 2 * k * (q_rows * n + (m - q_rows) * (n - q_cols)) + conv_flops
     if name == "verify_greedy":
         return 2, nbytes(args) + nbytes(out), args[0].numel()
     if name == "verify_sample":  # the sampling pass + acceptance, plus the radix-select threshold when filtering

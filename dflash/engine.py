@@ -20,14 +20,14 @@ write):
   draft step   fused_context of the previous round's rows, then every draft layer over [context cache ++
                block] (draft_attention; block rows at or beyond ``v = min(B, max_length - position)`` are
                masked, as the reference drafts a v-row block at the tail), final norm, ``draft.propose``
-               (LM head + argmax) -> proposals. The context rows ride in each layer's merged QKV GEMM,
-               stacked under the block rows, so the K/V weights are read once per step; their K/V go to
-               the layer's context cache (inject_context_kv: k_norm + RoPE + cache write) before its
-               attention: eight kernels per draft layer. A DFlash2 draft also convolves each request's block
-               rows around attention and around the MLP: ``prepare`` before a sublayer (attention: the kernel
-               projection with the convolution in its epilogue, ``dynamic_conv_prepare``, writing the QKV
-               GEMM's rows; MLP: the projection GEMM, the convolution in gate_up_silu's x-tile load; on CPU
-               the steps' GEMM, then ``grouped_dynamic_conv``), ``finish`` after it fused into the next
+               (LM head + argmax) -> proposals. The context rows ride in each layer's merged QKV GEMM
+               (``qkv_proj``, which skips their unread Q columns), stacked under the block rows, so the K/V
+               weights are read once per step; their K/V go to the layer's context cache (inject_context_kv:
+               k_norm + RoPE + cache write) before its attention: eight kernels per draft layer. A DFlash2 draft
+               also convolves each request's block rows around attention and around the MLP: ``prepare`` before
+               a sublayer (the kernel projection GEMM, then the convolution in the x-tile load of the QKV GEMM
+               or of gate_up_silu; on CPU the steps' GEMM, then ``grouped_dynamic_conv``, and the steps' QKV
+               GEMM), ``finish`` after it fused into the next
                ``add_rms_norm``: ten kernels per layer. It proposes the candidate selector's walk from the anchor
                (``candidate_select``: its argmax, or when sampling its draws, whose candidates and q the
                verify step's rejection sampling takes), written into the engine's buffers.
@@ -65,8 +65,8 @@ from dflash.results import GenerateResult, device_clock
 from dflash.sampling import GREEDY_EPS, SamplingParams, sample
 from dflash_kernels import (
     add_rms_norm, backend_traits, build_tree, candidate_select, commit_round, default_backend, draft_attention,
-    draft_round_setup, dynamic_conv_prepare, first_token_done, fused_context, gate_up_silu, grouped_dynamic_conv,
-    inject_context_kv,
+    draft_round_setup, first_token_done, fused_context, gate_up_silu, grouped_dynamic_conv, inject_context_kv,
+    qkv_proj,
     tree_accept_greedy, tree_accept_greedy_tokens, tree_accept_sample, tree_ancestor_mask, tree_compact,
     verify_greedy, verify_greedy_tokens, verify_sample,
 )
@@ -271,34 +271,34 @@ class DFlashEngine:
                                 backend=self.backend)
         return fused_context(features, draft.fc.weight, draft.hidden_norm.weight, eps, out=out, backend=self.backend)
 
+    def _conv_kernels(self, conv, x: torch.Tensor) -> tuple[dict, dict]:
+        """DFlash2's ``GroupedDynamicCausalConv`` dynamic kernels of x [n, B, H] (the projection GEMM by the steps'
+        ``linear``) -> (``prepare``: the keyword arguments that convolve a GEMM's input, side 0's kernels [n, B, K,
+        H/G] (a view) and ``base_kernel[0]``; ``finish``: those of the ``add_rms_norm`` after the sublayer, side 1's
+        and ``base_kernel[1]``)."""
+        n, B = x.shape[:2]
+        dynamic = self.linear(x, conv.kernel_projection.weight).view(n, B, 2, conv.kernel_size, -1)
+        return (dict(conv_dynamic=dynamic[:, :, 0], conv_base=conv.base_kernel[0]),
+                dict(conv_dynamic=dynamic[:, :, 1], conv_base=conv.base_kernel[1]))
+
     def _conv_prepare(self, conv, x: torch.Tensor, out: torch.Tensor | None = None):
-        """DFlash2's ``GroupedDynamicCausalConv.prepare`` on x [n, B, H] -> (convolved x, into ``out`` when given;
-        ``finish``: the keyword arguments of the ``add_rms_norm`` after the sublayer that convolve its input, side 1's
-        dynamic kernels [n, B, K, H/G] (a view) and ``base_kernel[1]``). ``dynamic_conv_prepare`` (the projection
-        GEMM with side 0's convolution in its epilogue, one launch); where the backend's own linear kernel is the
-        faster GEMM (not ``fused_gemm``), the steps' ``linear``, then ``grouped_dynamic_conv``."""
-        if self.traits.fused_gemm:
-            x, dynamic = dynamic_conv_prepare(x, conv.kernel_projection.weight, conv.base_kernel[0], out=out,
-                                              backend=self.backend)
-        else:
-            n, B = x.shape[:2]
-            dynamic = self.linear(x, conv.kernel_projection.weight).view(n, B, 2, conv.kernel_size, -1)
-            x = grouped_dynamic_conv(x, dynamic[:, :, 0], conv.base_kernel[0], out=out, backend=self.backend)
-        return x, dict(conv_dynamic=dynamic[:, :, 1], conv_base=conv.base_kernel[1])
+        """DFlash2's ``GroupedDynamicCausalConv.prepare`` on x [n, B, H] where the GEMMs do not fuse it (not
+        ``fused_gemm``) -> (convolved x, into ``out`` when given; ``finish`` as :meth:`_conv_kernels` returns it):
+        the projection GEMM, then ``grouped_dynamic_conv``."""
+        prepare, finish = self._conv_kernels(conv, x)
+        return grouped_dynamic_conv(x, prepare["conv_dynamic"], prepare["conv_base"], out=out,
+                                    backend=self.backend), finish
 
     def _conv_mlp(self, conv, x: torch.Tensor, gate_up: torch.Tensor):
         """The MLP's ``silu(gate) * up`` of a DFlash2 layer on its normed input x [n, B, H], with ``prepare``
-        before it -> (the activation, ``finish`` as :meth:`_conv_prepare` returns it). Where the GEMMs fuse
+        before it -> (the activation, ``finish`` as :meth:`_conv_kernels` returns it). Where the GEMMs fuse
         (``fused_gemm``): the projection GEMM, then ``gate_up_silu`` with side 0's convolution in its x-tile load
         (the convolved rows are never written); elsewhere :meth:`_conv_prepare`, then the steps' gate/up path."""
         if not self.traits.fused_gemm:
             x, finish = self._conv_prepare(conv, x)
             return gate_up_act(x, gate_up, None, backend=self.backend, linear=self.linear), finish
-        n, B = x.shape[:2]
-        dynamic = self.linear(x, conv.kernel_projection.weight).view(n, B, 2, conv.kernel_size, -1)
-        act = gate_up_silu(x, gate_up, conv_dynamic=dynamic[:, :, 0], conv_base=conv.base_kernel[0],
-                           backend=self.backend)
-        return act, dict(conv_dynamic=dynamic[:, :, 1], conv_base=conv.base_kernel[1])
+        prepare, finish = self._conv_kernels(conv, x)
+        return gate_up_silu(x, gate_up, backend=self.backend, **prepare), finish
 
     def _inject(self, li: int, kv: torch.Tensor, cu_lens, cache_lens, cache_batch_idx=None):
         """Layer ``li``'s context rows into its cache; ``kv`` [M, 2*kvH*D] holds their k_proj and v_proj columns."""
@@ -331,15 +331,23 @@ class DFlashEngine:
         delta = None
         finish = {}
         dflash2 = cfg.dflash2 is not None
+        fused = self.traits.fused_gemm
         for li, layer in enumerate(draft.layers):
             attn, norm = layer.self_attn, layer.input_layernorm
-            normed = add_rms_norm(h if delta is None else delta, norm.weight, norm.eps,
-                                  residual=None if delta is None else h, out=None if dflash2 else x_block,
-                                  backend=self.backend, **finish)
-            if dflash2:
-                finish = self._conv_prepare(layer.attention_conv, normed, out=x_block)[1]
-            qkv = self.linear(self.layer_in, self.qkv[li])  # block rows, then context rows
             q_cols, kv_cols = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+            normed = add_rms_norm(h if delta is None else delta, norm.weight, norm.eps,
+                                  residual=None if delta is None else h, out=x_block if fused or not dflash2 else None,
+                                  backend=self.backend, **finish)
+            # The merged QKV GEMM over the block rows, then the context rows (layer_in); where the GEMMs fuse, without
+            # the context rows' Q columns (nothing reads them) and with a DFlash2 block's prepare in its x-tile load.
+            if fused:
+                prepare, finish = self._conv_kernels(layer.attention_conv, x_block) if dflash2 else ({}, {})
+                qkv = qkv_proj(self.layer_in, self.qkv[li], q_cols=q_cols, q_rows=rows, backend=self.backend,
+                               **prepare)
+            else:
+                if dflash2:
+                    finish = self._conv_prepare(layer.attention_conv, normed, out=x_block)[1]
+                qkv = self.linear(self.layer_in, self.qkv[li])
             # All B rows of every request are written; only num_new of them become valid context
             # (positions advanced by exactly that), so the shapes stay static.
             self._inject(li, qkv[rows:, q_cols:], self.cu_block, self.context_start)
@@ -358,19 +366,25 @@ class DFlashEngine:
             else:
                 act = gate_up_act(x, self.gate_up[li], None, backend=self.backend, linear=self.linear)
             delta = self.linear(act, layer.mlp.down_proj.weight)
-        x = add_rms_norm(delta, draft.norm.weight, draft.norm.eps, residual=h, backend=self.backend, **finish)
         if dflash2:  # the selector's walk from each request's anchor (rows past a tail block: unused)
             selector = draft.candidate_selector
-            # The LM head over all B rows (x is contiguous: no copy of rows 1..B-1 for the GEMM); a DFlash2 draft
-            # proposes from rows 1..B-1 over the full vocabulary (DFlashConfig checks both), so those are its logits.
+            # A DFlash2 draft proposes from rows 1..B-1 over the full vocabulary (DFlashConfig checks both). The final
+            # norm writes token-major rows [B, n, H], so rows 1..B-1 of every request lie contiguous: the LM head and
+            # the selector's projection skip row 0 without a copy, and candidate_select reads their outputs strided.
+            token_major = h.new_empty((B, n, h.shape[-1]))
+            add_rms_norm(delta, draft.norm.weight, draft.norm.eps, residual=h, out=token_major.transpose(0, 1),
+                         backend=self.backend, **finish)
+            x = token_major[1:]
             logits = draft.compute_logits(x.to(self.target_model.lm_head.weight.dtype), self.target_model.lm_head,
-                                          self.linear)[:, 1:]
-            candidate_select(logits, self.linear(x, selector.hidden_projection.weight)[:, 1:],
+                                          self.linear).transpose(0, 1)
+            candidate_select(logits, self.linear(x, selector.hidden_projection.weight).transpose(0, 1),
                              selector.predecessor_codebook, selector.successor_codebook, self.anchor,
                              top_k=selector.top_k, temperature=None if self.sampling.greedy else self.temperature,
                              seed=self.seed, offset=self.offset, out=(self.proposals, self.candidates, self.draft_q),
                              backend=self.backend)
-        elif self.tree_budget is None:
+            return
+        x = add_rms_norm(delta, draft.norm.weight, draft.norm.eps, residual=h, backend=self.backend, **finish)
+        if self.tree_budget is None:
             draft.propose(x, self.target_model.lm_head, out=self.proposals, linear=self.linear)
         else:  # tree mode: the verify step builds the tree from all of the block's logits
             finite_tree_logits_(self.draft_logits.copy_(draft.block_logits(x, self.target_model.lm_head, self.linear)))

@@ -31,6 +31,7 @@ from dflash_kernels.inject_context_kv import inject_context_kv  # noqa: E402
 from dflash_kernels.layer_ops import add_rms_norm, silu_mul  # noqa: E402
 from dflash_kernels.conv_prepare import dynamic_conv_prepare  # noqa: E402
 from dflash_kernels.gated_mlp import gate_up_silu  # noqa: E402
+from dflash_kernels.qkv_proj import qkv_proj  # noqa: E402
 from dflash_kernels.verify import verify_greedy, verify_greedy_tokens, verify_sample  # noqa: E402
 
 __all__ += ["fused_context", "inject_context_kv", "draft_attention", "verify_attention", "verify_greedy",
@@ -40,7 +41,7 @@ from dflash_kernels.commit import (  # noqa: E402
 )
 
 __all__ += ["commit_round", "commit_round_reference", "draft_round_setup", "first_token_done", "add_rms_norm",
-            "silu_mul", "gate_up_silu", "grouped_dynamic_conv", "dynamic_conv_prepare",
+            "silu_mul", "gate_up_silu", "qkv_proj", "grouped_dynamic_conv", "dynamic_conv_prepare",
             "candidate_select"]
 from dflash_kernels.tree import (  # noqa: E402
     build_tree, distinct_prefixes, tree_accept_greedy, tree_accept_greedy_tokens, tree_accept_sample,

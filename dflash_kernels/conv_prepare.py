@@ -138,8 +138,8 @@ def dynamic_conv_prepare(x: torch.Tensor, projection: torch.Tensor, base: torch.
         projection: ``[2*K*H/G, H]`` in x's dtype, last dim contiguous: ``kernel_projection.weight`` (rows
             ordered [side, tap, group]).
         base: ``[K, H]`` contiguous, any float dtype: ``base_kernel[0]``.
-        out: ``None``, or a contiguous ``[N, B, H]`` tensor in x's dtype sharing no memory with x (the engine passes
-            the block rows its merged QKV GEMM reads).
+        out: ``None``, or a contiguous ``[N, B, H]`` tensor in x's dtype sharing no memory with x (e.g. the block rows
+            of the buffer a following GEMM reads).
         dynamic: ``None``, or a contiguous ``[N, B, 2, K, H/G]`` tensor in x's dtype sharing no memory with x or
             out: where both sides' dynamic kernels go.
         backend: ``"auto" | "triton" | "cpu" | "torch"`` (``"cpu"`` is the reference: on CPU the runtime's own

@@ -67,6 +67,35 @@ def conv_taps(x_ptr, d_ptr, base_ptr, n, t, cols, m, H, G, stride_xn, stride_xt,
 
 
 @triton.jit
+def gemm_x_tile(x_ptr, d_ptr, base_ptr, rows, ks, mask, conv_rows, K, B, G, stride_xn, stride_xm, stride_dn,
+                stride_dt, stride_do, dtype: tl.constexpr, TAPS: tl.constexpr, LOWP_DOT: tl.constexpr,
+                PLAIN_TAIL: tl.constexpr):
+    """A GEMM's x tile at ``rows`` (a [BLOCK_M] vector) and columns ``ks`` (masked by ``mask``), as its dot takes
+    it: in the dtype with LOWP_DOT (16-bit operands), else fp32. TAPS > 0: rows below ``conv_rows`` are rows
+    ``n * B + t`` of a block x ``[N, B, K]`` (requests ``stride_xn``, rows ``stride_xm`` apart), convolved
+    (:func:`conv_taps`) and rounded to the dtype once, the value ``grouped_dynamic_conv`` would have stored; with
+    PLAIN_TAIL, rows from ``conv_rows`` on load plain, ``stride_xm`` apart (without it they are masked: a GEMM whose
+    rows are all block rows spares the second load's shared memory); every row loads plain at TAPS = 0. The GEMMs
+    that run DFlash2's ``prepare`` in their input pass (``gate_up_silu``, ``qkv_proj``) load their x tiles here."""
+    r = rows.to(tl.int64)[:, None]
+    if TAPS > 0:
+        conv = round_to(conv_taps(x_ptr, d_ptr, base_ptr, r // B, r % B, ks[None, :], mask & (r < conv_rows), K, G,
+                                  stride_xn, stride_xm, stride_dn, stride_dt, stride_do, TAPS), dtype)
+        if PLAIN_TAIL:
+            plain = tl.load(x_ptr + r * stride_xm + ks[None, :], mask=mask & (r >= conv_rows), other=0.0)
+            x = tl.where(r < conv_rows, conv, plain.to(tl.float32))
+        else:
+            x = conv
+        if LOWP_DOT:
+            x = x.to(dtype)
+    else:
+        x = tl.load(x_ptr + r * stride_xm + ks[None, :], mask=mask, other=0.0)
+    if not LOWP_DOT:  # fp32 operands (fp32 inputs; the interpreter, whose 16-bit loads are raw integers)
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _grouped_dynamic_conv_kernel(out_ptr, x_ptr, d_ptr, base_ptr, B, H, G,
                                  stride_xn, stride_xt, stride_dn, stride_dt, stride_do,
                                  TAPS: tl.constexpr, BLOCK_C: tl.constexpr):

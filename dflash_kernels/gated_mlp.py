@@ -47,7 +47,7 @@ from dflash_kernels._triton_utils import (
     FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, interpreting, next_pow2, round_to,
 )
 from dflash_kernels.dynamic_conv import (
-    _grouped_dynamic_conv_triton, check_fused_conv, conv_taps, grouped_dynamic_conv_reference, overlap,
+    _grouped_dynamic_conv_triton, check_fused_conv, gemm_x_tile, grouped_dynamic_conv_reference, overlap,
 )
 from dflash_kernels.layer_ops import _silu_mul_triton, silu_mul_reference
 
@@ -95,9 +95,6 @@ def _gate_up_silu_kernel(out_ptr, x_ptr, w_ptr, d_ptr, base_ptr, M, K, I, B, G, 
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < I
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-    n = rows.to(tl.int64)[:, None] // B  # the convolution's request and block row (TAPS > 0)
-    t = rows.to(tl.int64)[:, None] % B
     dtype = out_ptr.dtype.element_ty
     # Columns c of gate and of up are weight rows c and I + c: both accumulate from the same x tile.
     gate_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
@@ -108,18 +105,12 @@ def _gate_up_silu_kernel(out_ptr, x_ptr, w_ptr, d_ptr, base_ptr, M, K, I, B, G, 
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         x_mask = row_ok[:, None] & k_ok[None, :]
-        if TAPS > 0:
-            x = round_to(conv_taps(x_ptr, d_ptr, base_ptr, n, t, ks[None, :], x_mask, K, G, stride_xn, stride_xm,
-                                    stride_dn, stride_dt, stride_do, TAPS), dtype)
-            if LOWP_DOT:
-                x = x.to(dtype)
-        else:
-            x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+        x = gemm_x_tile(x_ptr, d_ptr, base_ptr, rows, ks, x_mask, M, K, B, G, stride_xn, stride_xm, stride_dn,
+                        stride_dt, stride_do, dtype, TAPS, LOWP_DOT, False)
         w_mask = col_ok[:, None] & k_ok[None, :]
         wg = tl.load(gate_rows + ks[None, :], mask=w_mask, other=0.0)
         wu = tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0)
         if not LOWP_DOT:  # fp32 operands (fp32 inputs; the interpreter, whose 16-bit loads are raw integers)
-            x = x.to(tl.float32)
             wg = wg.to(tl.float32)
             wu = wu.to(tl.float32)
         acc_gate = tl.dot(x, tl.trans(wg), acc_gate, input_precision=DOT_PREC)

@@ -53,11 +53,11 @@ def add_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1
 
 @triton.jit
 def _add_rms_norm_kernel(out_ptr, x_ptr, res_ptr, w_ptr, d_ptr, base_ptr, H, B, G, stride_x, stride_xn,
-                         stride_dn, stride_dt, stride_do, eps,
+                         stride_dn, stride_dt, stride_do, OUT_B, stride_on, stride_ot, eps,
                          HAS_RESIDUAL: tl.constexpr, TAPS: tl.constexpr, BLOCK_H: tl.constexpr):
     """One row. TAPS > 0: x is [N, B, H] (rows ``stride_xn`` / ``stride_x`` apart) and the row's value is its
     convolution, rounded to the dtype once (as ``grouped_dynamic_conv`` stores it); TAPS = 0: rows ``stride_x``
-    apart."""
+    apart. Row ``n * OUT_B + t`` goes to ``out + n * stride_on + t * stride_ot``."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     m = offs < H
@@ -74,7 +74,8 @@ def _add_rms_norm_kernel(out_ptr, x_ptr, res_ptr, w_ptr, d_ptr, base_ptr, H, B, 
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
     w = round_to(tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32), dtype)
     y = w * round_to(x * rstd, dtype)
-    tl.store(out_ptr + row * H + offs, round_to(y, dtype).to(dtype), mask=m)
+    tl.store(out_ptr + (row // OUT_B) * stride_on + (row % OUT_B) * stride_ot + offs, round_to(y, dtype).to(dtype),
+             mask=m)
 
 
 def _add_rms_norm_triton(x, weight, eps, residual, out, conv_dynamic=None, conv_base=None) -> None:
@@ -91,8 +92,11 @@ def _add_rms_norm_triton(x, weight, eps, residual, out, conv_dynamic=None, conv_
         conv = dict(d_ptr=conv_dynamic, base_ptr=conv_base, B=x.shape[1], G=h // conv_dynamic.shape[-1],
                     stride_x=x.stride(1), stride_xn=x.stride(0), stride_dn=conv_dynamic.stride(0),
                     stride_dt=conv_dynamic.stride(1), stride_do=conv_dynamic.stride(2), TAPS=conv_base.shape[0])
+    # a contiguous out, or [N, B, H] token-major (the transpose of a contiguous [B, N, H])
+    rows = dict(OUT_B=1, stride_on=h, stride_ot=0) if out.is_contiguous() else dict(
+        OUT_B=out.shape[1], stride_on=out.stride(0), stride_ot=out.stride(1))
     _add_rms_norm_kernel[(out.numel() // h,)](
-        out_ptr=out, x_ptr=x2, res_ptr=x2 if residual is None else residual, w_ptr=weight, H=h, eps=float(eps),
+        out_ptr=out, x_ptr=x2, res_ptr=x2 if residual is None else residual, w_ptr=weight, H=h, eps=float(eps), **rows,
         HAS_RESIDUAL=residual is not None, BLOCK_H=block_h,
         num_warps=1 if interpreting() else min(16, max(1, block_h // 512)), **conv,
     )
@@ -119,9 +123,11 @@ def _validate_add_rms_norm(x, weight, eps, residual, out, conv_dynamic=None, con
                              "stream in a contiguous tensor")
     if out is not None:
         check_tensor(op, "out", out, dtypes=(x.dtype,), device=x.device)
-        if out.shape != x.shape or not out.is_contiguous():
-            raise ValueError(f"{op}: out must be a contiguous tensor of x's shape {tuple(x.shape)}, got "
-                             f"{tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}")
+        token_major = out.dim() == 3 and out.transpose(0, 1).is_contiguous()
+        if out.shape != x.shape or not (out.is_contiguous() or token_major):
+            raise ValueError(f"{op}: out must be a tensor of x's shape {tuple(x.shape)}, contiguous or (3-d) the "
+                             f"transpose(0, 1) of a contiguous tensor, got {tuple(out.shape)}"
+                             f"{'' if out.is_contiguous() else ' (neither layout)'}")
     if not isinstance(eps, (float, int)) or eps < 0:
         raise ValueError(f"{op}: eps must be a non-negative float, got {eps!r}")
     if conv_dynamic is not None:  # row t is read by rows t..t+K-1: nothing may be written over x
@@ -144,8 +150,10 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
         eps: RMSNorm epsilon.
         residual: None, or the contiguous residual stream (x's shape and dtype); it is updated in place
             to ``residual + x`` rounded to the dtype, and that sum is what gets normalised.
-        out: None, or a contiguous tensor of x's shape and dtype to write the result into (e.g. rows of a
-            buffer that a following GEMM reads together with other rows).
+        out: None, or a tensor of x's shape and dtype to write the result into (e.g. rows of a buffer that a
+            following GEMM reads together with other rows): contiguous, or for ``[N, B, H]`` the ``transpose(0, 1)``
+            of a contiguous ``[B, N, H]`` tensor (token-major rows: ``out.transpose(0, 1)[1:]`` are rows 1..B-1 of
+            every request, contiguous, without row 0).
         conv_dynamic, conv_base: None, or a grouped dynamic causal convolution of x (``[N, B, H]``) applied before
             the add, as :func:`dflash_kernels.grouped_dynamic_conv` takes them (``[N, B, K, H/G]`` in x's dtype,
             ``[K, H]``): DFlash2's ``finish`` after a sublayer, fused into the residual add and the next norm

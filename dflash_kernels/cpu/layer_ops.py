@@ -14,7 +14,13 @@ from dflash_kernels.layer_ops import ADD_RMS_NORM, SILU_MUL, silu_mul_reference
 def add_rms_norm_cpu(x, weight, eps, residual, out) -> None:
     """``add_rms_norm`` on CPU tensors: ``cpu_native.add_rms_norm`` for fp32 rows, else the reference's rounding
     steps with torch's fused RMSNorm (fp32 statistics, the normalised value rounded to the dtype, then the weight
-    multiply, written into ``out``): fewer ops per call."""
+    multiply, written into ``out``): fewer ops per call. A token-major ``out`` (not contiguous) gets the same values
+    through a contiguous buffer."""
+    if not out.is_contiguous():
+        rows = torch.empty(out.shape, dtype=out.dtype)
+        add_rms_norm_cpu(x, weight, eps, residual, rows)
+        out.copy_(rows)
+        return
     if cpu_native.add_rms_norm(x, weight, eps, residual, out):
         return
     s = x if residual is None else residual.add_(x)

@@ -36,6 +36,7 @@ tr = importlib.import_module("dflash_kernels.tree")
 dc = importlib.import_module("dflash_kernels.dynamic_conv")
 cs = importlib.import_module("dflash_kernels.candidate_select")
 cp = importlib.import_module("dflash_kernels.conv_prepare")
+qp = importlib.import_module("dflash_kernels.qkv_proj")
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -201,7 +202,8 @@ def configs():
         dict(k_ptr=bf, v_ptr=bf, knw_ptr=bf, cu_ptr="*i64", lens_ptr="*i64", table_ptr="*i32", inv_freq_ptr=f32,
              kc_ptr=bf, vc_ptr=bf, attention_scaling="fp32", eps="fp32", stride_kcp="i64", stride_vcp="i64"),
         dict(HAS_TABLE=True, BLOCK_M=16, BLOCK_HALF=64, BLOCK_REQ=1))
-    norm_args = dict(eps="fp32", stride_x="i64", stride_xn="i64", stride_dn="i64", stride_dt="i64", stride_do="i64")
+    norm_args = dict(eps="fp32", stride_x="i64", stride_xn="i64", stride_dn="i64", stride_dt="i64", stride_do="i64",
+                     stride_on="i64", stride_ot="i64")
     for res, taps in ((False, 0), (True, 0), (True, 2)):  # taps 2: DFlash2's finish convolution in front
         add(f"add_rms_norm residual={res} conv taps={taps}", lo._add_rms_norm_kernel,
             dict(out_ptr=bf, x_ptr=bf, res_ptr=bf, w_ptr=bf, d_ptr=bf, base_ptr=f32, **norm_args),
@@ -224,6 +226,18 @@ def configs():
             dict(LOWP_DOT=not fp32, DOT_PREC="ieee" if fp32 else "tf32", TAPS=taps, **tile), num_warps=warps,
             ints=dict(M=m, K=4096, I=12288, B=1 if taps == 0 else 16, G=1 if taps == 0 else 16, stride_xm=4096,
                       stride_xn=0 if taps == 0 else 16 * 4096, stride_wn=4096, stride_om=12288,
+                      stride_dn=0 if taps == 0 else 16 * 1024, stride_dt=0 if taps == 0 else 1024,
+                      stride_do=0 if taps == 0 else 256))
+    # qkv_proj: the launcher's tiles (_tile) at the draft step's rows, block + context rows of batch 1 and 8 x block
+    # 16 (M = 32, 256) and batch 4 (128); Qwen3-8B's draft layer (K 4096, N 6144, 4096 Q columns); taps 2: DFlash2's prepare
+    # convolution of the block rows in the x-tile load (K 2, G 16)
+    for (ptr, fp32), m, taps in itertools.product(((bf, False), (f32, True)), (32, 128, 256), (0, 2)):
+        tile, launch = qp._tile(m, fp32)
+        add(f"qkv_proj M={m} Qwen3-8B {'fp32 ieee' if fp32 else 'bf16'} conv taps={taps}",
+            qp._qkv_proj_kernel, dict(out_ptr=ptr, x_ptr=ptr, w_ptr=ptr, d_ptr=ptr, base_ptr=ptr),
+            dict(LOWP_DOT=not fp32, DOT_PREC="ieee" if fp32 else "tf32", TAPS=taps, **tile), launch=launch,
+            ints=dict(M=m, K=4096, N=6144, Q_COLS=4096, Q_ROWS=m // 2, B=1 if taps == 0 else 16,
+                      G=1 if taps == 0 else 16, stride_xm=4096, stride_wn=4096, stride_om=6144,
                       stride_dn=0 if taps == 0 else 16 * 1024, stride_dt=0 if taps == 0 else 1024,
                       stride_do=0 if taps == 0 else 256))
 

@@ -173,6 +173,22 @@ def test_results_into_given_buffers(backend, sampled):
     assert (out[0] >= 0).all() and (out[1] >= 0).all() and not out[2].isnan().any()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sampled", [False, True])
+def test_token_major_logits_and_projections(backend, sampled):
+    """Logits and projections in position-major layout ([P, N, ...] buffers read through transpose(0, 1), as a
+    DFlash2 draft step's LM head over the final norm's token-major rows gives them): the results of their
+    contiguous copies."""
+    n, p, v, r, k = 3, 5, 300, 12, 6
+    logits, proj, pred, succ, anchor = _inputs(n, p, v, r, torch.bfloat16)
+    kw = dict(top_k=k, temperature=torch.tensor([0.8], device=DEVICE) if sampled else None, seed=3, offset=9,
+              backend=backend)
+    major = [t.transpose(0, 1).contiguous().transpose(0, 1) for t in (logits, proj)]
+    assert not major[0].is_contiguous() and torch.equal(major[0], logits)
+    got = candidate_select(*major, pred, succ, anchor, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, candidate_select(logits, proj, pred, succ, anchor, **kw)))
+
+
 def test_bad_out_raises_before_work():
     logits, proj, pred, succ, anchor = _inputs(2, 3, 20, 4, torch.float32)
     path = torch.full((2, 3), -1, dtype=torch.int64, device=DEVICE)

@@ -191,6 +191,23 @@ def test_add_rms_norm_into_rows_of_a_buffer(backend):
     assert torch.equal(out, expected) and torch.isnan(buffer[6:]).all()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("conv", [False, True])
+def test_add_rms_norm_into_token_major_rows(backend, dtype, conv):
+    """out= the transpose(0, 1) of a contiguous [B, N, H] buffer: the same values as a contiguous out, bit for bit,
+    row t of request n at buffer[t, n] (rows 1..B-1 of every request then lie contiguous, without row 0)."""
+    n, b, h = 3, 5, 40
+    x, res, w = _norm_inputs((n, b, h), dtype)
+    x, res, w = x.to(DEVICE), res.to(DEVICE), w.to(DEVICE)
+    kwargs = dict(zip(("conv_dynamic", "conv_base"), _conv_operands(n, b, h, 2, 4, dtype))) if conv else {}
+    res2 = res.clone()
+    expected = add_rms_norm(x, w, residual=res, backend=backend, **kwargs)
+    buffer = torch.full((b, n, h), float("nan"), dtype=dtype, device=DEVICE)
+    assert add_rms_norm(x, w, residual=res2, out=buffer.transpose(0, 1), backend=backend, **kwargs) is not None
+    assert torch.equal(buffer, expected.transpose(0, 1)) and torch.equal(res2, res)
+
+
 def test_fp16():
     x, res, w = _norm_inputs((4, 3, 40), torch.float16)
     _check_norm(x, w, res, "triton")
@@ -219,8 +236,10 @@ def test_bad_inputs():
         add_rms_norm(x, w, -1.0)
     with pytest.raises(ValueError, match="backend"):
         add_rms_norm(x, w, backend="ext")
-    with pytest.raises(ValueError, match="out must be a contiguous tensor of x's shape"):
+    with pytest.raises(ValueError, match="out must be a tensor of x's shape .* contiguous or"):
         add_rms_norm(x, w, residual=res, out=torch.empty(8, 4).t())
+    with pytest.raises(ValueError, match=r"out must be a tensor of x's shape \(2, 3, 8\).*\(neither layout\)"):
+        add_rms_norm(torch.randn(2, 3, 8), w, out=torch.empty(8, 3, 2).permute(2, 1, 0))
     with pytest.raises(TypeError, match="out has dtype"):
         add_rms_norm(x, w, residual=res, out=torch.empty(4, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match="2I"):

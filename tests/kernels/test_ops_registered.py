@@ -14,7 +14,7 @@ from dflash_kernels import _ext
 OPS = ("fused_context", "inject_context_kv", "draft_attention", "verify_greedy", "verify_greedy_tokens",
        "verify_sample", "commit_round", "verify_attention", "add_rms_norm", "silu_mul", "draft_round_setup",
        "build_tree", "tree_ancestor_mask", "tree_accept_greedy", "tree_accept_greedy_tokens", "tree_accept_sample",
-       "tree_compact", "grouped_dynamic_conv", "candidate_select", "dynamic_conv_prepare")  # every registered op
+       "tree_compact", "grouped_dynamic_conv", "candidate_select", "dynamic_conv_prepare", "qkv_proj")  # every registered op
 # The order _round calls them in (verify_attention twice: the chain, then a draft tree;
 # verify_sample twice: one-hot proposals, then the selector's sampled path with its q over the candidates).
 CALLS = OPS[:11] + ("build_tree", "tree_ancestor_mask", "verify_attention") + OPS[13:] + ("verify_sample",)
@@ -62,6 +62,8 @@ def _state(device=None):
         # DFlash2's convolution: K = 3 taps, G = 4 channels a group, the kernels one side of a projection output.
         conv_x=torch.randn(n, b, h), conv_dynamic=torch.randn(n, b, 2, 3, h // 4), conv_base=torch.randn(2, 3, h),
         conv_projection=torch.randn(2 * 3 * (h // 4), h) / 4,
+        # A merged QKV projection of the block rows over as many context rows: 8 Q columns, 2 x 6 K/V columns.
+        qkv_x=torch.randn(2 * n * b, h), qkv_weight=torch.randn(20, h) / 4,
         # DFlash2's selector: rank 4 codebooks over the v-token vocabulary, proposals of rows 1..b-1.
         projected=torch.randn(n, b - 1, 4), predecessor=torch.randn(v, 4), successor=torch.randn(v, 4),
     )
@@ -122,12 +124,14 @@ def _round(s, backend):
                                                offset=s["offset"], backend=backend)
     prepared = dflash_kernels.dynamic_conv_prepare(s["conv_x"], s["conv_projection"], s["conv_base"][0],
                                                    backend=backend)
+    qkv = dflash_kernels.qkv_proj(s["qkv_x"], s["qkv_weight"], q_cols=8, q_rows=6, out=torch.zeros(12, 20),
+                                  conv_dynamic=s["conv_dynamic"][:, :, 0], conv_base=s["conv_base"][0], backend=backend)
     drawn = dflash_kernels.verify_sample(s["logits"], selected[0], temperature=s["temperature"], top_k=s["top_k"],
                                          top_p=s["top_p"], seed=s["seed"], offset=s["offset"], draft_probs=selected[2],
                                          draft_indices=selected[1], backend=backend)
     return (ctx, att, target, acc, bonus, sacc, stok, num_new, normed, act, tokens, parents, depths, mask, tree_att,
             path, tacc, tbonus, spath, sacc_t, sbonus, *setup, tok_acc, tok_bonus, *tok_walk, conv, *selected,
-            *prepared, *drawn)
+            *prepared, qkv, *drawn)
 
 
 MUTATED = ("k_cache", "v_cache", "target_k_cache", "target_v_cache", "out_tokens", "lengths", "pos", "anchor", "done",
@@ -180,7 +184,8 @@ def test_schemas_and_mutations():
                        "tree_ancestor_mask": [], "tree_accept_greedy": [], "tree_accept_greedy_tokens": [],
                        "tree_accept_sample": [],
                        "tree_compact": ["k_cache", "v_cache"], "grouped_dynamic_conv": ["out"],
-                       "candidate_select": ["candidates", "path", "q"], "dynamic_conv_prepare": ["dynamic", "out"]}
+                       "candidate_select": ["candidates", "path", "q"], "dynamic_conv_prepare": ["dynamic", "out"],
+                       "qkv_proj": ["out"]}
     args = {a.name: str(a.type) for a in schemas["draft_attention"].arguments}
     assert args["block_lens"] == "Optional[Tensor]" and args["backend"] == "str"
     assert args["q_norm_weight"] == args["k_norm_weight"] == "Optional[Tensor]"

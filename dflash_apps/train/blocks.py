@@ -115,12 +115,18 @@ def build_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> to
     return torch.cat([ctx, same], dim=-1)[:, None]
 
 
-def weighted_block_loss(logits: torch.Tensor, labels: torch.Tensor, block_size: int, gamma: float | None = None):
+def weighted_block_loss(logits: torch.Tensor, labels: torch.Tensor, block_size: int, gamma: float | None = None,
+                        soft: torch.Tensor | None = None, soft_weight: float = 0.0):
     """Position-weighted cross-entropy over the masked block rows.
 
     ``logits`` [b, A*B, V] (any float dtype; computed in fp32), ``labels`` [b, A*B] with -100 for rows
     without a target (anchor rows, positions past the sequence end, padding blocks).
     Row k of a block (k = 1..B-1) has weight ``exp(-(k-1)/γ)``.
+
+    ``soft`` [b, A*B, V]: the target's probabilities over the same columns (soft labels,
+    :mod:`dflash_apps.train.teacher`); a row's loss is then ``(1 - soft_weight)`` x its CE against the label +
+    ``soft_weight`` x its CE against ``soft`` (the KL divergence from the target plus the target's entropy, a
+    constant). Rows without a label stay out either way.
 
     Normalisation (the paper leaves it open): a weighted mean, ``Σ w·CE / Σ w`` over the rows that
     have a label, so the loss is comparable across batches with different numbers of valid rows and
@@ -135,6 +141,9 @@ def weighted_block_loss(logits: torch.Tensor, labels: torch.Tensor, block_size: 
     wr = w[k_of_row][None].expand(b, -1)
     valid = labels != -100
     ce = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1).clamp(min=0), reduction="none").view(b, q)
+    if soft is not None and soft_weight:
+        soft_ce = -(soft * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+        ce = (1.0 - soft_weight) * ce + soft_weight * soft_ce
     wr = wr * valid
     loss = (ce * wr).sum() / wr.sum().clamp(min=1e-9)
     with torch.no_grad():

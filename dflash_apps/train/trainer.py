@@ -44,6 +44,7 @@ from dflash_apps.train.blocks import (
 )
 from dflash_apps.train.data import load_plain
 from dflash_apps.train.selector import selector_loss, selector_path_acceptance
+from dflash_apps.train.teacher import TailTeacher, soft_targets
 
 SMOLLM2_MASK_TOKEN_ID = 16  # "<empty_output>": a special token that never occurs in normal text
 # DFlash2 settings for SmolLM2-135M (H = 576, vocabulary 49,152): the published drafts' taps, group and top-k
@@ -155,10 +156,20 @@ class Trainer:
                  lr: float = 6e-4, weight_decay: float = 0.0, warmup_ratio: float = 0.04, grad_clip: float = 1.0,
                  total_steps: int = 1000, gamma: float | None = None, num_anchors: int = 16,
                  attention: str = "dense", seed: int = 0, vocab_subset: torch.Tensor | None = None,
-                 negatives: int = 0, selector_loss_weight: float = 1.0):
-        """``selector_loss_weight``: a DFlash2 draft's loss is the DFlash loss + this x the selector's."""
+                 negatives: int = 0, selector_loss_weight: float = 1.0, teacher: TailTeacher | None = None,
+                 soft_label_weight: float = 0.0):
+        """``selector_loss_weight``: a DFlash2 draft's loss is the DFlash loss + this x the selector's.
+        ``teacher``, ``soft_label_weight``: training rows also learn the target's distribution (soft labels, weight
+        in 0..1 against the hard label's; :func:`~dflash_apps.train.blocks.weighted_block_loss`); evaluation loss
+        stays the hard labels' CE, comparable across objectives."""
+        if not 0.0 <= soft_label_weight <= 1.0:
+            raise ValueError(f"soft_label_weight must be in 0..1 (the soft labels' share of the loss), got "
+                             f"{soft_label_weight}")
+        if soft_label_weight and teacher is None:
+            raise ValueError("soft_label_weight > 0 needs a teacher (TailTeacher of the target) for the soft labels")
         self.draft = draft
         self.selector_loss_weight = selector_loss_weight
+        self.teacher, self.soft_label_weight = teacher, soft_label_weight
         # Frozen, shared with the target: never updated (no grad, not in the optimizer).
         self.embed_weight = embed_weight.detach().requires_grad_(False)
         self.lm_head_weight = lm_head_weight.detach().requires_grad_(False)
@@ -212,7 +223,13 @@ class Trainer:
             head, labels, columns = self._head_for_step(batch.labels, training)
             logits = self.draft.compute_logits(hidden, lambda h: h @ head.T)
         labels = labels.to(logits.device)
-        loss, stats = weighted_block_loss(logits, labels, self.B, self.gamma)
+        soft = None
+        if training and self.soft_label_weight:
+            head_w = self.lm_head_weight
+            rows = head_w if columns is None else head_w[columns.to(head_w.device)]
+            taught = self.teacher.hidden(batch.target_hidden, self.draft.config.target_layer_ids)
+            soft = soft_targets(taught, batch.position_ids, batch.ctx_len, rows.to(taught.dtype)).to(logits.device)
+        loss, stats = weighted_block_loss(logits, labels, self.B, self.gamma, soft, self.soft_label_weight)
         if self.draft.config.dflash2 is not None:
             extra, _ = selector_loss(self.draft.candidate_selector, logits, hidden, batch.block_ids.to(logits.device),
                                      labels, batch.labels.to(logits.device), self.B, self.gamma, columns)
@@ -341,6 +358,10 @@ def add_fit_args(sub) -> None:
                    help="training softmax over the full vocabulary (exact, default) or over the tokens that occur "
                         "in the training data plus --negatives random others (≈4-6x cheaper LM head on CPU)")
     f.add_argument("--negatives", type=int, default=2048, help="random extra vocabulary ids per step with --vocab-subset data")
+    f.add_argument("--soft-labels", type=float, default=0.0, metavar="WEIGHT",
+                   help="share (0..1) of the loss taken by soft labels: the target's own distribution at each "
+                        "row, recomputed from the stored features of the deepest tap through the target layers "
+                        "after it (0: hard labels only, the paper's recipe)")
     f.add_argument("--eval-seqs", type=int, default=12)
     f.add_argument("--eval-every", type=int, default=100)
     f.add_argument("--eval-tree-budgets", default="",
@@ -401,6 +422,8 @@ def fit_main(args) -> int:
     from dflash_apps.train.data import load_dataset
 
     tree_budgets = _budgets(args.eval_tree_budgets)
+    if not 0.0 <= args.soft_labels <= 1.0:
+        raise ValueError(f"--soft-labels must be in 0..1 (the soft labels' share of the loss), got {args.soft_labels}")
     device_arg(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -428,12 +451,17 @@ def fit_main(args) -> int:
     draft.to(args.device)
     embed = target.get_input_embeddings().weight.detach().float().to(args.device)
     head = target.lm_head.weight.detach().float().to(args.device)
+    teacher = None
+    if args.soft_labels:
+        target.float().to(args.device).requires_grad_(False)
+        teacher = TailTeacher(target, max(cfg.target_layer_ids))
     del target
     trainer = Trainer(draft, embed, head, lr=args.lr, weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio,
                       grad_clip=args.grad_clip, total_steps=args.steps, gamma=args.gamma, num_anchors=args.anchors,
                       attention=args.attention, seed=args.seed,
                       negatives=args.negatives if args.vocab_subset == "data" else 0,
-                      selector_loss_weight=args.selector_loss_weight)
+                      selector_loss_weight=args.selector_loss_weight, teacher=teacher,
+                      soft_label_weight=args.soft_labels)
     last = os.path.join(args.out, "last.pt")
     best_tau = -1.0
     # Sequences of the current epoch not yet visited; saved with the checkpoint so that a resumed run

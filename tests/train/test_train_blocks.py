@@ -16,6 +16,7 @@ from dflash_apps.train.blocks import (
     weighted_block_loss,
 )
 from dflash_apps.train.data import compute_features
+from dflash_apps.train.teacher import TailTeacher, soft_targets
 from dflash_apps.train.trainer import Trainer, lr_at, make_draft_config
 
 V, H = 96, 64
@@ -304,3 +305,85 @@ def test_tree_budgets_argument_is_checked():
     for bad in ("7,x", "0", "3,-1"):
         with pytest.raises(SystemExit, match="tree budgets must be comma-separated positive integers"):
             _budgets(bad)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tail_teacher_gives_the_target_distribution_at_every_block_row(attn):
+    """The tail (layers after the deepest tap + norm + head) over the stored features of a right-padded batch: each
+    labelled block row gets the target's own next-token distribution after the previous position."""
+    torch.manual_seed(11)
+    target = tiny_target()
+    target.config._attn_implementation = attn
+    recs = [record(target, torch.randint(10, V, (n,)), 3) for n in (21, 13)]
+    anchors = [torch.tensor([3, 9, 17]), torch.tensor([4, 10])]
+    batch = pack_batch(recs, anchors, 4, MASK)
+    teacher = TailTeacher(target, 2)
+    got = soft_targets(teacher.hidden(batch.target_hidden, [1, 2]), batch.position_ids, batch.ctx_len,
+                       target.lm_head.weight)
+    for i, r in enumerate(recs):
+        with torch.no_grad():
+            want = torch.softmax(target(r["ids"][None, :-1].long()).logits[0].double(), -1)
+        rows = (batch.labels[i] != -100).nonzero().flatten()
+        assert len(rows) > 0
+        pos = batch.position_ids[i, batch.ctx_len + rows]
+        torch.testing.assert_close(got[i, rows].double(), want[pos - 1], atol=2e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="not the teacher's tap 2"):
+        teacher.hidden(batch.target_hidden, [0, 1])
+    with pytest.raises(ValueError, match="target layers after the draft's deepest tap 3"):
+        TailTeacher(target, 3)
+
+
+def test_soft_label_loss_mixes_the_hard_and_the_soft_cross_entropy():
+    torch.manual_seed(12)
+    B = 4
+    logits = torch.randn(2, 2 * B, 11)
+    labels = torch.randint(0, 11, (2, 2 * B))
+    labels[:, ::B] = -100
+    labels[1, 5:] = -100
+    hard, _ = weighted_block_loss(logits, labels, B)
+    onehot = torch.nn.functional.one_hot(labels.clamp(min=0), 11).float()
+    assert torch.allclose(weighted_block_loss(logits, labels, B, soft=onehot, soft_weight=1.0)[0], hard, atol=1e-6)
+    soft = torch.softmax(torch.randn(2, 2 * B, 11), -1)
+    w = torch.cat([torch.zeros(1), loss_weights(B)]).repeat(2)[None].expand(2, -1) * (labels != -100)
+    soft_ce = -(soft * torch.log_softmax(logits, -1)).sum(-1)
+    want = 0.25 * hard + 0.75 * (soft_ce * w).sum() / w.sum()
+    got, _ = weighted_block_loss(logits, labels, B, soft=soft, soft_weight=0.75)
+    assert torch.allclose(got, want, atol=1e-6)
+    assert torch.equal(weighted_block_loss(logits, labels, B, soft=soft, soft_weight=0.0)[0], hard)
+
+
+def test_trainer_soft_labels_are_the_target_distribution_and_checked():
+    """With soft labels only, the training loss is the weighted CE against the target's own distribution (full
+    vocabulary); the weight and the teacher are checked before any work."""
+    torch.manual_seed(13)
+    target = tiny_target()
+    draft = tiny_draft(target, block_size=4)
+    recs = [record(target, torch.randint(10, V, (n,)), 4) for n in (22, 18)]
+    tr = Trainer(draft, target.get_input_embeddings().weight, target.lm_head.weight, total_steps=10,
+                 num_anchors=5, seed=0, teacher=TailTeacher(target, 2), soft_label_weight=1.0)
+    batch = tr.make_batch(recs)
+    loss, _, logits, _ = tr.forward_loss(batch, training=True)
+    w = torch.cat([torch.zeros(1), loss_weights(4)]).repeat(batch.labels.shape[1] // 4)[None] * (batch.labels != -100)
+    with torch.no_grad():
+        full = [torch.softmax(target(r["ids"][None, :-1].long()).logits[0], -1) for r in recs]
+    rows = (batch.position_ids[:, batch.ctx_len:] - 1).clamp(min=0)
+    want_soft = torch.stack([full[i][rows[i].clamp(max=len(full[i]) - 1)] for i in range(2)])
+    want = (-(want_soft * torch.log_softmax(logits.float(), -1)).sum(-1) * w).sum() / w.sum()
+    assert torch.allclose(loss, want, atol=1e-5), (loss, want)
+    hard_loss, _, _, _ = Trainer(draft, target.get_input_embeddings().weight, target.lm_head.weight,
+                                 total_steps=10).forward_loss(batch, training=True)
+    assert not torch.allclose(loss, hard_loss)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="soft_label_weight must be in 0..1"):
+            Trainer(draft, target.get_input_embeddings().weight, target.lm_head.weight, teacher=TailTeacher(target, 2),
+                    soft_label_weight=bad)
+    with pytest.raises(ValueError, match="needs a teacher"):
+        Trainer(draft, target.get_input_embeddings().weight, target.lm_head.weight, soft_label_weight=0.5)
+
+
+def test_fit_refuses_a_soft_label_weight_outside_0_1_before_any_work(tmp_path, capsys):
+    from dflash_apps.train import main as train_main
+
+    assert train_main(["fit", "--soft-labels", "1.5", "--out", str(tmp_path / "run")]) == 2
+    assert "--soft-labels must be in 0..1" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

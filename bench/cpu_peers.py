@@ -32,6 +32,7 @@ Usage: python bench/cpu_peers.py [--prompts 8] [--reps 2] [--max-new-tokens 96] 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import shutil
@@ -310,8 +311,18 @@ def tool_dir(tree: Path, jobs: int) -> Path:
     return bin_dir
 
 
+def draft_gguf_name(outtype: str, draft_dir: Path) -> str:
+    """The file name of ``draft_dir`` converted to ``outtype``: it carries a digest of the draft's config and
+    weights, so a retrained draft in the same folder gets a new conversion instead of a stale one."""
+    digest = hashlib.sha256()
+    for part in ("config.json", "model.safetensors"):
+        digest.update((draft_dir / part).read_bytes())
+    return f"smollm2-135m-draft-{outtype}-{digest.hexdigest()[:12]}.gguf"
+
+
 def gguf_files(cache: Path, llama_dir: Path) -> dict[str, Path]:
-    """The GGUFs by name (``q4_1``, ``bf16``, ``f32``, ``draft-bf16``, ``draft-f32``), converted the first time."""
+    """The GGUFs by name (``q4_1``, ``bf16``, ``f32``, ``draft-bf16``, ``draft-f32``), converted the first time
+    (the target's once; the draft's once per content, :func:`draft_gguf_name`)."""
     from dflash_apps import smollm2
 
     target_dir = Path(smollm2.converted_dir())
@@ -320,7 +331,7 @@ def gguf_files(cache: Path, llama_dir: Path) -> dict[str, Path]:
     files = {"q4_1": Path(smollm2.find_gguf())}
     for outtype in ("bf16", "f32"):
         for name, model_dir, target in ((outtype, target_dir, None), (f"draft-{outtype}", DRAFT, target_dir)):
-            out = cache / f"smollm2-135m-{name}.gguf"
+            out = cache / (draft_gguf_name(outtype, model_dir) if target else f"smollm2-135m-{name}.gguf")
             if not out.is_file():
                 partial = out.with_name(out.name + ".partial")
                 _run(convert_command(sys.executable, llama_dir, model_dir, outtype, partial, target),

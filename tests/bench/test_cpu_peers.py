@@ -169,3 +169,13 @@ def test_summarize_rows():
     assert peers.summarize(cfgs["ours-chain"], reps, 8, 8, None)["τ"] == "2.50"
     assert peers.summarize(cfgs["hf"], reps, 8, 8, None)["identical to HF greedy"] == "reference"
     assert list(row) == peers.COLUMNS
+
+
+def test_draft_gguf_name_follows_the_draft_content(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"weights-1")
+    first = peers.draft_gguf_name("bf16", tmp_path)
+    assert first.startswith("smollm2-135m-draft-bf16-") and first.endswith(".gguf")
+    assert peers.draft_gguf_name("f32", tmp_path) != first
+    (tmp_path / "model.safetensors").write_bytes(b"weights-2")  # a retrained draft: a new conversion, not the old file
+    assert peers.draft_gguf_name("bf16", tmp_path) != first

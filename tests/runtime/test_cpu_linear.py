@@ -346,7 +346,8 @@ def test_amx_ugly_shapes(k, n, rows, amx_calls):
 
 @needs_amx
 def test_amx_only_for_bf16_values(amx_calls):
-    """A weight with a value that is not a bf16 value takes the fp32 kernel; set_amx(False) too."""
+    """A weight with a value that is not a bf16 value takes the fp32 kernel; set_amx(False) leaves AMX alone (the
+    bf16-packed rows then, or with set_bf16(False) the fp32 kernel)."""
     k, n = 64, 48
     w = _bf16_values(torch.randn(n, k))
     x = torch.randn(8, k)
@@ -356,7 +357,13 @@ def test_amx_only_for_bf16_values(amx_calls):
     _check(x, near, what="one value off the bf16 grid")
     before = cpu_linear.set_amx(False)
     try:
-        _check(x, w, what="amx off")
+        assert cpu_linear.route((w,), (w,), 8, cpu_linear.MIN_ROWS)[0] == cpu_linear.isa() + "_bf16"
+        _check(x, w, what="amx off, bf16-packed rows")
+        bf16_before = cpu_linear.set_bf16(False)
+        try:
+            _check(x, w, what="amx and bf16 rows off")
+        finally:
+            assert cpu_linear.set_bf16(bf16_before) is False
     finally:
         assert cpu_linear.set_amx(before) is False
     assert amx_calls == {"amx": [8], "fp32": [8, 8]}

@@ -151,6 +151,12 @@ def _labels_in(labels: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Ten
     return torch.where(labels >= 0, remap[labels.clamp(min=0).cpu()].to(labels.device), labels)
 
 
+def check_soft_label_weight(weight: float, name: str) -> None:
+    """The soft labels' share of the loss must be in 0..1; ``name`` is the argument as the caller knows it."""
+    if not 0.0 <= weight <= 1.0:
+        raise ValueError(f"{name} must be in 0..1 (the soft labels' share of the loss), got {weight}")
+
+
 class Trainer:
     def __init__(self, draft: DFlashDraftModel, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, *,
                  lr: float = 6e-4, weight_decay: float = 0.0, warmup_ratio: float = 0.04, grad_clip: float = 1.0,
@@ -162,9 +168,7 @@ class Trainer:
         ``teacher``, ``soft_label_weight``: training rows also learn the target's distribution (soft labels, weight
         in 0..1 against the hard label's; :func:`~dflash_apps.train.blocks.weighted_block_loss`); evaluation loss
         stays the hard labels' CE, comparable across objectives."""
-        if not 0.0 <= soft_label_weight <= 1.0:
-            raise ValueError(f"soft_label_weight must be in 0..1 (the soft labels' share of the loss), got "
-                             f"{soft_label_weight}")
+        check_soft_label_weight(soft_label_weight, "soft_label_weight")
         if soft_label_weight and teacher is None:
             raise ValueError("soft_label_weight > 0 needs a teacher (TailTeacher of the target) for the soft labels")
         self.draft = draft
@@ -422,8 +426,7 @@ def fit_main(args) -> int:
     from dflash_apps.train.data import load_dataset
 
     tree_budgets = _budgets(args.eval_tree_budgets)
-    if not 0.0 <= args.soft_labels <= 1.0:
-        raise ValueError(f"--soft-labels must be in 0..1 (the soft labels' share of the loss), got {args.soft_labels}")
+    check_soft_label_weight(args.soft_labels, "--soft-labels")  # before the target and the data load
     device_arg(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)

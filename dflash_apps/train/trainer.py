@@ -129,19 +129,37 @@ def init_from_draft(draft: DFlashDraftModel, folder: str) -> None:
     """Warm start from a trained z-lab draft folder of the same shape (its network weights; a draft vocabulary
     subset, if it has one, is not part of training and is dropped). A DFlash2 draft also starts from a DFlash
     draft's folder: the parts both have are copied, its convolutions and selector keep their initialisation
-    (:func:`build_draft`)."""
+    (:func:`build_draft`). A deeper draft starts from a shallower one (:func:`_deepened`): it first computes
+    exactly what the folder's draft does, so training adds capacity without losing what was learnt."""
     state = DFlashDraftModel.from_pretrained(folder, dtype=torch.float32).state_dict()  # any stored layout
     state.pop(DRAFT_TOKEN_IDS, None)
+    state = _deepened(state, len(draft.layers))
     own = draft.state_dict()
     dflash2_only = set(draft.config.expected_weight_shapes()) - set(
         dataclasses.replace(draft.config, dflash2=None).expected_weight_shapes())
     missing = set(own) - set(state)
     if (set(state) - set(own) or (missing and missing != dflash2_only)
             or any(state[k].shape != own[k].shape for k in state)):
-        raise ValueError(f"--init {folder}: its weights do not match the draft being trained (same --layers, "
-                         f"--block-size and taps needed; a DFlash2 draft starts from a DFlash or DFlash2 draft, a "
-                         f"DFlash draft from a DFlash draft)")
+        raise ValueError(f"--init {folder}: its weights do not match the draft being trained (the same or more "
+                         f"--layers, the same --block-size and --target-layer-ids needed; a DFlash2 draft starts "
+                         f"from a DFlash or DFlash2 draft, a DFlash draft from a DFlash draft)")
     draft.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=False)
+
+
+def _deepened(state: dict, layers: int) -> dict:
+    """``state`` with layers appended up to ``layers``: copies of its last layer whose output projections
+    (attention ``o_proj``, MLP ``down_proj``) are zero, so each added layer adds nothing to the residual stream
+    and the deeper draft's output is the shallower one's (its other weights start from trained values, not
+    noise). A state with ``layers`` or more layers is returned as it is."""
+    prefix = "layers."
+    have = 1 + max(int(k.split(".")[1]) for k in state if k.startswith(prefix))
+    last = {k[len(f"{prefix}{have - 1}."):]: v for k, v in state.items() if k.startswith(f"{prefix}{have - 1}.")}
+    state = dict(state)
+    for i in range(have, layers):
+        for name, w in last.items():
+            zero = name.endswith(("o_proj.weight", "down_proj.weight"))
+            state[f"{prefix}{i}.{name}"] = torch.zeros_like(w) if zero else w.clone()
+    return state
 
 
 def _labels_in(labels: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -348,7 +366,9 @@ def add_fit_args(sub) -> None:
     f.add_argument("--mask-token-id", type=int, default=SMOLLM2_MASK_TOKEN_ID)
     f.add_argument("--init", default="target",
                    help="draft init: 'target' (copy the target's last layers + final norm; default), 'random', or "
-                        "a trained z-lab draft folder of the same architecture (warm start from its weights)")
+                        "a trained z-lab draft folder of the same architecture (warm start from its weights; with "
+                        "more --layers than it has, the added layers start as identities, and --target-layer-ids "
+                        "must name its taps)")
     f.add_argument("--steps", type=int, default=4000, help="total optimizer steps (cosine schedule length)")
     f.add_argument("--batch-seqs", type=int, default=8, help="sequences per step")
     f.add_argument("--anchors", type=int, default=16, help="anchors (blocks) per sequence per visit")

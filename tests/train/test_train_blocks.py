@@ -203,22 +203,52 @@ def test_evaluate_a_draft_with_a_vocabulary_subset():
 def test_init_from_draft_copies_weights_and_drops_vocab_subset(tmp_path):
     """`fit --init FOLDER` warm start: a saved draft's weights (with a draft vocabulary subset, stored as the
     shipped draft is: its own LM head rows and d2t offsets, which are dropped) load into a fresh draft of the same
-    shape; a draft of another shape is refused."""
+    shape; a shallower draft or other taps are refused."""
     from safetensors.torch import load_file
 
     from dflash_apps.train.trainer import init_from_draft
     from dflash_apps.train.vocab import with_draft_vocab
 
     target = tiny_target()
-    src = tiny_draft(target)
+    src = tiny_draft(target, layers=2)
     with_draft_vocab(src, torch.arange(0, 20, 2)).save_pretrained(str(tmp_path / "src"), output_head=target.lm_head)
     assert {"d2t", "lm_head.weight"} <= set(load_file(str(tmp_path / "src" / "model.safetensors")))
-    fresh = tiny_draft(target)
+    fresh = tiny_draft(target, layers=2)
     init_from_draft(fresh, str(tmp_path / "src"))
     for name, w in src.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], w), name
-    with pytest.raises(ValueError, match="same --layers"):
-        init_from_draft(tiny_draft(target, layers=2), str(tmp_path / "src"))
+    with pytest.raises(ValueError, match="the same or more --layers"):
+        init_from_draft(tiny_draft(target, layers=1), str(tmp_path / "src"))
+    cfg = make_draft_config(target.config, num_layers=2, block_size=4, mask_token_id=MASK, target_layer_ids=[1, 2, 3])
+    with pytest.raises(ValueError, match="--target-layer-ids"):
+        init_from_draft(DFlashDraftModel(cfg), str(tmp_path / "src"))
+
+
+def test_init_from_shallower_draft_computes_what_it_did(tmp_path, seed):
+    """A deeper draft warm-started from a shallower one (`fit --layers 4 --init FOLDER`) gives the folder draft's
+    logits bit for bit on random blocks (its added layers are identities), and those layers are not inert: their
+    attention and MLP inputs are trained copies, so the output projections get a gradient at once."""
+    from dflash_apps.train.trainer import init_from_draft
+
+    torch.manual_seed(seed)
+    target = tiny_target()
+    src = tiny_draft(target, layers=2)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.normal_(0, 0.2)
+    src.save_pretrained(str(tmp_path / "src"))
+    src = DFlashDraftModel.from_pretrained(str(tmp_path / "src"), dtype=torch.float32)  # as stored (bf16 values)
+    deep = tiny_draft(target, layers=4)
+    init_from_draft(deep, str(tmp_path / "src"))
+    ids = torch.randint(10, V, (40,))
+    batch = pack_batch([record(target, ids, 8)], [torch.tensor([9, 17, 26])], 4, MASK)
+    want, got = logits_of(src, target, batch), logits_of(deep, target, batch)
+    assert torch.isfinite(want).all() and torch.equal(got, want)
+    logits_of(deep, target, batch).square().mean().backward()
+    for i in (2, 3):
+        layer = deep.layers[i]
+        assert layer.self_attn.o_proj.weight.grad.abs().sum() > 0
+        assert layer.mlp.down_proj.weight.grad.abs().sum() > 0
 
 
 def _walk_labels(tokens, parents, labels):

@@ -13,14 +13,15 @@ the tests hold them to the 2x error rule against fp64):
   loaded from bf16 into fp32. The weight is packed once into AMX tiles (bf16: half the bytes to stream); each x row
   is split into three bf16 parts, ``x = hi + mid + lo`` exactly, so every product is exact in fp32 and the tiles
   accumulate in fp32 (the hi sums moved out every 256 deep, so they carry no more rounding than a vector GEMM's).
-  Any number of rows; the weight leaves memory once per call. Measured on SmolLM2 (2 threads, AMX against the fp32
+  From :data:`AMX_MIN_ROWS` rows (one row takes the bf16-packed copy below, where that is on: faster there); the
+  weight leaves memory once per call. Measured on SmolLM2 (2 threads, AMX against the fp32
   kernel in the same run): the one-token step 30.2 against 39.5 ms, the 8-row verify step 36.8 against 49.8, the
   16-row (trees of 15) 42.9 against 67.2 (``bench/results/*-amx-linear.md``). Memory: the packed
   copy, 2 bytes a weight (SmolLM2: 270 MB), made on first use of each weight (one C pass that also checks
   exactness) and kept while the weight lives; an in-place update (which bumps the tensor's version) repacks.
   C++: ``csrc/cpu/linear_amx.cpp``.
 * **fp32 SIMD** (AVX-512 or AVX2 + FMA) for 2-16 rows of any fp32 weight (``csrc/cpu/linear_f32.h``).
-* **fp32 SIMD on bf16-packed weights**, where there is no AMX, for 1-32 rows of a weight whose values are all bf16
+* **fp32 SIMD on bf16-packed weights**, where there is no AMX (with AMX: at one row), for 1-32 rows of a weight whose values are all bf16
   values: the same kernel reading a copy of the weight that keeps the upper half of each value's bits
   (:func:`bf16_rows`), widened back to the same fp32 values in registers, so the same bits as the fp32 kernel at
   half the bytes to stream. Measured on SmolLM2 (2-core AMD EPYC, AVX-512, no AMX, 2 threads, in one run): the
@@ -85,6 +86,11 @@ from dflash_kernels.cpu.argmax import argmax_cpu
 
 MIN_ROWS = 2
 MAX_ROWS = 16
+# The fewest rows at which a bf16-exact weight takes the AMX tiles where the bf16-packed fp32 kernel is on (one row:
+# that kernel). At one row a TDPBF16PS chain is latency-bound and AMX streamed SmolLM2's layer weights as one 212 MB
+# weight at 24 GB/s against the packed kernel's 31 (2-core Xeon, CPUID model 167, 2 threads); the 1-row native
+# forward took 13.6 against 12.6 ms; from 2 rows AMX was as fast or faster (bench/results/*-amx-one-row.md).
+AMX_MIN_ROWS = 2
 # The rows at which a bf16-exact weight takes the fp32 kernel on its bf16-packed copy (bf16_rows), when that is on:
 # measured faster than F.linear on every SmolLM2 projection at 1, 8, 16, 17, 24 and 32 rows, and than the fp32
 # kernel at 1-16 (bench/cpu_gemm.py, bench/cpu_forward.py); more rows not measured.
@@ -405,14 +411,16 @@ def route(sources: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], rows
     """How :func:`linear` computes ``rows`` rows of a CPU fp32 input nothing watches times the row blocks
     ``weights`` (``sources``: the tensors their packed forms are kept for; a plain weight is one block, with
     ``min_rows`` :data:`MIN_ROWS`, row blocks 1): ``("amx", tiles)`` when every block is exactly bf16 and the AMX
-    path is on; ``(isa() + "_bf16", bf16 rows)`` when every block is exactly bf16 at :data:`BF16_MIN_ROWS` to
+    path is on, from :data:`AMX_MIN_ROWS` rows (below, the bf16 rows where those are on); ``(isa() + "_bf16", bf16 rows)`` when every block is exactly bf16 at :data:`BF16_MIN_ROWS` to
     :data:`BF16_MAX_ROWS` rows (:func:`set_bf16`); ``(isa(), weights)`` for the fp32 kernel from ``min_rows`` to
     :data:`MAX_ROWS` rows; else ``("torch", weights)`` (``F.linear``). The one rule of the choice:
     ``dflash_kernels.cpu.forward`` plans its projections with it."""
     if amx_active():
         tiles = [bf16_tiles(w) for w in sources]
         if all(t is not None for t in tiles):
-            return "amx", tiles
+            if rows >= AMX_MIN_ROWS or not _bf16_on or (_kernel is None and _load() is None):
+                return "amx", tiles
+            return _isa + "_bf16", [bf16_rows(w) for w in sources]  # bf16-exact, as the tiles are
     if _kernel is None and _load() is None:
         return "torch", list(weights)
     if _bf16_on and BF16_MIN_ROWS <= rows <= BF16_MAX_ROWS:
@@ -450,15 +458,16 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     (the dropped parts by Cauchy-Schwarz against the column norms, both sums' rounding for any order, denormals
     flushed), and only the 16-column groups whose upper bound reaches the row's best lower bound are computed
     exactly, by the GEMM's own loop, so their bits are ``linear``'s. On SmolLM2's hidden states 1.4-1.6 groups of
-    3,072 a row are computed exactly. Elsewhere (no AMX, a weight off the bf16 grid, :func:`set_argmax_screen`
-    off, anything :func:`linear` itself leaves to ``F.linear``): ``linear(x, weight, bias).argmax(-1)``."""
+    3,072 a row are computed exactly. Elsewhere (wherever :func:`linear` does not take the AMX tiles: no AMX, a
+    weight off the bf16 grid, one row with the bf16-packed copy on, anything left to ``F.linear``; or
+    :func:`set_argmax_screen` off): ``linear(x, weight, bias).argmax(-1)``."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     fast = _fast_ok(x, weight, bias)
     if rows and _screen_on and fast and weight.shape[0] and amx_active():
-        tiles = bf16_tiles(weight)
-        if tiles is not None:
-            return _amx_argmax(x.contiguous(), weight, tiles, bias)[0].view(x.shape[:-1])
+        how, tiles = route((weight,), (weight,), rows, MIN_ROWS)  # the screen must decide as linear() computes
+        if how == "amx":
+            return _amx_argmax(x.contiguous(), weight, tiles[0], bias)[0].view(x.shape[:-1])
     logits = linear(x, weight, bias)
     # Where nothing watches (fast), NumPy's argmax: the same rule, ~25x faster than torch's on the CPU.
     return argmax_cpu(logits) if fast and logits.numel() else logits.argmax(-1)

@@ -297,8 +297,10 @@ def _bf16_weight(k: int, n: int) -> torch.Tensor:
 
 @pytest.fixture
 def amx_calls(monkeypatch):
-    """The rows of each call that reached the AMX kernel, and of each that reached the fp32 kernel."""
+    """The rows of each call that reached the AMX kernel, and of each that reached the fp32 kernel; the bf16-packed
+    copies off, so that one row takes the AMX kernel too (test_amx_one_row_route: with them on)."""
     calls = {"amx": [], "fp32": []}
+    monkeypatch.setattr(cpu_linear, "_bf16_on", False)
     amx = cpu_linear._amx
 
     class Counted:  # torch.ops.dflash_cpu with amx_linear counted
@@ -307,6 +309,32 @@ def amx_calls(monkeypatch):
     monkeypatch.setattr(cpu_linear, "_amx", Counted())
     monkeypatch.setattr(cpu_linear, "_kernel", _spy(cpu_linear._kernel, calls["fp32"]))
     return calls
+
+
+@needs_amx
+def test_amx_one_row_route(amx_calls, seed):
+    """With the bf16-packed copies on, one row takes them (faster there than AMX: AMX_MIN_ROWS) and more rows the
+    AMX tiles, each with its kernel's bits; linear_argmax follows: at one row the argmax of that kernel's output, not
+    the AMX screen (whose exact values are AMX's bits and could pick another index at a near tie)."""
+    g = torch.Generator().manual_seed(seed)
+    k, n = 96, 4099
+    w = _bf16_values(torch.randn(n, k, generator=g) * k**-0.5)
+    cpu_linear.set_bf16(True)  # (the fixture's monkeypatch restores it)
+    packed = getattr(torch.ops.dflash_cpu, "linear_" + cpu_linear.isa() + "_bf16")
+    for rows in (1, cpu_linear.AMX_MIN_ROWS, 8):
+        x = torch.randn(rows, k, generator=g)
+        got = _check(x, w, what=f"rows={rows}")
+        want = _nan_out(rows, n)
+        packed(x, [cpu_linear.bf16_rows(w)], [None], want)
+        assert torch.equal(got, want) == (rows < cpu_linear.AMX_MIN_ROWS), rows
+        assert torch.equal(cpu_linear.linear_argmax(x, w), got.argmax(-1))
+    assert amx_calls["amx"] == [cpu_linear.AMX_MIN_ROWS, 8]
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_linear, "_amx_argmax", _spy(cpu_linear._amx_argmax, calls))
+        for rows in (1, 8):
+            cpu_linear.linear_argmax(torch.randn(rows, k, generator=g), w)
+    assert calls == [8]
 
 
 @needs_amx
@@ -355,16 +383,14 @@ def test_amx_only_for_bf16_values(amx_calls):
     near = w.clone()
     near[5, 7] = torch.nextafter(near[5, 7], torch.tensor(9.0))
     _check(x, near, what="one value off the bf16 grid")
-    before = cpu_linear.set_amx(False)
+    before, bf16_before = cpu_linear.set_amx(False), cpu_linear.set_bf16(True)
     try:
         assert cpu_linear.route((w,), (w,), 8, cpu_linear.MIN_ROWS)[0] == cpu_linear.isa() + "_bf16"
         _check(x, w, what="amx off, bf16-packed rows")
-        bf16_before = cpu_linear.set_bf16(False)
-        try:
-            _check(x, w, what="amx and bf16 rows off")
-        finally:
-            assert cpu_linear.set_bf16(bf16_before) is False
+        cpu_linear.set_bf16(False)
+        _check(x, w, what="amx and bf16 rows off")
     finally:
+        assert cpu_linear.set_bf16(bf16_before) is False
         assert cpu_linear.set_amx(before) is False
     assert amx_calls == {"amx": [8], "fp32": [8, 8]}
 
@@ -508,10 +534,11 @@ def test_argmax_many_near_ties(seed):
 
 @needs_amx
 @pytest.mark.parametrize("rows", [1, 12])
-def test_argmax_sums_in_the_linears_order(rows, seed):
+def test_argmax_sums_in_the_linears_order(rows, seed, monkeypatch):
     """The exact pass adds a value's three part sums in linear's order, (hi + mid) + lo: a column whose value is the
     other order's, hi + (mid + lo), 1 ulp off, sits first; the argmax must still be the linear's (1: packed rows,
-    12: a row chunk)."""
+    12: a row chunk; the bf16-packed copies off, so that one row is AMX's too)."""
+    monkeypatch.setattr(cpu_linear, "_bf16_on", False)
     def parts(v: float):
         u = np.float32(v).view(np.uint32)
         hi = (u & np.uint32(0xFFFF0000)).view(np.float32)

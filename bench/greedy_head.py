@@ -1,7 +1,9 @@
 """The greedy verify's LM head on the CPU: a SmolLM2 target forward whose head returns logits (then
 their argmax by NumPy, as ``verify_greedy``'s "cpu" backend takes it) against one whose head returns the argmax
-itself (``cpu_linear.linear_argmax``: one AMX tile product a step screens the vocabulary, only the 16-column
-groups a proven bound cannot rule out are computed exactly), at several row counts, in one run.
+itself (``cpu_linear.linear_argmax``: a screen of the vocabulary, one AMX tile product a step on the AMX route or
+int8 codes on the bf16-packed route, and only the 16-column groups a proven bound cannot rule out computed
+exactly), at several row counts, in one run. ``--without-amx`` runs every row count on the bf16-packed route (the
+route of CPUs without AMX; with AMX, one row takes it anyway).
 
 The forward is ``dflash.lean_target.LeanTarget`` on the "cpu" kernel backend (its native forward where it applies,
 as the engine runs it), after a context of ``--context`` tokens of real text: a held-out prompt and the target's
@@ -10,7 +12,8 @@ distributions and make the screen's job look harder than in decoding). The two h
 cell is a median over reps. "exact groups a row": how many of the vocabulary's 16-column groups the screen
 computed exactly, per row (SmolLM2: 3,072 groups).
 
-Usage: python bench/greedy_head.py [--rows 1,8,16,24,32] [--reps 15] [--context 200] [--threads 2] [--out FILE.md]
+Usage: python bench/greedy_head.py [--rows 1,8,16,24,32] [--reps 15] [--context 200] [--threads 2] [--without-amx]
+       [--out FILE.md]
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--without-amx", action="store_true", help="cpu_linear's AMX path off for the run")
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     args = ap.parse_args(argv)
 
@@ -59,13 +63,18 @@ def main(argv=None) -> int:
     lt = LeanTarget(target, [1, 27], batch=1, capacity=need, backend="cpu")
     start = torch.tensor([args.context])
     exact: dict = {}
-    screen = cpu_linear._amx_argmax
+    screens = {name: getattr(cpu_linear, name) for name in ("_amx_argmax", "_int8_argmax")}
 
-    def counted(x, *rest):
-        ids, pairs = screen(x, *rest)
-        exact.setdefault(x.shape[0], []).append(pairs / x.shape[0])
-        return ids, pairs
-    cpu_linear._amx_argmax = counted
+    def counted(screen):
+        def call(x, *rest):
+            ids, pairs = screen(x, *rest)
+            rows = x.numel() // x.shape[-1]  # (x: the head's [1, rows, H] input)
+            exact.setdefault(rows, []).append(pairs / rows)
+            return ids, pairs
+        return call
+    for name, screen in screens.items():
+        setattr(cpu_linear, name, counted(screen))
+    amx_before = cpu_linear.set_amx(False) if args.without_amx else None
     times: dict = {}
     try:
         with torch.inference_mode():
@@ -86,8 +95,12 @@ def main(argv=None) -> int:
                     if not torch.equal(times[("ids", q, "logits")], times[("ids", q, "argmax")]):
                         raise AssertionError(f"rows {q}: the screened argmax differs from the logits' argmax")
                 print(f"[greedy_head] rep {rep + 1}/{args.reps + 2}", file=sys.stderr, flush=True)
+        amx = "on" if cpu_linear.amx_active() else "off"
     finally:
-        cpu_linear._amx_argmax = screen
+        for name, screen in screens.items():
+            setattr(cpu_linear, name, screen)
+        if amx_before is not None:
+            cpu_linear.set_amx(amx_before)
 
     rows = []
     for q in rows_list:
@@ -96,7 +109,6 @@ def main(argv=None) -> int:
                      "saved_ms": round(before - after, 2), "ratio": f"{after / before:.3f}",
                      "exact_groups_a_row": round(statistics.median(exact[q]), 2) if q in exact else "n/a"})
     env = common.environment(torch.device("cpu"))
-    amx = "on" if cpu_linear.amx_active() else "off"
     head = (f"SmolLM2-135M lean target forward (\"cpu\" backend), {args.context} cached tokens (a prompt and its "
             f"greedy text), fp32, {args.reps} reps (medians), the two heads alternated; AMX {amx}; {env['hardware']}, "
             f"torch {env['torch']}, commit {env['commit']}, {env['date']}")

@@ -541,6 +541,33 @@ void linear(const Tensor& x, at::TensorList weights, const c10::List<OptTensor>&
     kernels->linear_bf16(args);
 }
 
+// x [M, K] (M >= 1, row stride, unit stride along K), a weight's int8 screen (codes [N, K], scales [N], bounds
+// [ceil(N / 16)], the largest scale) and its bf16-packed copy (int16 [N, K]), ids [M]: the (row, 16-column group)
+// pairs computed exactly, or -1 without memory. The screen's values are the caller's promise (int8_screen makes
+// them): they decide which columns are computed, not which memory is read.
+template <const dflash_cpu::VectorKernels* kernels>
+int64_t argmax_int8(const Tensor& x, const Tensor& codes, const Tensor& scales, const Tensor& bounds,
+                    double max_scale, const Tensor& packed, const Tensor& ids) {
+  const char* op = "argmax_int8";
+  expect(op, "x", x, at::kFloat, {kAny, kAny}, 1);
+  expect_size(op, "x's rows M", x.size(0), 1);
+  expect_size(op, "x's columns K", x.size(1), 1);
+  expect(op, "codes", codes, at::kChar, {kAny, x.size(1)});
+  const int64_t n = codes.size(0);
+  expect_size(op, "codes' rows N", n, 1);
+  expect(op, "scales", scales, at::kFloat, {n});
+  expect(op, "bounds", bounds, at::kDouble, {n / 16 + (n % 16 != 0)});
+  expect(op, "packed", packed, at::kShort, {n, x.size(1)});
+  expect(op, "ids", ids, at::kLong, {x.size(0)});
+  TORCH_CHECK(max_scale >= 0, "dflash_cpu::argmax_int8: max_scale must be the largest scale (>= 0); got ",
+              max_scale);
+  expect_isa(op, kernels == &dflash_cpu::kAvx512 ? Isa::kAvx512 : Isa::kAvx2);
+  return kernels->argmax_int8({ptr<float>(x), x.stride(0), x.size(0), x.size(1), ptr<int8_t>(codes),
+                               ptr<float>(scales), ptr<double>(bounds), max_scale,
+                               reinterpret_cast<const uint16_t*>(ptr<int16_t>(packed)), n, ptr<int64_t>(ids),
+                               at::get_num_threads()});
+}
+
 // 0 when the OS granted this process the AMX tile state (then the amx_linear / amx_argmax ops run).
 int64_t amx_request() {
   const int status = dflash_cpu::amx_request();
@@ -764,6 +791,9 @@ TORCH_LIBRARY(dflash_cpu, m) {
   for (const char* isa : {"avx512", "avx2", "avx512_bf16", "avx2_bf16"})
     m.def((std::string("linear_") + isa + "(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor(a!) out) -> ()")
               .c_str());
+  for (const char* isa : {"avx512", "avx2"})
+    m.def((std::string("argmax_int8_") + isa + "(Tensor x, Tensor codes, Tensor scales, Tensor bounds, "
+           "float max_scale, Tensor packed, Tensor(a!) ids) -> int").c_str());
   m.def("amx_request() -> int", &amx_request);
   m.def("amx_pack(Tensor weight, Tensor(a!) tiles) -> int");
   m.def("amx_column_norms(Tensor tiles, int n, int k, Tensor(a!) norms) -> ()");
@@ -789,6 +819,8 @@ TORCH_LIBRARY_IMPL(dflash_cpu, CPU, m) {
   m.impl("linear_avx2", &linear<&dflash_cpu::kAvx2, float>);
   m.impl("linear_avx512_bf16", &linear<&dflash_cpu::kAvx512, uint16_t>);
   m.impl("linear_avx2_bf16", &linear<&dflash_cpu::kAvx2, uint16_t>);
+  m.impl("argmax_int8_avx512", &argmax_int8<&dflash_cpu::kAvx512>);
+  m.impl("argmax_int8_avx2", &argmax_int8<&dflash_cpu::kAvx2>);
   m.impl("amx_pack", &amx_pack);
   m.impl("amx_column_norms", &amx_column_norms);
   m.impl("amx_linear", &amx_linear);

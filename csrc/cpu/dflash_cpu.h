@@ -9,9 +9,26 @@
 // (tree.cpp) are integer code for any x86-64.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 namespace dflash_cpu {
+
+// torch.argmax's rule over values fed in index order: the first NaN, else the first maximum (the argmax kernels'
+// per-group winners and their winner across groups). index -1: nothing taken yet.
+struct ArgmaxWinner {
+  float value = 0.f;
+  long index = -1;
+  // Takes value v at index i if it wins; false once a NaN is held (nothing later can win: stop feeding).
+  bool take(float v, long i) {
+    if (index >= 0 && std::isnan(value)) return false;
+    if (index < 0 || std::isnan(v) || v > value) {
+      value = v;
+      index = i;
+    }
+    return true;
+  }
+};
 
 // out[r] = w * (s * rstd(s)) with s = x[r] (+ residual[r], written back to residual); x rows at stride ldx,
 // residual and out contiguous [rows, hidden].
@@ -110,6 +127,28 @@ struct LinearArgsOf {
 typedef LinearArgsOf<float> LinearArgs;
 typedef LinearArgsOf<uint16_t> Bf16LinearArgs;
 
+// ids [M] = the argmax over the N columns of y = x W^T as the fp32 kernel computes y from W's bf16-packed copy
+// `packed` (linear_<isa>_bf16's bits; the first index among equal values, the first NaN if any), without computing
+// most of y. A screen multiplies x by int8 codes of W (column j ~ scales[j] * codes[j], half the bytes of the
+// packed copy); each screened value lies within ||x|| * bounds[g] + slack of the exact one for every column of
+// 16-column group g (the derivation: dflash_kernels.cpu.linear.int8_screen; slack covers gradual underflow, with
+// max_scale the largest scale), and only the groups whose upper bound reaches the row's best lower bound are
+// computed exactly, by the fp32 kernel's own tile. A row with a non-finite input or screened value, or near
+// overflow, is computed exactly whole. x rows at stride ldx; codes and packed [N, K], scales [N], bounds
+// [ceil(N / 16)] contiguous.
+struct Int8ArgmaxArgs {
+  const float* x;
+  long ldx, M, K;
+  const int8_t* codes;
+  const float* scales;
+  const double* bounds;
+  double max_scale;
+  const uint16_t* packed;
+  long N;
+  int64_t* ids;
+  int threads;
+};
+
 // One instruction set's build of the vector kernels. The status results: 0, or 1 (nothing computed) when the
 // kernel's scratch memory cannot be allocated.
 struct VectorKernels {
@@ -120,6 +159,7 @@ struct VectorKernels {
   void (*inject_kv)(const InjectKvArgs&);
   void (*linear)(const LinearArgs&);
   void (*linear_bf16)(const Bf16LinearArgs&);  // the same kernel (same bits) reading bf16-packed weights
+  long (*argmax_int8)(const Int8ArgmaxArgs&);   // the (row, group) pairs computed exactly, or -1 without memory
 };
 
 extern const VectorKernels kAvx512;  // AVX-512F/BW/DQ/VL + FMA (isa_avx512.cpp)

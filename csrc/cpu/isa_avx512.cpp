@@ -1,6 +1,6 @@
 // The vector kernels compiled for AVX-512 (F, BW, DQ, VL) + FMA: bindings.cpp runs them where the CPU has these.
 // Every header is included before the target pragma, so only this file's own (internal) functions are compiled
-// for AVX-512; the kernels themselves live in norm_silu.h, attention.h and linear_f32.h.
+// for AVX-512; the kernels themselves live in norm_silu.h, attention.h, linear_f32.h and argmax_int8.h.
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -15,7 +15,8 @@
 
 #include "attention.h"
 #include "linear_f32.h"
+#include "argmax_int8.h"  // (after linear_f32.h: its tile)
 #include "norm_silu.h"
 
 const dflash_cpu::VectorKernels dflash_cpu::kAvx512 = {"avx512", add_rms_norm, silu_mul, block_attention, inject_kv,
-  linear<float>, linear<uint16_t>};
+  linear<float>, linear<uint16_t>, argmax_int8};

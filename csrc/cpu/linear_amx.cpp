@@ -401,30 +401,22 @@ long amx_argmax(const AmxArgmaxArgs& args) {
       for (long m = 0; m < R && ch * R + m < M; ++m) {
         const long row = ch * R + m;
         if (!need[row * groups + g]) continue;
-        float bv = 0.f;
-        long bi = -1;
+        ArgmaxWinner win;
         for (long n = 0; n < nv; ++n) {
           const float e = packed ? packed_value(ps, M, m, n) : (hi[m * TN + n] + cs[1][m * TN + n]) + cs[2][m * TN + n];
-          const float v = e + (b ? b[g * TN + n] : 0.f);
-          if (bi >= 0 && isnan(bv)) break;
-          if (bi < 0 || isnan(v) || v > bv) { bv = v; bi = g * TN + n; }
+          if (!win.take(e + (b ? b[g * TN + n] : 0.f), g * TN + n)) break;
         }
-        best_val[row * groups + g] = bv;
-        best_idx[row * groups + g] = bi;
+        best_val[row * groups + g] = win.value;
+        best_idx[row * groups + g] = win.index;
       }
     }
     _tile_release();
   }
-  for (long m = 0; m < M; ++m) {  // the groups' winners in column order: the first NaN, else the first maximum
-    float bv = 0.f;
-    long bi = -1;
-    for (long g = 0; g < groups; ++g) {
-      if (!need[m * groups + g]) continue;
-      const float v = best_val[m * groups + g];
-      if (bi >= 0 && isnan(bv)) break;
-      if (bi < 0 || isnan(v) || v > bv) { bv = v; bi = best_idx[m * groups + g]; }
-    }
-    ids[m] = bi;
+  for (long m = 0; m < M; ++m) {  // the groups' winners in column order
+    ArgmaxWinner win;
+    for (long g = 0; g < groups; ++g)
+      if (need[m * groups + g] && !win.take(best_val[m * groups + g], best_idx[m * groups + g])) break;
+    ids[m] = win.index;
   }
   free(a); free(work); free(best_idx); free(screened); free(need);
   return exact;

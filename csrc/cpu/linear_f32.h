@@ -3,7 +3,8 @@
 // isa_avx2.cpp); internal linkage. One kernel for two weight storages: fp32 (float) and bf16-packed (uint16_t, the
 // upper halves of the bits of a weight whose fp32 values are all bf16 values). A packed weight is widened to the
 // same fp32 values in registers (shift left by 16: exact), and everything else (the loop, the products, the order
-// of the sums) is shared, so both give the same bits; the packed one streams half the bytes.
+// of the sums) is shared, so both give the same bits; the packed one streams half the bytes. The tile also reads
+// int8 codes (argmax_int8.h's screen), widened exactly to fp32.
 #pragma once
 
 #include <immintrin.h>
@@ -34,6 +35,12 @@ inline vec vload(const uint16_t* p) {
 inline vec vload_first(const uint16_t* p, long n) {
   __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline vec vload(const int8_t* p) {  // int8 codes (the argmax screen's): exact in fp32
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+inline vec vload_first(const int8_t* p, long n) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8((__mmask16)((1u << n) - 1), p)));
 }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 // Lane i of the result = the sum of v[i]'s 16 lanes: a transpose-and-add tree (15 adds and 30 shuffles for all
@@ -70,6 +77,14 @@ inline vec vload_first(const uint16_t* p, long n) {  // AVX2 has no 16-bit maske
   for (long i = 0; i < n; ++i) t[i] = p[i];
   return vload(t);
 }
+inline vec vload(const int8_t* p) {  // int8 codes (the argmax screen's): exact in fp32
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+inline vec vload_first(const int8_t* p, long n) {
+  alignas(16) int8_t t[16] = {0};
+  for (long i = 0; i < n; ++i) t[i] = p[i];
+  return vload(t);
+}
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline float vsum(vec a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -94,7 +109,9 @@ void tile(const float* x, long ldx, const W* w, long ldw, long K, int nw, const 
   for (; k + VL <= K; k += VL) {
     // The weight rows 4 ahead, requested now into L2: without it this kernel ran ~2x slower here (the hardware
     // prefetcher alone does not keep enough lines in flight); 8 or more rows ahead, or into L1, was slower.
-    for (int j = 0; j < NW; ++j) __builtin_prefetch(wr[j] + 4 * ldw + k, 0, 2);
+    // (A line is 64 bytes: int8 codes request each one once, every fourth step.)
+    if (sizeof(W) > 1 || k % 64 == 0)
+      for (int j = 0; j < NW; ++j) __builtin_prefetch(wr[j] + 4 * ldw + k, 0, 2);
     vec wv[NW];
     for (int j = 0; j < NW; ++j) wv[j] = vload(wr[j] + k);
 #pragma GCC unroll 8

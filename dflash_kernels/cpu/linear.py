@@ -56,7 +56,10 @@ The argmax of a linear: :func:`linear_argmax` is ``linear(x, weight, bias).argma
 greedy verify's LM head, which needs no more. On the AMX path one tile product a step (the hi parts alone) screens
 every column and only the 16-column groups that a proven bound cannot rule out are computed exactly, with the
 GEMM's own loop (``amx_argmax``); 1.4-1.6 groups of SmolLM2's 3,072 a row on its hidden states, 1.6-4.5 ms
-off its 8-32-row forward (``bench/greedy_head.py``, ``bench/results/*-greedy-head.md``).
+off its 8-32-row forward (``bench/greedy_head.py``, ``bench/results/*-greedy-head.md``). On the bf16-packed route
+the screen reads int8 codes of the weight (:func:`int8_screen`: half the packed copy's bytes) and the exact groups
+are the fp32 kernel's own tiles (``argmax_int8_<isa>``, ``csrc/cpu/argmax_int8.h``), up to 8 rows; SmolLM2's head
+alone 2.1 -> 1.4 ms at one row, 3.5 -> 2.7 at 8 (``bench/results/*-int8-head-screen.md``).
 
 Row blocks: ``weight`` may be a :class:`RowBlocks`, up to three ``[N_i, K]`` blocks of one weight (a layer's
 q/k/v or gate/up projections), computed as their concatenation in one call, without a merged copy.
@@ -96,6 +99,11 @@ AMX_MIN_ROWS = 2
 # kernel at 1-16 (bench/cpu_gemm.py, bench/cpu_forward.py); more rows not measured.
 BF16_MIN_ROWS = 1
 BF16_MAX_ROWS = 32
+# The most rows at which linear_argmax screens with int8 codes on the bf16-packed route: its int8-to-fp32 widening
+# and FMAs grow with the rows while the bytes saved do not; a SmolLM2 forward with the screened head against the
+# logits head saved 0.2-0.7 ms at 1 row, 0.6 at 8, nothing at 16 and lost 0.6 at 32 (Xeon-167, 2 threads,
+# bench/greedy_head.py --without-amx; bench/results/*-int8-head-screen.md).
+INT8_SCREEN_MAX_ROWS = 8
 ISAS = cpu_native.VECTOR_ISAS  # the fp32 kernel's instruction sets, widest first
 ISA_ENV = "DFLASH_CPU_LINEAR_ISA"
 
@@ -305,6 +313,49 @@ def bf16_rows(weight: torch.Tensor) -> torch.Tensor | None:
     return forms["bf16"]
 
 
+def int8_screen(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None:
+    """The int8 screen of :func:`linear_argmax` on the bf16-packed route for a bf16-exact ``weight`` [N, K]: (codes
+    int8 [N, K], scales fp32 [N], bounds fp64 [ceil(N / 16)], the largest scale), or None where :func:`bf16_rows`
+    is None or a value is not finite.
+
+    Column j is approximated by ``d_j = scales[j] * codes[j]`` (``scales[j] = max|w_j| / 127`` in fp32, the codes the
+    nearest integers). For any x, the screen's ``s_j = fl(scales[j] * fl(x . codes[j]))`` (fp32 products and sums,
+    any order) and the fp32 kernel's ``y_j = fl(x . w_j)`` satisfy, by Cauchy-Schwarz on each term (no underflow:
+    the kernel adds room for that),
+
+        |s_j - y_j| <= |s_j - x . d_j| + |x . (d_j - w_j)| + |x . w_j - y_j|
+                    <= ||x|| (gamma ||d_j|| + ||w_j - d_j|| + gamma ||w_j||),  gamma = n u / (1 - n u), n = K + 2,
+
+    with u = 2^-24; ``bounds[g]`` is the largest bracket over group g's 16 columns (fp64, rounded up). Made on first
+    use (SmolLM2's LM head: 28 MB, under a second) and kept as :func:`bf16_rows` keeps its copy, with the same rule
+    for in-place updates."""
+    forms = _forms(weight)
+    if "int8" not in forms:
+        screen = None
+        if bf16_rows(weight) is not None and bool(weight.detach().isfinite().all()):
+            n, k = weight.shape
+            codes = torch.empty((n, k), dtype=torch.int8)
+            scales = torch.empty(n, dtype=torch.float32)
+            brackets = torch.empty(n, dtype=torch.float64)
+            un = (k + 2) * 2.0**-24
+            gamma = un / (1 - un)
+            for r in range(0, n, 4096):  # fp64 in slices: the whole head at once would take ~0.7 GB
+                w = weight.detach()[r:r + 4096].double()
+                scale = (w.abs().amax(1) / 127).float()
+                scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a zero column: codes 0, exact
+                q = torch.round(w / scale.double()[:, None]).clamp_(-127, 127)
+                d = q * scale.double()[:, None]  # exact: 8-bit integers times fp32 values
+                codes[r:r + 4096] = q.to(torch.int8)
+                scales[r:r + 4096] = scale
+                brackets[r:r + 4096] = ((w - d).norm(dim=1) + gamma * (d.norm(dim=1) + w.norm(dim=1))) * (1 + 2.0**-30)
+            groups = -(-n // 16)
+            padded = torch.zeros(groups * 16, dtype=torch.float64)
+            padded[:n] = brackets
+            screen = (codes, scales, padded.view(groups, 16).amax(1).contiguous(), float(scales.max()))
+        forms["int8"] = screen
+    return forms["int8"]
+
+
 def _column_norms(weight: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
     """The norms of ``weight``'s rows (fp64, rounded up) from its current ``tiles`` (:func:`bf16_tiles`), kept with
     them."""
@@ -453,21 +504,27 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     first among equal values, the first NaN if any), where the AMX path applies without computing most logits.
 
     Why: a greedy verify needs only the target's argmax, and on the AMX path the LM head's cost grows with the rows
-    (three tile products per row chunk a step: SmolLM2's head at 24 rows ~2x its 8-row time). Here one tile product
+    (three tile products per row chunk a step: SmolLM2's head at 24 rows ~2x its 8-row time). On the bf16-packed
+    route (no AMX, or one row) the head's bytes dominate: there, up to :data:`INT8_SCREEN_MAX_ROWS` rows, an int8 copy
+    screens (:func:`int8_screen`, the same scheme with int8 codes and their error bound) and the fp32 kernel's tiles
+    compute the groups it cannot rule out, so their bits are ``linear``'s; a bias takes the whole ``linear``. On the AMX path one tile product
     a step (the hi parts alone) screens the columns; each screened value lies within a proven bound of the exact one
     (the dropped parts by Cauchy-Schwarz against the column norms, both sums' rounding for any order, denormals
     flushed), and only the 16-column groups whose upper bound reaches the row's best lower bound are computed
     exactly, by the GEMM's own loop, so their bits are ``linear``'s. On SmolLM2's hidden states 1.4-1.6 groups of
-    3,072 a row are computed exactly. Elsewhere (wherever :func:`linear` does not take the AMX tiles: no AMX, a
-    weight off the bf16 grid, one row with the bf16-packed copy on, anything left to ``F.linear``; or
-    :func:`set_argmax_screen` off): ``linear(x, weight, bias).argmax(-1)``."""
+    3,072 a row are computed exactly. Elsewhere (a weight off the bf16 grid, anything left to ``F.linear`` or the
+    fp32 kernel on fp32 weights; or :func:`set_argmax_screen` off): ``linear(x, weight, bias).argmax(-1)``."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     fast = _fast_ok(x, weight, bias)
-    if rows and _screen_on and fast and weight.shape[0] and amx_active():
-        how, tiles = route((weight,), (weight,), rows, MIN_ROWS)  # the screen must decide as linear() computes
+    if rows and _screen_on and fast and weight.shape[0]:
+        how, tensors = route((weight,), (weight,), rows, MIN_ROWS)  # a screen must decide as linear() computes
         if how == "amx":
-            return _amx_argmax(x.contiguous(), weight, tiles[0], bias)[0].view(x.shape[:-1])
+            return _amx_argmax(x.contiguous(), weight, tensors[0], bias)[0].view(x.shape[:-1])
+        if how == f"{_isa}_bf16" and bias is None and rows <= INT8_SCREEN_MAX_ROWS:
+            screen = int8_screen(weight)
+            if screen is not None:
+                return _int8_argmax(x.contiguous(), weight, screen)[0].view(x.shape[:-1])
     logits = linear(x, weight, bias)
     # Where nothing watches (fast), NumPy's argmax: the same rule, ~25x faster than torch's on the CPU.
     return argmax_cpu(logits) if fast and logits.numel() else logits.argmax(-1)
@@ -482,6 +539,20 @@ def _amx_argmax(x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor, bias
     exact = _amx.amx_argmax(x.view(rows, k), tiles, bias, _column_norms(weight, tiles), ids)
     if exact < 0:
         raise MemoryError(f"cpu_linear.linear_argmax: no memory for the split input rows ({rows} x {k})")
+    return ids, exact
+
+
+def _int8_argmax(x: torch.Tensor, weight: torch.Tensor, screen) -> tuple[torch.Tensor, int]:
+    """``argmax_int8_<isa>`` on contiguous ``x`` with ``weight``'s :func:`int8_screen` and bf16-packed copy: (ids
+    [rows], the (row, 16-column group) pairs computed exactly)."""
+    k = weight.shape[1]
+    rows = x.numel() // k
+    ids = torch.empty(rows, dtype=torch.int64)
+    codes, scales, bounds, max_scale = screen
+    exact = getattr(torch.ops.dflash_cpu, f"argmax_int8_{_isa}")(x.view(rows, k), codes, scales, bounds, max_scale,
+                                                                 bf16_rows(weight), ids)
+    if exact < 0:
+        raise MemoryError(f"cpu_linear.linear_argmax: no memory for the int8 screen's work ({rows} x {k})")
     return ids, exact
 
 

@@ -254,13 +254,19 @@ def test_cpu_forward_bench_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_greedy_head_bench_smoke(tmp_path):
-    """bench/greedy_head.py at its smallest: two row counts, one rep, a short context; both heads timed (the run
-    itself asserts the screened argmax equals the logits' argmax)."""
+    """bench/greedy_head.py at its smallest, on the bf16-packed route (--without-amx): two row counts, one rep, a
+    short context; both heads timed (the run itself asserts the screened argmax equals the logits' argmax) and the
+    int8 screen's exact groups counted."""
+    from dflash_kernels.cpu import linear as cpu_linear
+
     text, header, rows = _smollm2_bench_table(
-        "greedy_head", ["--rows", "1,9", "--reps", "1", "--context", "24", "--threads", "1"], tmp_path / "head.md")
-    assert [r[header.index("rows")] for r in rows] == ["1", "9"], text
+        "greedy_head", ["--rows", "1,9", "--reps", "1", "--context", "24", "--threads", "1", "--without-amx"],
+        tmp_path / "head.md")
+    assert [r[header.index("rows")] for r in rows] == ["1", "9"] and "AMX off" in text, text
     assert all(float(r[header.index("logits_then_argmax_ms")]) > 0 and float(r[header.index("screened_argmax_ms")]) > 0
                for r in rows), text
+    if cpu_linear.available():
+        assert all(1 <= float(r[header.index("exact_groups_a_row")]) < 3072 for r in rows), text
 
 
 @pytest.mark.slow

@@ -124,6 +124,13 @@ def amx_argmax_args():
                 norms=torch.ones(20, dtype=torch.float64), ids=torch.full((3,), -7))
 
 
+def argmax_int8_args():
+    return dict(x=strided_rows(3, 40), codes=torch.randint(-127, 128, (20, 40), dtype=torch.int8),
+                scales=torch.rand(20), bounds=torch.ones(2, dtype=torch.float64), max_scale=1.0,
+                packed=torch.randn(20, 40).bfloat16().float().view(torch.int16)[:, 1::2].contiguous(),
+                ids=torch.full((3,), -7))
+
+
 def layer_args(route=3, h=40, nh=2, kvh=1, d=16, inter=24, n=1, b=3):
     """A tiny decoder layer: fp32 weights on the fallback route (3, torch's linear: any CPU) unless ``route``."""
     m = n * b
@@ -181,6 +188,11 @@ def test_valid_calls_run():
     tree_compact_reference(*want, a["path"], a["accepted"], a["start"], cache_batch_idx=a["rows"])
     ops().tree_compact(**a)
     assert torch.equal(a["k_cache"], want[0]) and torch.equal(a["v_cache"], want[1])
+
+    for isa in ("avx512", "avx2"):
+        if isa in cpu_native.isas():
+            a = argmax_int8_args()
+            assert getattr(ops(), f"argmax_int8_{isa}")(**a) >= 3 and ((a["ids"] >= 0) & (a["ids"] < 20)).all()
 
     a = layer_args()
     assert ops().forward_layer(**a) == 0
@@ -386,6 +398,20 @@ BAD = {
     "linear-bf16-weight-dtype": ("linear_avx2_bf16", lambda: dict(x=torch.randn(3, 40), weights=[torch.randn(5, 40)],
                                                                   biases=[None], out=nan(3, 5)),
                                  lambda a: a, r"weights\[0\] must be a CPU Short"),
+    # the int8-screened argmax
+    "int8-x-strided": ("argmax_int8_avx2", argmax_int8_args, lambda a: replace(a, x=transposed(3, 40)), "x must be"),
+    "int8-codes-dtype": ("argmax_int8_avx2", argmax_int8_args, lambda a: replace(a, codes=a["codes"].to(torch.uint8)),
+                         "codes must be"),
+    "int8-codes-k": ("argmax_int8_avx2", argmax_int8_args, lambda a: replace(a, codes=a["codes"][:, :39]),
+                     "codes must be"),
+    "int8-scales-short": ("argmax_int8_avx2", argmax_int8_args, lambda a: replace(a, scales=a["scales"][1:]),
+                          "scales must be"),
+    "int8-bounds-short": ("argmax_int8_avx2", argmax_int8_args, lambda a: replace(a, bounds=a["bounds"][1:]),
+                          "bounds must be"),
+    "int8-packed-rows": ("argmax_int8_avx2", argmax_int8_args, lambda a: replace(a, packed=a["packed"][1:]),
+                         "packed must be"),
+    "int8-ids-short": ("argmax_int8_avx2", argmax_int8_args, lambda a: replace(a, ids=a["ids"][1:]), "ids must be"),
+    "int8-max-scale": ("argmax_int8_avx2", argmax_int8_args, lambda a: replace(a, max_scale=-1.0), "max_scale"),
     # amx_pack / amx_column_norms / amx_linear / amx_argmax (checked before the CPU's AMX)
     "pack-tiles-short": ("amx_pack", pack_args, lambda a: replace(a, tiles=a["tiles"][1:]), "tiles must be"),
     "pack-tiles-dtype": ("amx_pack", pack_args, lambda a: replace(a, tiles=a["tiles"].float()), "tiles must be"),
@@ -456,7 +482,8 @@ def test_bad_input_is_refused_before_any_work(case):
     name, make, change, match = BAD[case]
     args = change(make())
     before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
-    with pytest.raises(RuntimeError, match=rf"dflash_cpu::{'linear' if name.startswith('linear') else name}: "
+    op = "linear" if name.startswith("linear") else "argmax_int8" if name.startswith("argmax_int8") else name
+    with pytest.raises(RuntimeError, match=rf"dflash_cpu::{op}: "
                                             rf"(.* )?{match}"):
         getattr(ops(), name)(**args)
     for k, v in before.items():

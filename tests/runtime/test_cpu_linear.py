@@ -566,9 +566,14 @@ def test_argmax_sums_in_the_linears_order(rows, seed, monkeypatch):
     assert torch.equal(cpu_linear.linear_argmax(x, w, b), want)
 
 
-@needs_amx
-def test_argmax_non_finite_and_huge_rows():
-    """NaN, inf and overflowing rows: torch.argmax's rule on the linear's values (the first NaN, the first inf)."""
+@pytest.mark.parametrize("screen", ["amx", "int8"])
+def test_argmax_non_finite_and_huge_rows(screen, monkeypatch):
+    """NaN, inf and overflowing rows: torch.argmax's rule on the linear's values (the first NaN, the first inf),
+    with the AMX screen and with the int8 one (the AMX path off); a weight holding inf gets no int8 screen."""
+    if not (cpu_linear.amx_active() if screen == "amx" else FAST):
+        pytest.skip(f"the {screen} screen does not run here")
+    if screen == "int8":
+        monkeypatch.setattr(cpu_linear, "_amx_on", False)
     k, n = 40, 70
     w = _bf16_values(torch.randn(n, k))
     w[3, 5] = 0.0
@@ -581,7 +586,11 @@ def test_argmax_non_finite_and_huge_rows():
     for weight in (w, w_inf):
         want = cpu_linear.linear(x, weight).argmax(-1)
         assert torch.equal(cpu_linear.linear_argmax(x, weight), want)
-    assert cpu_linear.bf16_tiles(w_inf) is not None
+    if screen == "amx":
+        assert cpu_linear.bf16_tiles(w_inf) is not None
+    else:
+        assert cpu_linear.bf16_rows(w_inf) is not None and cpu_linear.int8_screen(w_inf) is None
+        assert cpu_linear._int8_argmax(x, w, cpu_linear.int8_screen(w))[1] >= 3 * -(-n // 16)  # rows 1-3 whole
 
 
 @needs_amx
@@ -717,6 +726,86 @@ def bf16_calls(monkeypatch):
     monkeypatch.setattr(cpu_linear, "_kernel", _spy(cpu_linear._kernel, calls["fp32"]))
     monkeypatch.setattr(cpu_linear, "_amx_on", False)  # the path of CPUs without AMX
     return calls
+
+
+# ------------------------------------------------------------------------ linear_argmax's int8 screen (bf16 route)
+@pytest.fixture
+def int8_calls(monkeypatch):
+    """The AMX path off (the bf16-packed route of CPUs without AMX); the (row, group) pairs each int8-screened argmax
+    computed exactly."""
+    monkeypatch.setattr(cpu_linear, "_amx_on", False)
+    calls = []
+    real = cpu_linear._int8_argmax
+
+    def counted(x, w, screen):
+        out = real(x, w, screen)
+        calls.append(out[1])
+        return out
+    monkeypatch.setattr(cpu_linear, "_int8_argmax", counted)
+    return calls
+
+
+@needs_fast
+@pytest.mark.parametrize("k,n", [(576, 49152), (7, 1), (33, 17), (64, 4099), (100, 300)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 32])
+def test_int8_screen_argmax_is_the_linears_argmax(k, n, rows, int8_calls, seed):
+    """On the bf16-packed route the same indices as linear(x, w).argmax(-1), up to INT8_SCREEN_MAX_ROWS rows while
+    most groups are only screened (the kernel itself checked at 9 and 32 rows too), above them the whole linear."""
+    g = torch.Generator().manual_seed(seed)
+    w = _bf16_weight(k, n) if (k, n) == (576, 49152) else _bf16_values(torch.randn(n, k, generator=g))
+    x = torch.randn(rows, k, generator=g) * 3
+    want = cpu_linear.linear(x, w).argmax(-1)
+    got = cpu_linear.linear_argmax(x, w)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    direct, pairs = cpu_linear._int8_argmax(x, w, cpu_linear.int8_screen(w))
+    assert torch.equal(direct, want)
+    screened = rows <= cpu_linear.INT8_SCREEN_MAX_ROWS
+    groups = -(-n // 16)
+    assert int8_calls == ([pairs] * 2 if screened else [pairs]) and rows <= pairs <= rows * groups
+    if groups >= 64:
+        assert pairs <= rows * groups // 16, pairs  # the screen rules most groups out
+
+
+@needs_fast
+def test_int8_screen_ties_near_ties_and_updates(int8_calls, seed):
+    """Exact ties across groups (duplicate columns: the first index), columns one bf16 step apart, rows along a
+    column (its duplicates win together), and an update in place (a new screen): always linear's argmax."""
+    g = torch.Generator().manual_seed(seed)
+    k, n = 64, 300
+    w = _bf16_values(torch.randn(n, k, generator=g))
+    w[150], w[290] = w[37], w[37]
+    w[200] = w[37]
+    w[200, 5] = torch.nextafter(w[200, 5].bfloat16(), torch.tensor(9.0, dtype=torch.bfloat16)).float()
+    x = torch.randn(8, k, generator=g)
+    x[:4] = w[37] * torch.arange(1, 5)[:, None]
+    x[4:6] = w[200] * 3
+    for flip in (False, True):
+        if flip:
+            w.mul_(-1)  # the screen follows the tensor's version
+        want = cpu_linear.linear(x, w).argmax(-1)
+        assert torch.equal(cpu_linear.linear_argmax(x, w), want)
+        assert flip or set(want[:4].tolist()) <= {37, 200}
+    assert len(int8_calls) == 2
+
+
+@needs_fast
+def test_int8_screen_bound_is_what_keeps_it_exact():
+    """A column whose int8 code loses its small component (0.0039 quantizes to 0 beside 1.0) is the true argmax,
+    and a column of another group screens higher: the screen's bound keeps the first group in, and with the bounds
+    zeroed (a wrong rule) the kernel returns the other column. Both kernels (AVX-512, AVX2) where the CPU has them."""
+    w = torch.zeros(32, 2)
+    w[0] = torch.tensor([1.0, 0.00390625])
+    w[16] = torch.tensor([1.0078125, 0.0])
+    x = torch.tensor([[1.0, 4.0]])
+    assert cpu_linear.linear(x, w).argmax(-1).item() == 0
+    codes, scales, bounds, max_scale = cpu_linear.int8_screen(w)
+    assert codes[0, 1] == 0  # the small component is lost in the screen
+    for isa in [i for i in ("avx512", "avx2") if i in cpu_native.isas()]:
+        op = getattr(torch.ops.dflash_cpu, f"argmax_int8_{isa}")
+        for b, want in ((bounds, 0), (torch.zeros_like(bounds), 16)):
+            ids = torch.full((1,), -1)
+            op(x, codes, scales, b, max_scale, cpu_linear.bf16_rows(w), ids)
+            assert ids.item() == want, (isa, b)
 
 
 @needs_fast

@@ -618,10 +618,20 @@ int64_t amx_linear(const Tensor& x, at::TensorList tiles, at::IntArrayRef rows, 
   return dflash_cpu::amx_linear(a);
 }
 
+// Whether the CPU has AMX-INT8 (CPUID leaf 7, EDX bit 25) besides AMX-BF16: amx_argmax's int8 screen needs it.
+bool has_amx_int8() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return cpu_has(Isa::kAmx) && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 25 & 1);
+}
+
 // x [M, K] (row stride, unit stride along K), the tiles and column norms [N] of one weight [N, K], its bias [N] (or
-// None), ids [M]: the exactly computed (row, group) pairs, or -1 without memory.
+// None), ids [M]: the exactly computed (row, group) pairs, or -1 without memory. With int8_tiles (and scales [N],
+// int8_bounds and code_norms [ceil(N / 16)], max_scale; no bias): the AMX-INT8 screen of those codes instead of the
+// hi-part screen; its values are the caller's promise (int8_screen makes them): they decide which columns are
+// computed exactly, not which memory is read.
 int64_t amx_argmax(const Tensor& x, const Tensor& tiles, const OptTensor& bias, const Tensor& norms,
-                   const Tensor& ids) {
+                   const Tensor& ids, const OptTensor& int8_tiles, const OptTensor& scales,
+                   const OptTensor& int8_bounds, const OptTensor& code_norms, double max_scale) {
   const char* op = "amx_argmax";
   expect(op, "x", x, at::kFloat, {kAny, kAny}, 1);
   expect(op, "norms", norms, at::kDouble, {kAny});
@@ -629,10 +639,28 @@ int64_t amx_argmax(const Tensor& x, const Tensor& tiles, const OptTensor& bias, 
   expect_values(op, "tiles", tiles, at::kShort, amx_tile_values(op, n, x.size(1)));
   expect_values(op, "bias", bias, at::kFloat, n);
   expect(op, "ids", ids, at::kLong, {x.size(0)});
+  const int given = int8_tiles.has_value() + scales.has_value() + int8_bounds.has_value() + code_norms.has_value();
+  TORCH_CHECK(given == 0 || given == 4, "dflash_cpu::amx_argmax: int8_tiles, scales, int8_bounds and code_norms go "
+              "together (the int8 screen) or not at all");
+  dflash_cpu::AmxInt8Screen screen{};
+  if (given) {
+    TORCH_CHECK(!bias.has_value(), "dflash_cpu::amx_argmax: the int8 screen takes no bias (pass bias=None)");
+    const int64_t groups = n / 16 + (n % 16 != 0);
+    expect_size(op, "x's columns K", x.size(1), 1);
+    expect_values(op, "int8_tiles", *int8_tiles, at::kChar, groups * ((x.size(1) + 63) / 64) * 1024);
+    expect(op, "scales", scales, at::kFloat, {n});
+    expect(op, "int8_bounds", int8_bounds, at::kDouble, {groups});
+    expect(op, "code_norms", code_norms, at::kDouble, {groups});
+    TORCH_CHECK(max_scale >= 0, "dflash_cpu::amx_argmax: max_scale must be the largest scale (>= 0); got ", max_scale);
+    TORCH_CHECK(has_amx_int8(), "dflash_cpu::amx_argmax: the int8 screen needs AMX-INT8, which this CPU lacks");
+    screen = {ptr<int8_t>(int8_tiles), ptr<float>(scales), ptr<double>(int8_bounds), ptr<double>(code_norms),
+              max_scale};
+  }
   expect_amx_tiles(op);
   return dflash_cpu::amx_argmax({ptr<float>(x), x.stride(0), x.size(0), x.size(1),
                                  reinterpret_cast<const uint16_t*>(ptr<int16_t>(tiles)), n, ptr<float>(bias),
-                                 ptr<double>(norms), ptr<int64_t>(ids), at::get_num_threads()});
+                                 ptr<double>(norms), ptr<int64_t>(ids), at::get_num_threads(),
+                                 given ? &screen : nullptr});
 }
 
 // LinearFallback: torch's linear of each block (F.linear's arithmetic) into its columns of y.
@@ -798,7 +826,9 @@ TORCH_LIBRARY(dflash_cpu, m) {
   m.def("amx_pack(Tensor weight, Tensor(a!) tiles) -> int");
   m.def("amx_column_norms(Tensor tiles, int n, int k, Tensor(a!) norms) -> ()");
   m.def("amx_linear(Tensor x, Tensor[] tiles, int[] rows, Tensor?[] biases, Tensor(a!) out) -> int");
-  m.def("amx_argmax(Tensor x, Tensor tiles, Tensor? bias, Tensor norms, Tensor(a!) ids) -> int");
+  m.def("amx_argmax(Tensor x, Tensor tiles, Tensor? bias, Tensor norms, Tensor(a!) ids, Tensor? int8_tiles=None, "
+        "Tensor? scales=None, Tensor? int8_bounds=None, Tensor? code_norms=None, float max_scale=0) -> int");
+  m.def("amx_int8() -> bool", &has_amx_int8);
   m.def("forward_layer(Tensor(a!) h, Tensor(b!) x, Tensor(c!) delta, Tensor(d!) qkv, Tensor(e!) attn, "
         "Tensor(f!) gu, Tensor(g!) act, Tensor(h!)[] taps, Tensor(i!) k_cache, Tensor(j!) v_cache, Tensor lens, "
         "Tensor? rows, Tensor cos, Tensor sin_signed, Tensor? tree_mask, Tensor input_norm, float input_eps, "

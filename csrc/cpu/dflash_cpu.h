@@ -245,9 +245,17 @@ struct AmxLinearArgs {
 };
 int amx_linear(const AmxLinearArgs& a);
 
-// ids [M] = the argmax over the N columns of y = x W^T + b as amx_linear computes y (the first index among equal
-// values, the first NaN if any), without computing most of y exactly (see linear_amx.cpp). Returns the (row,
-// 16-column group) pairs computed exactly, or -1 without memory.
+// An int8 screen for amx_argmax in place of its hi-part screen (AMX-INT8): a weight's int8 codes (column j ~
+// scales[j] * codes[j], dflash_kernels.cpu.linear.int8_screen) as B tiles, per 16-column group and 64-deep step
+// [16 quads][16 columns][4] (zero padded); per group the largest ||w_j - d_j|| + error terms (bounds) and the largest
+// ||d_j|| (code_norms) of its columns, rounded up; max_scale the largest scale.
+struct AmxInt8Screen {
+  const int8_t* tiles;
+  const float* scales;
+  const double *bounds, *code_norms;
+  double max_scale;
+};
+
 struct AmxArgmaxArgs {
   const float* x;
   long ldx, M, K;
@@ -257,7 +265,11 @@ struct AmxArgmaxArgs {
   const double* norms;
   int64_t* ids;
   int threads;
+  const AmxInt8Screen* int8;  // null: the hi-part screen
 };
+// ids [M] = the argmax over the N columns of y = x W^T + b as amx_linear computes y (the first index among equal
+// values, the first NaN if any), without computing most of y exactly (see linear_amx.cpp). Returns the (row,
+// 16-column group) pairs computed exactly, or -1 without memory.
 long amx_argmax(const AmxArgmaxArgs& a);
 
 // ---- the lean target's decoder layer as one call (forward.cpp; dflash_kernels.cpu.forward)

@@ -21,7 +21,7 @@
 // GCC 12 flags its own AVX-512 intrinsics (their deliberately undefined __Y operands) under -Wall.
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16", \
+#pragma GCC target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16", \
                    "avx2,fma,bmi,bmi2,lzcnt,popcnt,f16c")
 
 namespace dflash_cpu {
@@ -128,6 +128,43 @@ inline float packed_value(const float* ps, long M, long m, long n) {
   return (ps[m * TN + n] + ps[(M + m) * TN + n]) + ps[(2 * M + m) * TN + n];
 }
 }  // namespace
+
+// The int8 screen's tiles: C 0 (int32 sums), A 3 (16 part rows: r1 of 8 rows, then their r2), B 6 (16 quads of 16
+// columns), 64 bytes a row each.
+inline TileConfig int8_tile_config() {
+  TileConfig cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  const int used[] = {0, 3, 6};
+  for (int t : used) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  return cfg;
+}
+
+// Row m of x as two int8 parts, x ~ sx r1 + (sx / 254) r2 (r1 = x / sx rounded, sx = max|x| / 127; r2 the rest in
+// steps of sx / 254), written as rows r and 8 + r of its 8-row chunk's A block [16][Kp8]; sets sx and returns
+// ||x - that||, rounded up (both parts' integer sums are exact, so this is the screen's only error from x). A zero
+// row: sx = 1, parts 0.
+double quantize_row(const float* x, long K, long Kp8, int8_t* a, double* sx) {
+  double mx = 0;
+  for (long k = 0; k < K; ++k) mx = fabs((double)x[k]) > mx ? fabs((double)x[k]) : mx;
+  const double s1 = mx > 0 ? mx / 127 : 1.0, s2 = s1 / 254;
+  double err = 0, n2 = 0;
+  for (long k = 0; k < Kp8; ++k) {
+    const double v = k < K ? x[k] : 0.0;
+    n2 += v * v;
+    const double q1 = fmin(127.0, fmax(-127.0, nearbyint(v / s1)));
+    const double q2 = fmin(127.0, fmax(-127.0, nearbyint((v - s1 * q1) / s2)));
+    a[k] = (int8_t)q1;
+    a[8 * Kp8 + k] = (int8_t)q2;
+    const double e = v - (s1 * q1 + s2 * q2);
+    err += e * e;
+  }
+  *sx = s1;
+  return sqrt(err) * (1 + 0x1p-20) + 0x1p-40 * sqrt(n2);  // (+ the fp64 rounding of the parts' products)
+}
 
 int amx_request() {
   return (int)syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */);
@@ -257,8 +294,11 @@ int amx_linear(const AmxLinearArgs& args) {
 // parts' norms: Cauchy-Schwarz on the dropped parts and on both sums' rounding, in any summation order; s: room for
 // denormals flushed to zero). A group whose largest a + B lies below the row's best (largest a - B) holds neither the argmax
 // nor a tie: only the other groups are computed exactly, by amx_linear's loop (each row's bits are its own). A row
-// with a non-finite input or screened value, or near overflow, is computed exactly whole. Returns the (row, group)
-// pairs computed exactly, or -1 without memory.
+// with a non-finite input or screened value, or near overflow, is computed exactly whole. With an int8 screen
+// (args.int8, no bias): each x row as two int8 parts (quantize_row) times the weight's int8 codes on AMX-INT8 tiles,
+// integer sums exact, half the bytes of the bf16 tiles; B = ||x|| bounds[g] + ||x - parts|| code_norms[g] + room
+// for the fp64 scaling and for underflow (the derivation: dflash_kernels.cpu.linear.int8_screen). Returns the (row,
+// group) pairs computed exactly, or -1 without memory.
 long amx_argmax(const AmxArgmaxArgs& args) {
   const float *x = args.x, *b = args.b;
   const long ldx = args.ldx, M = args.M, K = args.K, N = args.N;
@@ -266,18 +306,26 @@ long amx_argmax(const AmxArgmaxArgs& args) {
   const double* wn = args.norms;
   int64_t* ids = args.ids;
   const int threads = args.threads;
+  const AmxInt8Screen* i8 = args.int8;
   if (M <= 0) return 0;
   const long steps = (K + TK - 1) / TK, Kp = steps * TK, groups = (N + TN - 1) / TN;
   const long chunks = (M + TR - 1) / TR, R = (M + chunks - 1) / chunks, Mp = chunks * R;
+  // The int8 screen's A blocks: per 8 rows, 16 part rows of Kp8 bytes (zero padded).
+  const long steps8 = (K + 63) / 64, Kp8 = steps8 * 64, chunks8 = (M + 7) / 8;
   uint16_t* a = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * 3 * Mp * Kp);
   double* work = (double*)malloc(sizeof(double) * (2 * M + 2 * groups + M * groups));
   long* best_idx = (long*)malloc(sizeof(long) * M * groups);
-  float* screened = (float*)malloc(sizeof(float) * M * groups);  // per (row, group): the largest a
+  // per (row, group): the largest screened value (float for the hi-part screen, double for the int8 one)
+  void* screened_values = malloc((i8 ? sizeof(double) : sizeof(float)) * M * groups);
   unsigned char* need = (unsigned char*)malloc(M * groups + M);
-  if (!a || !work || !best_idx || !screened || !need) {
-    free(a); free(work); free(best_idx); free(screened); free(need);
+  int8_t* a8 = i8 ? (int8_t*)aligned_alloc(64, 16 * Kp8 * chunks8) : nullptr;
+  double* row8 = i8 ? (double*)malloc(sizeof(double) * 4 * M) : nullptr;  // sx, ||x||, ||x - parts||, slack
+  if (!a || !work || !best_idx || !screened_values || !need || (i8 && (!a8 || !row8))) {
+    free(a); free(work); free(best_idx); free(screened_values); free(need); free(a8); free(row8);
     return -1;
   }
+  float* screened = (float*)screened_values;
+  double* screened8 = (double*)screened_values;
   double *c = work, *s = work + M, *wg = work + 2 * M, *bg = wg + groups;
   float* best_val = (float*)(bg + groups);  // per (row, group): its exact maximum, when computed
   unsigned char* whole = need + M * groups;  // rows computed exactly whole
@@ -297,6 +345,19 @@ long amx_argmax(const AmxArgmaxArgs& args) {
     s[m] = 0x1p-110 * (K + 3) * (1 + l1);
     whole[m] = !finite || !isfinite(c[m]) || !isfinite(s[m]);
   }
+  if (i8) {  // each row's two int8 parts, ||x||, ||x - parts|| and room for the fp64 sums and for underflow
+    memset(a8, 0, 16 * Kp8 * chunks8);
+    for (long m = 0; m < M; ++m) {
+      double* r = row8 + 4 * m;
+      r[2] = quantize_row(x + m * ldx, K, Kp8, a8 + (m / 8) * 16 * Kp8 + (m % 8) * Kp8, &r[0]);
+      double n2 = 0;
+      for (long k = 0; k < K; ++k) n2 += (double)x[m * ldx + k] * x[m * ldx + k];
+      r[1] = sqrt(n2) * (1 + 0x1p-20);
+      r[3] = 0x1p-48 * i8->max_scale * 127.0 * 127.0 * (double)K * (r[0] + r[0] / 254) +
+             s[m] * (1 + 127.0 * sqrt((double)K) * i8->max_scale);  // (||w_j|| <= sqrt(K) 127 scale_j)
+      whole[m] |= !isfinite(r[1]) || !isfinite(r[2]) || !isfinite(r[3]);
+    }
+  }
   long exact = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : exact)
   {
@@ -305,9 +366,43 @@ long amx_argmax(const AmxArgmaxArgs& args) {
     alignas(64) float cs[3][TR * TN];
     alignas(64) float hi[TR * TN];
     alignas(64) float ps[3 * PACK * TN];
-    // The screen: per group, per row, the largest a (AVX-512 over the group's 16 columns).
+    if (i8) {
+      // The int8 screen: per group, per 8-row chunk, one TDPBSSD a 64-deep step gives both parts' exact integer sums
+      // (rows 0-7: r1 . codes, 8-15: r2 . codes); per row the largest scaled value.
+      const TileConfig cfg8 = int8_tile_config();
+      _tile_loadconfig(&cfg8);
+      alignas(64) int32_t ci[16 * TN];
 #pragma omp for schedule(static)
-    for (long g = 0; g < groups; ++g) {
+      for (long g = 0; g < groups; ++g) {
+        const int8_t* wt = i8->tiles + g * steps8 * 1024;
+        const long nv = N - g * TN < TN ? N - g * TN : TN;
+        for (long ch = 0; ch < chunks8; ++ch) {
+          _tile_zero(0);
+          for (long t = 0; t < steps8; ++t) {
+            if (ch == 0)
+              for (int l = 0; l < 16; ++l) _mm_prefetch((const char*)(wt + (t + PREFETCH) * 1024) + 64 * l, _MM_HINT_T0);
+            _tile_loadd(6, wt + t * 1024, 64);
+            _tile_loadd(3, a8 + ch * 16 * Kp8 + t * 64, Kp8);
+            _tile_dpbssd(0, 3, 6);
+          }
+          _tile_stored(0, ci, 64);
+          for (long r = 0; r < 8 && ch * 8 + r < M; ++r) {
+            const long row = ch * 8 + r;
+            const double s1 = row8[4 * row], s2 = s1 / 254;
+            double mx = -INFINITY;
+            for (long n = 0; n < nv; ++n) {
+              const double v = i8->scales[g * TN + n] * (s1 * ci[r * TN + n] + s2 * ci[(8 + r) * TN + n]);
+              mx = v > mx ? v : mx;
+            }
+            screened8[row * groups + g] = mx;
+          }
+        }
+      }
+      _tile_loadconfig(&cfg);  // the exact pass's tiles
+    }
+    // The hi-part screen: per group, per row, the largest a (AVX-512 over the group's 16 columns).
+#pragma omp for schedule(static)
+    for (long g = 0; g < (i8 ? 0 : groups); ++g) {
       const uint16_t* wt = tiles + g * steps * TILE;
       const long nv = N - g * TN < TN ? N - g * TN : TN;
       const __mmask16 lanes = (__mmask16)((1u << nv) - 1u);
@@ -349,13 +444,25 @@ long amx_argmax(const AmxArgmaxArgs& args) {
     for (long m = 0; m < M; ++m) {
       double best = -INFINITY;
       const double cs_m = c[m] + s[m];
+      // (row m, group g)'s screened value and the bound of its distance to each exact value of the group
+      auto screen = [&](long g, double* bound) -> double {
+        if (i8) {
+          const double* r = row8 + 4 * m;
+          *bound = r[1] * i8->bounds[g] + r[2] * i8->code_norms[g] + r[3];
+          return screened8[m * groups + g];
+        }
+        *bound = wg[g] * cs_m + s[m] + 2 * u * bg[g];
+        return screened[m * groups + g];
+      };
       for (long g = 0; g < groups; ++g) {
-        const double v = screened[m * groups + g], bound = wg[g] * cs_m + s[m] + 2 * u * bg[g];
+        double bound;
+        const double v = screen(g, &bound);
         if (!(fabs(v) + bound < 0x1p126)) whole[m] = 1;  // (a NaN too)
         best = v - bound > best ? v - bound : best;
       }
       for (long g = 0; g < groups; ++g) {
-        const double v = screened[m * groups + g], bound = wg[g] * cs_m + s[m] + 2 * u * bg[g];
+        double bound;
+        const double v = screen(g, &bound);
         need[m * groups + g] = whole[m] || v + bound >= best;
         exact += need[m * groups + g];
       }
@@ -418,7 +525,7 @@ long amx_argmax(const AmxArgmaxArgs& args) {
       if (need[m * groups + g] && !win.take(best_val[m * groups + g], best_idx[m * groups + g])) break;
     ids[m] = win.index;
   }
-  free(a); free(work); free(best_idx); free(screened); free(need);
+  free(a); free(work); free(best_idx); free(screened_values); free(need); free(a8); free(row8);
   return exact;
 }
 

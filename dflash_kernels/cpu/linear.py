@@ -56,7 +56,9 @@ The argmax of a linear: :func:`linear_argmax` is ``linear(x, weight, bias).argma
 greedy verify's LM head, which needs no more. On the AMX path one tile product a step (the hi parts alone) screens
 every column and only the 16-column groups that a proven bound cannot rule out are computed exactly, with the
 GEMM's own loop (``amx_argmax``); 1.4-1.6 groups of SmolLM2's 3,072 a row on its hidden states, 1.6-4.5 ms
-off its 8-32-row forward (``bench/greedy_head.py``, ``bench/results/*-greedy-head.md``). On the bf16-packed route
+off its 8-32-row forward (``bench/greedy_head.py``, ``bench/results/*-greedy-head.md``). Where the CPU has AMX-INT8
+the screen reads int8 codes instead (half the bytes; ``amx_argmax``'s int8 screen): the head alone 2.4 -> 1.6 ms at
+8 rows, 2.7 -> 2.0 at 16 (``bench/results/*-int8-head-screen.md``). On the bf16-packed route
 the screen reads int8 codes of the weight (:func:`int8_screen`: half the packed copy's bytes) and the exact groups
 are the fp32 kernel's own tiles (``argmax_int8_<isa>``, ``csrc/cpu/argmax_int8.h``), up to 8 rows; SmolLM2's head
 alone 2.1 -> 1.4 ms at one row, 3.5 -> 2.7 at 8 (``bench/results/*-int8-head-screen.md``).
@@ -222,6 +224,19 @@ def set_argmax_screen(enabled: bool) -> bool:
     return before
 
 
+INT8_ENV = "DFLASH_CPU_ARGMAX_INT8"
+_int8_on = os.environ.get(INT8_ENV, "1") != "0"
+
+
+def set_int8_screen(enabled: bool) -> bool:
+    """Turn :func:`linear_argmax`'s int8 screens on or off for this process (A/B runs; ``DFLASH_CPU_ARGMAX_INT8=0``
+    starts them off: the AMX route screens with the hi parts, the bf16-packed route computes the whole linear);
+    returns the previous setting."""
+    global _int8_on
+    before, _int8_on = _int8_on, bool(enabled)
+    return before
+
+
 BF16_ENV = "DFLASH_CPU_LINEAR_BF16"
 _bf16_on = os.environ.get(BF16_ENV, "1") != "0"
 
@@ -313,22 +328,25 @@ def bf16_rows(weight: torch.Tensor) -> torch.Tensor | None:
     return forms["bf16"]
 
 
-def int8_screen(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None:
-    """The int8 screen of :func:`linear_argmax` on the bf16-packed route for a bf16-exact ``weight`` [N, K]: (codes
-    int8 [N, K], scales fp32 [N], bounds fp64 [ceil(N / 16)], the largest scale), or None where :func:`bf16_rows`
-    is None or a value is not finite.
+def int8_screen(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor] | None:
+    """The int8 screen of :func:`linear_argmax` for a bf16-exact ``weight`` [N, K]: (codes int8 [N, K], scales fp32
+    [N], bounds fp64 [ceil(N / 16)], the largest scale, code norms fp64 [ceil(N / 16)]), or None where
+    :func:`bf16_rows` is None or a value is not finite.
 
     Column j is approximated by ``d_j = scales[j] * codes[j]`` (``scales[j] = max|w_j| / 127`` in fp32, the codes the
-    nearest integers). For any x, the screen's ``s_j = fl(scales[j] * fl(x . codes[j]))`` (fp32 products and sums,
-    any order) and the fp32 kernel's ``y_j = fl(x . w_j)`` satisfy, by Cauchy-Schwarz on each term (no underflow:
-    the kernel adds room for that),
+    nearest integers). On the bf16-packed route the screen's ``s_j = fl(scales[j] * fl(x . codes[j]))`` (fp32
+    products and sums, any order) and the fp32 kernel's ``y_j = fl(x . w_j)`` satisfy, by Cauchy-Schwarz on each
+    term (no underflow: the kernels add room for that),
 
         |s_j - y_j| <= |s_j - x . d_j| + |x . (d_j - w_j)| + |x . w_j - y_j|
-                    <= ||x|| (gamma ||d_j|| + ||w_j - d_j|| + gamma ||w_j||),  gamma = n u / (1 - n u), n = K + 2,
+                    <= ||x|| (gamma ||d_j|| + ||w_j - d_j|| + 1.01 gamma ||w_j||),  gamma = n u / (1 - n u),
 
-    with u = 2^-24; ``bounds[g]`` is the largest bracket over group g's 16 columns (fp64, rounded up). Made on first
-    use (SmolLM2's LM head: 28 MB, under a second) and kept as :func:`bf16_rows` keeps its copy, with the same rule
-    for in-place updates."""
+    with u = 2^-24 and n = 2K + 8, enough for the AMX kernel's exact values too (three part sums, flushed: its
+    own argmax screen's count; their parts' norms add at most 1 % to ||x||). ``bounds[g]`` is the largest bracket
+    over group g's 16 columns and ``code norms[g]`` the largest ``||d_j||`` (fp64, rounded up): the AMX-INT8 screen
+    (:func:`amx_int8_tiles`) multiplies int8 parts of x, exactly, adding ``||x - parts|| * code norms[g]``. Made on
+    first use (SmolLM2's LM head: 28 MB, under two seconds) and kept as :func:`bf16_rows` keeps its copy, with the
+    same rule for in-place updates."""
     forms = _forms(weight)
     if "int8" not in forms:
         screen = None
@@ -336,8 +354,8 @@ def int8_screen(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
             n, k = weight.shape
             codes = torch.empty((n, k), dtype=torch.int8)
             scales = torch.empty(n, dtype=torch.float32)
-            brackets = torch.empty(n, dtype=torch.float64)
-            un = (k + 2) * 2.0**-24
+            brackets, code_norms = torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.float64)
+            un = (2 * k + 8) * 2.0**-24
             gamma = un / (1 - un)
             for r in range(0, n, 4096):  # fp64 in slices: the whole head at once would take ~0.7 GB
                 w = weight.detach()[r:r + 4096].double()
@@ -347,13 +365,38 @@ def int8_screen(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
                 d = q * scale.double()[:, None]  # exact: 8-bit integers times fp32 values
                 codes[r:r + 4096] = q.to(torch.int8)
                 scales[r:r + 4096] = scale
-                brackets[r:r + 4096] = ((w - d).norm(dim=1) + gamma * (d.norm(dim=1) + w.norm(dim=1))) * (1 + 2.0**-30)
+                dn = d.norm(dim=1)
+                brackets[r:r + 4096] = ((w - d).norm(dim=1) + gamma * (dn + 1.01 * w.norm(dim=1))) * (1 + 2.0**-30)
+                code_norms[r:r + 4096] = dn * (1 + 2.0**-30)
             groups = -(-n // 16)
-            padded = torch.zeros(groups * 16, dtype=torch.float64)
-            padded[:n] = brackets
-            screen = (codes, scales, padded.view(groups, 16).amax(1).contiguous(), float(scales.max()))
+
+            def group_max(values: torch.Tensor) -> torch.Tensor:
+                padded = torch.zeros(groups * 16, dtype=torch.float64)
+                padded[:n] = values
+                return padded.view(groups, 16).amax(1).contiguous()
+            screen = (codes, scales, group_max(brackets), float(scales.max()), group_max(code_norms))
         forms["int8"] = screen
     return forms["int8"]
+
+
+def amx_int8_tiles(weight: torch.Tensor) -> torch.Tensor | None:
+    """:func:`int8_screen`'s codes of ``weight`` as AMX-INT8 B tiles (``amx_argmax``'s int8 screen: per 16-column
+    group and 64-deep step, [16 quads][16 columns][4], zero padded; int8, flat), or None where the screen is None or
+    the CPU lacks AMX-INT8. Made on first use and kept with the screen."""
+    forms = _forms(weight)
+    if "int8_tiles" not in forms:
+        tiles = None
+        screen = int8_screen(weight)
+        lib = _load_amx()
+        if screen is not None and lib is not None and lib.amx_int8():
+            codes = screen[0]
+            n, k = codes.shape
+            groups, steps = -(-n // 16), -(-k // 64)
+            padded = torch.zeros(groups * 16, steps * 64, dtype=torch.int8)
+            padded[:n, :k] = codes
+            tiles = padded.view(groups, 16, steps, 16, 4).permute(0, 2, 3, 1, 4).contiguous().view(-1)
+        forms["int8_tiles"] = tiles
+    return forms["int8_tiles"]
 
 
 def _column_norms(weight: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
@@ -507,8 +550,9 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     (three tile products per row chunk a step: SmolLM2's head at 24 rows ~2x its 8-row time). On the bf16-packed
     route (no AMX, or one row) the head's bytes dominate: there, up to :data:`INT8_SCREEN_MAX_ROWS` rows, an int8 copy
     screens (:func:`int8_screen`, the same scheme with int8 codes and their error bound) and the fp32 kernel's tiles
-    compute the groups it cannot rule out, so their bits are ``linear``'s; a bias takes the whole ``linear``. On the AMX path one tile product
-    a step (the hi parts alone) screens the columns; each screened value lies within a proven bound of the exact one
+    compute the groups it cannot rule out, so their bits are ``linear``'s; a bias takes the whole ``linear``. On the AMX path the same int8 codes screen
+    on AMX-INT8 tiles (x split into two int8 parts, their sums exact; :func:`amx_int8_tiles`) where the CPU has it
+    and there is no bias, else one tile product a step (the hi parts alone) screens the columns; each screened value lies within a proven bound of the exact one
     (the dropped parts by Cauchy-Schwarz against the column norms, both sums' rounding for any order, denormals
     flushed), and only the 16-column groups whose upper bound reaches the row's best lower bound are computed
     exactly, by the GEMM's own loop, so their bits are ``linear``'s. On SmolLM2's hidden states 1.4-1.6 groups of
@@ -521,7 +565,7 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         how, tensors = route((weight,), (weight,), rows, MIN_ROWS)  # a screen must decide as linear() computes
         if how == "amx":
             return _amx_argmax(x.contiguous(), weight, tensors[0], bias)[0].view(x.shape[:-1])
-        if how == f"{_isa}_bf16" and bias is None and rows <= INT8_SCREEN_MAX_ROWS:
+        if how == f"{_isa}_bf16" and _int8_on and bias is None and rows <= INT8_SCREEN_MAX_ROWS:
             screen = int8_screen(weight)
             if screen is not None:
                 return _int8_argmax(x.contiguous(), weight, screen)[0].view(x.shape[:-1])
@@ -532,11 +576,18 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def _amx_argmax(x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None
                 ) -> tuple[torch.Tensor, int]:
-    """``amx_argmax`` on contiguous ``x``: (ids [rows], the (row, 16-column group) pairs computed exactly)."""
+    """``amx_argmax`` on contiguous ``x``, screened with the weight's AMX-INT8 tiles where the int8 screens are on
+    and apply (no bias, AMX-INT8, finite weights), else with the hi parts: (ids [rows], the (row, 16-column group)
+    pairs computed exactly)."""
     k = weight.shape[1]
     rows = x.numel() // k
     ids = torch.empty(rows, dtype=torch.int64)
-    exact = _amx.amx_argmax(x.view(rows, k), tiles, bias, _column_norms(weight, tiles), ids)
+    int8 = amx_int8_tiles(weight) if _int8_on and bias is None else None
+    screen = {}
+    if int8 is not None:
+        _, scales, bounds, max_scale, code_norms = int8_screen(weight)
+        screen = dict(int8_tiles=int8, scales=scales, int8_bounds=bounds, code_norms=code_norms, max_scale=max_scale)
+    exact = _amx.amx_argmax(x.view(rows, k), tiles, bias, _column_norms(weight, tiles), ids, **screen)
     if exact < 0:
         raise MemoryError(f"cpu_linear.linear_argmax: no memory for the split input rows ({rows} x {k})")
     return ids, exact
@@ -548,7 +599,7 @@ def _int8_argmax(x: torch.Tensor, weight: torch.Tensor, screen) -> tuple[torch.T
     k = weight.shape[1]
     rows = x.numel() // k
     ids = torch.empty(rows, dtype=torch.int64)
-    codes, scales, bounds, max_scale = screen
+    codes, scales, bounds, max_scale, _ = screen
     exact = getattr(torch.ops.dflash_cpu, f"argmax_int8_{_isa}")(x.view(rows, k), codes, scales, bounds, max_scale,
                                                                  bf16_rows(weight), ids)
     if exact < 0:

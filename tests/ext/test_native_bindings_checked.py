@@ -124,6 +124,14 @@ def amx_argmax_args():
                 norms=torch.ones(20, dtype=torch.float64), ids=torch.full((3,), -7))
 
 
+def amx_argmax_int8_args():
+    """amx_argmax with its int8 screen (no bias; bounds of 1 with codes unrelated to the weight: any values, the
+    screen's promise, decide only which groups are computed)."""
+    return dict(amx_argmax_args(), bias=None, int8_tiles=torch.randint(-127, 128, (2 * 1 * 1024,), dtype=torch.int8),
+                scales=torch.rand(20), int8_bounds=torch.ones(2, dtype=torch.float64),
+                code_norms=torch.ones(2, dtype=torch.float64), max_scale=1.0)
+
+
 def argmax_int8_args():
     return dict(x=strided_rows(3, 40), codes=torch.randint(-127, 128, (20, 40), dtype=torch.int8),
                 scales=torch.rand(20), bounds=torch.ones(2, dtype=torch.float64), max_scale=1.0,
@@ -235,6 +243,9 @@ def test_amx_ops_run_only_where_the_cpu_and_os_allow():
     assert ops().amx_linear(**lin) == 0 and not lin["out"].isnan().any()
     am = amx_argmax_args()
     assert ops().amx_argmax(**am) >= 0 and ((am["ids"] >= 0) & (am["ids"] < 20)).all()
+    if ops().amx_int8():
+        am = amx_argmax_int8_args()
+        assert ops().amx_argmax(**am) >= 3 and ((am["ids"] >= 0) & (am["ids"] < 20)).all()
 
 
 # ---- each class of bad input: (op, valid arguments, the change, what the error must name)
@@ -412,6 +423,16 @@ BAD = {
                          "packed must be"),
     "int8-ids-short": ("argmax_int8_avx2", argmax_int8_args, lambda a: replace(a, ids=a["ids"][1:]), "ids must be"),
     "int8-max-scale": ("argmax_int8_avx2", argmax_int8_args, lambda a: replace(a, max_scale=-1.0), "max_scale"),
+    # amx_argmax's int8 screen (checked before the CPU's AMX)
+    "amx8-partial": ("amx_argmax", amx_argmax_int8_args, lambda a: replace(a, code_norms=None), "go together"),
+    "amx8-bias": ("amx_argmax", amx_argmax_int8_args, lambda a: replace(a, bias=torch.randn(20)), "takes no bias"),
+    "amx8-tiles-short": ("amx_argmax", amx_argmax_int8_args, lambda a: replace(a, int8_tiles=a["int8_tiles"][1:]),
+                         "int8_tiles must be"),
+    "amx8-bounds-short": ("amx_argmax", amx_argmax_int8_args,
+                          lambda a: replace(a, int8_bounds=a["int8_bounds"][1:]), "int8_bounds must be"),
+    "amx8-scales-dtype": ("amx_argmax", amx_argmax_int8_args, lambda a: replace(a, scales=a["scales"].double()),
+                          "scales must be"),
+    "amx8-max-scale": ("amx_argmax", amx_argmax_int8_args, lambda a: replace(a, max_scale=-2.0), "max_scale"),
     # amx_pack / amx_column_norms / amx_linear / amx_argmax (checked before the CPU's AMX)
     "pack-tiles-short": ("amx_pack", pack_args, lambda a: replace(a, tiles=a["tiles"][1:]), "tiles must be"),
     "pack-tiles-dtype": ("amx_pack", pack_args, lambda a: replace(a, tiles=a["tiles"].float()), "tiles must be"),

@@ -474,6 +474,16 @@ def test_amx_dispatch_mode_and_autograd_take_f_linear(amx_calls):
 
 
 # ------------------------------------------------------------------------------------------ linear_argmax's screen
+@pytest.fixture(params=["int8", "hi"])
+def amx_screen(request, monkeypatch):
+    """Each screen of amx_argmax: the AMX-INT8 one (int8 codes of the weight; without a bias, where the CPU has
+    AMX-INT8) and the hi parts' (set_int8_screen off)."""
+    if request.param == "int8" and not (AMX and torch.ops.dflash_cpu.amx_int8()):
+        pytest.skip("the CPU lacks AMX-INT8")
+    monkeypatch.setattr(cpu_linear, "_int8_on", request.param == "int8")
+    return request.param
+
+
 def _argmax_exact_pairs(x, w, b=None):
     """linear_argmax's AMX entry: (ids, (row, 16-column group) pairs computed exactly)."""
     return cpu_linear._amx_argmax(x.contiguous(), w, cpu_linear.bf16_tiles(w), b)
@@ -482,7 +492,7 @@ def _argmax_exact_pairs(x, w, b=None):
 @needs_amx
 @pytest.mark.parametrize("k,n", [(576, 49152), (7, 1), (33, 17), (64, 4099), (100, 300)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 24, 40])
-def test_argmax_is_the_linears_argmax(k, n, rows):
+def test_argmax_is_the_linears_argmax(k, n, rows, amx_screen):
     """The same indices as linear(x, w, b).argmax(-1), bias or not, while most groups are only screened."""
     w = _bf16_weight(k, n) if (k, n) == (576, 49152) else _bf16_values(torch.randn(n, k))
     b = _bf16_values(torch.randn(n)) if rows % 2 else None
@@ -493,12 +503,12 @@ def test_argmax_is_the_linears_argmax(k, n, rows):
     _, exact = _argmax_exact_pairs(x, w, b)
     groups = -(-n // 16)
     assert rows <= exact <= rows * groups
-    if groups >= 64:  # (up to 7 a row in 400 random draws at the LM head's shape)
-        assert exact <= 16 * rows, "the screen decided almost nothing"
+    if groups >= 64:  # (hi parts: up to 7 a row in 400 random draws at the LM head's shape; int8: ~10x that)
+        assert exact <= (16 if amx_screen == "hi" else 160) * rows, "the screen decided almost nothing"
 
 
 @needs_amx
-def test_argmax_decided_below_the_hi_parts():
+def test_argmax_decided_below_the_hi_parts(amx_screen):
     """Row 0: column 0 = x0 + x2 = 1 + 2^-9 (all in the hi parts), column 17 = x1 = 1 + 2^-8 - 2^-20 (hi part 1.0):
     the hi parts alone rank column 0 first (the wrong rule, which a screen without its bound would follow: the
     columns sit in different 16-column groups), the linear column 17. Row 1: column 0 wins and ties column 33, a
@@ -516,7 +526,7 @@ def test_argmax_decided_below_the_hi_parts():
 
 
 @needs_amx
-def test_argmax_many_near_ties(seed):
+def test_argmax_many_near_ties(seed, amx_screen):
     """300 columns one bf16 ulp apart in one element (logits within ~1e-3 of each other) and exact duplicates: many
     groups reach the exact pass, the result is still the linear's argmax."""
     g = torch.Generator().manual_seed(seed)
@@ -566,12 +576,15 @@ def test_argmax_sums_in_the_linears_order(rows, seed, monkeypatch):
     assert torch.equal(cpu_linear.linear_argmax(x, w, b), want)
 
 
-@pytest.mark.parametrize("screen", ["amx", "int8"])
+@pytest.mark.parametrize("screen", ["amx hi", "amx int8", "int8"])
 def test_argmax_non_finite_and_huge_rows(screen, monkeypatch):
     """NaN, inf and overflowing rows: torch.argmax's rule on the linear's values (the first NaN, the first inf),
-    with the AMX screen and with the int8 one (the AMX path off); a weight holding inf gets no int8 screen."""
-    if not (cpu_linear.amx_active() if screen == "amx" else FAST):
+    with each AMX screen and with the int8 one of the bf16-packed route (the AMX path off); a weight holding inf
+    gets no int8 screen (the AMX route then takes the hi parts)."""
+    runs = {"amx hi": AMX, "amx int8": AMX and torch.ops.dflash_cpu.amx_int8(), "int8": FAST}[screen]
+    if not runs:
         pytest.skip(f"the {screen} screen does not run here")
+    monkeypatch.setattr(cpu_linear, "_int8_on", screen != "amx hi")
     if screen == "int8":
         monkeypatch.setattr(cpu_linear, "_amx_on", False)
     k, n = 40, 70
@@ -586,7 +599,7 @@ def test_argmax_non_finite_and_huge_rows(screen, monkeypatch):
     for weight in (w, w_inf):
         want = cpu_linear.linear(x, weight).argmax(-1)
         assert torch.equal(cpu_linear.linear_argmax(x, weight), want)
-    if screen == "amx":
+    if screen.startswith("amx"):
         assert cpu_linear.bf16_tiles(w_inf) is not None
     else:
         assert cpu_linear.bf16_rows(w_inf) is not None and cpu_linear.int8_screen(w_inf) is None
@@ -615,7 +628,7 @@ def test_argmax_fallbacks_and_shapes(amx_calls):
 
 
 @needs_amx
-def test_argmax_sees_in_place_updates():
+def test_argmax_sees_in_place_updates(amx_screen):
     """The column norms (the screen's bounds) go with the tiles: rounded up, and recomputed after an in-place update
     (stale ones, 64x too small, would drop groups that hold the argmax)."""
     w = _bf16_values(torch.randn(64, 32))
@@ -792,20 +805,30 @@ def test_int8_screen_ties_near_ties_and_updates(int8_calls, seed):
 def test_int8_screen_bound_is_what_keeps_it_exact():
     """A column whose int8 code loses its small component (0.0039 quantizes to 0 beside 1.0) is the true argmax,
     and a column of another group screens higher: the screen's bound keeps the first group in, and with the bounds
-    zeroed (a wrong rule) the kernel returns the other column. Both kernels (AVX-512, AVX2) where the CPU has them."""
+    zeroed (a wrong rule) the kernel returns the other column. Each kernel where the CPU has it: AVX-512, AVX2 and
+    amx_argmax's AMX-INT8 screen."""
     w = torch.zeros(32, 2)
     w[0] = torch.tensor([1.0, 0.00390625])
     w[16] = torch.tensor([1.0078125, 0.0])
     x = torch.tensor([[1.0, 4.0]])
     assert cpu_linear.linear(x, w).argmax(-1).item() == 0
-    codes, scales, bounds, max_scale = cpu_linear.int8_screen(w)
+    codes, scales, bounds, max_scale, code_norms = cpu_linear.int8_screen(w)
     assert codes[0, 1] == 0  # the small component is lost in the screen
+    zero = torch.zeros_like(bounds)
     for isa in [i for i in ("avx512", "avx2") if i in cpu_native.isas()]:
         op = getattr(torch.ops.dflash_cpu, f"argmax_int8_{isa}")
-        for b, want in ((bounds, 0), (torch.zeros_like(bounds), 16)):
+        for b, want in ((bounds, 0), (zero, 16)):
             ids = torch.full((1,), -1)
             op(x, codes, scales, b, max_scale, cpu_linear.bf16_rows(w), ids)
             assert ids.item() == want, (isa, b)
+    if AMX and torch.ops.dflash_cpu.amx_int8():
+        tiles = cpu_linear.bf16_tiles(w)
+        for b, c, want in ((bounds, code_norms, 0), (zero, zero, 16)):
+            ids = torch.full((1,), -1)
+            torch.ops.dflash_cpu.amx_argmax(x, tiles, None, cpu_linear._column_norms(w, tiles), ids,
+                                            int8_tiles=cpu_linear.amx_int8_tiles(w), scales=scales, int8_bounds=b,
+                                            code_norms=c, max_scale=max_scale)
+            assert ids.item() == want, ("amx int8", b)
 
 
 @needs_fast

@@ -28,11 +28,13 @@ if str(ROOT) not in sys.path:  # run as a plain script (python bench/x.py) from 
 # ---------------------------------------------------------------------------------------- device
 @contextlib.contextmanager
 def cpu_kernels(*, native: bool = True, amx: bool = True, native_forward: bool = True, argmax_screen: bool = True,
-                bf16: bool = True):
+                bf16: bool = True, int8_screen: bool = True):
     """For the calls inside: the "cpu" backend's native kernels (``DFLASH_CPU_NATIVE``), ``cpu_linear``'s AMX path,
-    its bf16-packed weights (``cpu_linear.set_bf16``; off: bf16-exact weights stream as fp32), the lean target's native forward (``dflash_kernels.cpu.forward``; off: its op path) and ``cpu_linear.linear_argmax``'s
-    screen (off: a greedy verify's whole LM head, then its argmax) on or off (A/B runs in one process); the settings
-    restored after."""
+    its bf16-packed weights (``cpu_linear.set_bf16``; off: bf16-exact weights stream as fp32), the lean target's
+    native forward (``dflash_kernels.cpu.forward``; off: its op path), ``cpu_linear.linear_argmax``'s screen (off: a
+    greedy verify's whole LM head, then its argmax) and its int8 screens (``cpu_linear.set_int8_screen``; off: the
+    AMX route's hi-part screen, the bf16-packed route's whole head) on or off (A/B runs in one process); the
+    settings restored after."""
     from dflash_kernels.cpu import linear as cpu_linear
     from dflash_kernels.cpu import forward as nf
     from dflash_kernels.cpu import native as cpu_native
@@ -43,9 +45,11 @@ def cpu_kernels(*, native: bool = True, amx: bool = True, native_forward: bool =
     bf16_before = cpu_linear.set_bf16(bf16)
     nf_before = nf.set_enabled(native_forward)
     screen_before = cpu_linear.set_argmax_screen(argmax_screen)
+    int8_before = cpu_linear.set_int8_screen(int8_screen)
     try:
         yield
     finally:
+        cpu_linear.set_int8_screen(int8_before)
         cpu_linear.set_argmax_screen(screen_before)
         nf.set_enabled(nf_before)
         cpu_linear.set_bf16(bf16_before)

@@ -78,6 +78,9 @@ def main(argv=None) -> int:
     ap.add_argument("--full-head", action="store_true",
                     help="also run every DFlash configuration with the greedy verify's whole LM head (cpu_linear's "
                          "argmax screen off), in the same rotation")
+    ap.add_argument("--without-int8-screen", action="store_true",
+                    help="also run every DFlash configuration with cpu_linear's int8 argmax screens off (the AMX "
+                         "route's hi-part screen, the bf16-packed route's whole head), in the same rotation")
     args = ap.parse_args(argv)
 
     from dflash import generate
@@ -101,9 +104,10 @@ def main(argv=None) -> int:
     HF = "hf"
     # a configuration: HF, or (draft label, tree budget or None for the chain, what is turned off: "" nothing,
     # "torch formulas" the native CPU kernels, "fp32 GEMM" cpu_linear's AMX path, "op path" the native forward,
-    # "full LM head" the argmax screen)
+    # "full LM head" the argmax screen, "no int8 screen" the argmax's int8 screens)
     variants = ([""] + ["torch formulas"] * args.without_native + ["fp32 GEMM"] * args.without_amx
-                + ["op path"] * args.op_path + ["full LM head"] * args.full_head)
+                + ["op path"] * args.op_path + ["full LM head"] * args.full_head
+                + ["no int8 screen"] * args.without_int8_screen)
     budgets = common.parse_ints(args.budgets)
     configs: list = [HF] + [(lab, b, var) for var in variants for lab in labels
                             for b in [None] + (budgets if drafts[lab].config.dflash2 is None else [])]
@@ -123,7 +127,8 @@ def main(argv=None) -> int:
                                    acceptance_lengths=(), total_time=secs, draft_time=0.0, verify_time=0.0)
         lab, budget, off = config
         with common.cpu_kernels(native=off != "torch formulas", amx=off != "fp32 GEMM",
-                                native_forward=off != "op path", argmax_screen=off != "full LM head"):
+                                native_forward=off != "op path", argmax_screen=off != "full LM head",
+                                int8_screen=off != "no int8 screen"):
             return generate(target, drafts[lab], ids, max_new, stop_token_ids=stops, block_size=args.block_size,
                             tree_budget=budget, temperature=sampling.temperature, top_p=sampling.top_p, seed=seed)
 

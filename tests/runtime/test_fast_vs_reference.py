@@ -100,9 +100,9 @@ def test_cpu_kernel_backend_equals_reference(monkeypatch, block, tree_budget, bf
             if name not in calls:
                 return fn
 
-            def counted(*args):
+            def counted(*args, **kwargs):
                 calls[name] += 1
-                return fn(*args)
+                return fn(*args, **kwargs)
             return counted
     monkeypatch.setattr(cpu_native, "_ops", Counted(cpu_native._ops))
     if bf16_values:

@@ -20,7 +20,6 @@ namespace {
 long argmax_int8(const dflash_cpu::Int8ArgmaxArgs& a) {
   constexpr long GC = 16;  // columns of a group
   typedef void (*tile8_fn)(const float*, long, const int8_t*, long, long, int, const float*, float*, long);
-  typedef void (*tile16_fn)(const float*, long, const uint16_t*, long, long, int, const float*, float*, long);
   static const tile8_fn screen_tiles[MR + 1] = {0, tile<int8_t, 1>, tile<int8_t, 2>, tile<int8_t, 3>, tile<int8_t, 4>
 #if !DFLASH_CPU_AVX512
                                                 , tile<int8_t, 5>, tile<int8_t, 6>, tile<int8_t, 7>, tile<int8_t, 8>
@@ -101,8 +100,7 @@ long argmax_int8(const dflash_cpu::Int8ArgmaxArgs& a) {
         float y[GC];
         for (long n = 0; n < nv; n += NW) {
           const int nw = nv - n < NW ? (int)(nv - n) : (int)NW;
-          const tile16_fn exact_tile = tile<uint16_t, 1>;
-          exact_tile(x + m * ldx, ldx, a.packed + (c0 + n) * K, K, K, nw, nullptr, y + n, GC);
+          tile<uint16_t, 1>(x + m * ldx, ldx, a.packed + (c0 + n) * K, K, K, nw, nullptr, y + n, GC);
         }
         dflash_cpu::ArgmaxWinner win;
         for (long n = 0; n < nv; ++n)

@@ -619,9 +619,13 @@ int64_t amx_linear(const Tensor& x, at::TensorList tiles, at::IntArrayRef rows, 
 }
 
 // Whether the CPU has AMX-INT8 (CPUID leaf 7, EDX bit 25) besides AMX-BF16: amx_argmax's int8 screen needs it.
+// Read once (each greedy verify checks it, and CPUID exits to the hypervisor in a VM).
 bool has_amx_int8() {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  return cpu_has(Isa::kAmx) && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 25 & 1);
+  static const bool has = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return cpu_has(Isa::kAmx) && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 25 & 1);
+  }();
+  return has;
 }
 
 // x [M, K] (row stride, unit stride along K), the tiles and column norms [N] of one weight [N, K], its bias [N] (or

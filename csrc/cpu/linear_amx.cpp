@@ -144,10 +144,10 @@ inline TileConfig int8_tile_config() {
 }
 
 // Row m of x as two int8 parts, x ~ sx r1 + (sx / 254) r2 (r1 = x / sx rounded, sx = max|x| / 127; r2 the rest in
-// steps of sx / 254), written as rows r and 8 + r of its 8-row chunk's A block [16][Kp8]; sets sx and returns
-// ||x - that||, rounded up (both parts' integer sums are exact, so this is the screen's only error from x). A zero
-// row: sx = 1, parts 0.
-double quantize_row(const float* x, long K, long Kp8, int8_t* a, double* sx) {
+// steps of sx / 254), written as rows r and 8 + r of its 8-row chunk's A block [16][Kp8]; sets sx and ||x|| (rounded
+// up) and returns ||x - that||, rounded up (both parts' integer sums are exact, so this is the screen's only error
+// from x). A zero row: sx = 1, parts 0.
+double quantize_row(const float* x, long K, long Kp8, int8_t* a, double* sx, double* norm) {
   double mx = 0;
   for (long k = 0; k < K; ++k) mx = fabs((double)x[k]) > mx ? fabs((double)x[k]) : mx;
   const double s1 = mx > 0 ? mx / 127 : 1.0, s2 = s1 / 254;
@@ -163,6 +163,7 @@ double quantize_row(const float* x, long K, long Kp8, int8_t* a, double* sx) {
     err += e * e;
   }
   *sx = s1;
+  *norm = sqrt(n2) * (1 + 0x1p-20);
   return sqrt(err) * (1 + 0x1p-20) + 0x1p-40 * sqrt(n2);  // (+ the fp64 rounding of the parts' products)
 }
 
@@ -349,10 +350,7 @@ long amx_argmax(const AmxArgmaxArgs& args) {
     memset(a8, 0, 16 * Kp8 * chunks8);
     for (long m = 0; m < M; ++m) {
       double* r = row8 + 4 * m;
-      r[2] = quantize_row(x + m * ldx, K, Kp8, a8 + (m / 8) * 16 * Kp8 + (m % 8) * Kp8, &r[0]);
-      double n2 = 0;
-      for (long k = 0; k < K; ++k) n2 += (double)x[m * ldx + k] * x[m * ldx + k];
-      r[1] = sqrt(n2) * (1 + 0x1p-20);
+      r[2] = quantize_row(x + m * ldx, K, Kp8, a8 + (m / 8) * 16 * Kp8 + (m % 8) * Kp8, &r[0], &r[1]);
       r[3] = 0x1p-48 * i8->max_scale * 127.0 * 127.0 * (double)K * (r[0] + r[0] / 254) +
              s[m] * (1 + 127.0 * sqrt((double)K) * i8->max_scale);  // (||w_j|| <= sqrt(K) 127 scale_j)
       whole[m] |= !isfinite(r[1]) || !isfinite(r[2]) || !isfinite(r[3]);
@@ -379,8 +377,9 @@ long amx_argmax(const AmxArgmaxArgs& args) {
         for (long ch = 0; ch < chunks8; ++ch) {
           _tile_zero(0);
           for (long t = 0; t < steps8; ++t) {
+            const char* pf = (const char*)(wt + (t + PREFETCH) * 1024);
             if (ch == 0)
-              for (int l = 0; l < 16; ++l) _mm_prefetch((const char*)(wt + (t + PREFETCH) * 1024) + 64 * l, _MM_HINT_T0);
+              for (int l = 0; l < 16; ++l) _mm_prefetch(pf + 64 * l, _MM_HINT_T0);
             _tile_loadd(6, wt + t * 1024, 64);
             _tile_loadd(3, a8 + ch * 16 * Kp8 + t * 64, Kp8);
             _tile_dpbssd(0, 3, 6);
@@ -399,43 +398,43 @@ long amx_argmax(const AmxArgmaxArgs& args) {
         }
       }
       _tile_loadconfig(&cfg);  // the exact pass's tiles
-    }
-    // The hi-part screen: per group, per row, the largest a (AVX-512 over the group's 16 columns).
+    } else {  // the hi-part screen: per group, per row, the largest a (AVX-512 over the group's 16 columns)
 #pragma omp for schedule(static)
-    for (long g = 0; g < (i8 ? 0 : groups); ++g) {
-      const uint16_t* wt = tiles + g * steps * TILE;
-      const long nv = N - g * TN < TN ? N - g * TN : TN;
-      const __mmask16 lanes = (__mmask16)((1u << nv) - 1u);
-      const __m512 bias = b ? _mm512_maskz_loadu_ps(lanes, b + g * TN) : _mm512_setzero_ps();
-      double w_max = 0, b_max = 0;
-      for (long n = 0; n < nv; ++n) {
-        w_max = wn[g * TN + n] > w_max ? wn[g * TN + n] : w_max;
-        b_max = b && fabs((double)b[g * TN + n]) > b_max ? fabs((double)b[g * TN + n]) : b_max;
-      }
-      wg[g] = w_max;
-      bg[g] = b_max;
-      for (long ch = 0; ch < chunks; ++ch) {
-        _tile_zero(0);
-        const uint16_t* ah = a + ch * R * Kp;
-        for (long t = 0; t < steps; ++t) {
-          const char* pf = nullptr;  // amx_linear's prefetch pattern
-          if (chunks == 1)
-            pf = (const char*)(wt + (t + PREFETCH) * TILE);
-          else if ((ch * steps + t) % chunks == 0)
-            pf = (const char*)(wt + (steps + (ch * steps + t) / chunks) * TILE);
-          if (pf)
-            for (int l = 0; l < 16; ++l) _mm_prefetch(pf + 64 * l, _MM_HINT_T0);
-          _tile_loadd(6, wt + t * TILE, 64);
-          _tile_loadd(3, ah + t * TK, Kp * 2);
-          _tile_dpbf16ps(0, 3, 6);
+      for (long g = 0; g < groups; ++g) {
+        const uint16_t* wt = tiles + g * steps * TILE;
+        const long nv = N - g * TN < TN ? N - g * TN : TN;
+        const __mmask16 lanes = (__mmask16)((1u << nv) - 1u);
+        const __m512 bias = b ? _mm512_maskz_loadu_ps(lanes, b + g * TN) : _mm512_setzero_ps();
+        double w_max = 0, b_max = 0;
+        for (long n = 0; n < nv; ++n) {
+          w_max = wn[g * TN + n] > w_max ? wn[g * TN + n] : w_max;
+          b_max = b && fabs((double)b[g * TN + n]) > b_max ? fabs((double)b[g * TN + n]) : b_max;
         }
-        _tile_stored(0, cs[0], 64);
-        for (long m = 0; m < R && ch * R + m < M; ++m) {
-          const long row = ch * R + m;
-          const __m512 v = _mm512_add_ps(_mm512_load_ps(cs[0] + m * TN), bias);
-          // NaN, inf or near overflow (|v| not below 2^126): a NaN here, and the row is computed whole below.
-          const bool bad = _mm512_mask_cmp_ps_mask(lanes, _mm512_abs_ps(v), _mm512_set1_ps(0x1p126f), _CMP_NLT_UQ);
-          screened[row * groups + g] = bad ? NAN : _mm512_mask_reduce_max_ps(lanes, v);
+        wg[g] = w_max;
+        bg[g] = b_max;
+        for (long ch = 0; ch < chunks; ++ch) {
+          _tile_zero(0);
+          const uint16_t* ah = a + ch * R * Kp;
+          for (long t = 0; t < steps; ++t) {
+            const char* pf = nullptr;  // amx_linear's prefetch pattern
+            if (chunks == 1)
+              pf = (const char*)(wt + (t + PREFETCH) * TILE);
+            else if ((ch * steps + t) % chunks == 0)
+              pf = (const char*)(wt + (steps + (ch * steps + t) / chunks) * TILE);
+            if (pf)
+              for (int l = 0; l < 16; ++l) _mm_prefetch(pf + 64 * l, _MM_HINT_T0);
+            _tile_loadd(6, wt + t * TILE, 64);
+            _tile_loadd(3, ah + t * TK, Kp * 2);
+            _tile_dpbf16ps(0, 3, 6);
+          }
+          _tile_stored(0, cs[0], 64);
+          for (long m = 0; m < R && ch * R + m < M; ++m) {
+            const long row = ch * R + m;
+            const __m512 v = _mm512_add_ps(_mm512_load_ps(cs[0] + m * TN), bias);
+            // NaN, inf or near overflow (|v| not below 2^126): a NaN here, and the row is computed whole below.
+            const bool bad = _mm512_mask_cmp_ps_mask(lanes, _mm512_abs_ps(v), _mm512_set1_ps(0x1p126f), _CMP_NLT_UQ);
+            screened[row * groups + g] = bad ? NAN : _mm512_mask_reduce_max_ps(lanes, v);
+          }
         }
       }
     }

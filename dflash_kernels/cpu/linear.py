@@ -21,15 +21,16 @@ the tests hold them to the 2x error rule against fp64):
   exactness) and kept while the weight lives; an in-place update (which bumps the tensor's version) repacks.
   C++: ``csrc/cpu/linear_amx.cpp``.
 * **fp32 SIMD** (AVX-512 or AVX2 + FMA) for 2-16 rows of any fp32 weight (``csrc/cpu/linear_f32.h``).
-* **fp32 SIMD on bf16-packed weights**, where there is no AMX (with AMX: at one row), for 1-32 rows of a weight whose values are all bf16
-  values: the same kernel reading a copy of the weight that keeps the upper half of each value's bits
-  (:func:`bf16_rows`), widened back to the same fp32 values in registers, so the same bits as the fp32 kernel at
-  half the bytes to stream. Measured on SmolLM2 (2-core AMD EPYC, AVX-512, no AMX, 2 threads, in one run): the
-  one-token step 9.4 against 24.3 ms (its bf16 weight floor: 9.0), the 8-row step 10.7 against 17.9, the 16-row
+* **fp32 SIMD on bf16-packed weights**, where there is no AMX (with AMX: at one row), for 1-32 rows of a weight
+  whose values are all bf16 values: the same kernel reading a copy of the weight that keeps the upper half of each
+  value's bits (:func:`bf16_rows`), widened back to the same fp32 values in registers, so the same bits as the fp32
+  kernel at half the bytes to stream. Measured on SmolLM2 (2-core AMD EPYC, AVX-512, no AMX, 2 threads, in one run):
+  the one-token step 9.4 against 24.3 ms (its bf16 weight floor: 9.0), the 8-row step 10.7 against 17.9, the 16-row
   15.7 against 22.5 (``bench/results/*-cpu-smollm2-bf16-weights.md``). At one row it also replaces ``F.linear``
-  (MKL's GEMV streams fp32 at 3-4x the bf16 floor there), and at 17-32 rows too (MKL's GEMM there: 2-8x slower
-  per projection, ``bench/results/*-cpu-peers.md``): those projections' sums change order, within the 2x rule. Memory: the copy, 2 bytes a weight next to the fp32 weight (SmolLM2: 270 MB), made on first use and
-  kept as the AMX tiles are. ``DFLASH_CPU_LINEAR_BF16=0`` (or :func:`set_bf16`) turns it off.
+  (MKL's GEMV streams fp32 at 3-4x the bf16 floor there), and at 17-32 rows too (MKL's GEMM there: 2-8x slower per
+  projection, ``bench/results/*-cpu-peers.md``): those projections' sums change order, within the 2x rule. Memory:
+  the copy, 2 bytes a weight next to the fp32 weight (SmolLM2: 270 MB), made on first use and kept as the AMX tiles
+  are. ``DFLASH_CPU_LINEAR_BF16=0`` (or :func:`set_bf16`) turns it off.
 
 The fp32 kernel reads the weight in place, in its own ``[N, K]`` layout. On AVX-512
 one tile is 4 weight rows x up to 4 input rows (16 lanes; 8 rows take two passes, the second finding the
@@ -103,7 +104,7 @@ BF16_MIN_ROWS = 1
 BF16_MAX_ROWS = 32
 # The most rows at which linear_argmax screens with int8 codes on the bf16-packed route: its int8-to-fp32 widening
 # and FMAs grow with the rows while the bytes saved do not; a SmolLM2 forward with the screened head against the
-# logits head saved 0.2-0.7 ms at 1 row, 0.6 at 8, nothing at 16 and lost 0.6 at 32 (Xeon-167, 2 threads,
+# logits head saved 0.2-0.7 ms at 1 row, 0.2-0.6 at 8, nothing at 16 and lost 0.6 at 32 (Xeon-167, 2 threads,
 # bench/greedy_head.py --without-amx; bench/results/*-int8-head-screen.md).
 INT8_SCREEN_MAX_ROWS = 8
 ISAS = cpu_native.VECTOR_ISAS  # the fp32 kernel's instruction sets, widest first
@@ -505,17 +506,19 @@ def route(sources: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], rows
     """How :func:`linear` computes ``rows`` rows of a CPU fp32 input nothing watches times the row blocks
     ``weights`` (``sources``: the tensors their packed forms are kept for; a plain weight is one block, with
     ``min_rows`` :data:`MIN_ROWS`, row blocks 1): ``("amx", tiles)`` when every block is exactly bf16 and the AMX
-    path is on, from :data:`AMX_MIN_ROWS` rows (below, the bf16 rows where those are on); ``(isa() + "_bf16", bf16 rows)`` when every block is exactly bf16 at :data:`BF16_MIN_ROWS` to
-    :data:`BF16_MAX_ROWS` rows (:func:`set_bf16`); ``(isa(), weights)`` for the fp32 kernel from ``min_rows`` to
-    :data:`MAX_ROWS` rows; else ``("torch", weights)`` (``F.linear``). The one rule of the choice:
-    ``dflash_kernels.cpu.forward`` plans its projections with it."""
+    path is on, from :data:`AMX_MIN_ROWS` rows (below, the bf16 rows where those are on); ``(isa() + "_bf16", bf16
+    rows)`` when every block is exactly bf16 at :data:`BF16_MIN_ROWS` to :data:`BF16_MAX_ROWS` rows
+    (:func:`set_bf16`); ``(isa(), weights)`` for the fp32 kernel from ``min_rows`` to :data:`MAX_ROWS` rows; else
+    ``("torch", weights)`` (``F.linear``). The one rule of the choice: ``dflash_kernels.cpu.forward`` plans its
+    projections with it."""
+    vector = _kernel is not None or _load() is not None  # the fp32 kernel (and its bf16-packed reading) builds
     if amx_active():
         tiles = [bf16_tiles(w) for w in sources]
         if all(t is not None for t in tiles):
-            if rows >= AMX_MIN_ROWS or not _bf16_on or (_kernel is None and _load() is None):
+            if rows >= AMX_MIN_ROWS or not (_bf16_on and vector):
                 return "amx", tiles
             return _isa + "_bf16", [bf16_rows(w) for w in sources]  # bf16-exact, as the tiles are
-    if _kernel is None and _load() is None:
+    if not vector:
         return "torch", list(weights)
     if _bf16_on and BF16_MIN_ROWS <= rows <= BF16_MAX_ROWS:
         packed = [bf16_rows(w) for w in sources]
@@ -548,16 +551,17 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     Why: a greedy verify needs only the target's argmax, and on the AMX path the LM head's cost grows with the rows
     (three tile products per row chunk a step: SmolLM2's head at 24 rows ~2x its 8-row time). On the bf16-packed
-    route (no AMX, or one row) the head's bytes dominate: there, up to :data:`INT8_SCREEN_MAX_ROWS` rows, an int8 copy
-    screens (:func:`int8_screen`, the same scheme with int8 codes and their error bound) and the fp32 kernel's tiles
-    compute the groups it cannot rule out, so their bits are ``linear``'s; a bias takes the whole ``linear``. On the AMX path the same int8 codes screen
-    on AMX-INT8 tiles (x split into two int8 parts, their sums exact; :func:`amx_int8_tiles`) where the CPU has it
-    and there is no bias, else one tile product a step (the hi parts alone) screens the columns; each screened value lies within a proven bound of the exact one
-    (the dropped parts by Cauchy-Schwarz against the column norms, both sums' rounding for any order, denormals
-    flushed), and only the 16-column groups whose upper bound reaches the row's best lower bound are computed
-    exactly, by the GEMM's own loop, so their bits are ``linear``'s. On SmolLM2's hidden states 1.4-1.6 groups of
-    3,072 a row are computed exactly. Elsewhere (a weight off the bf16 grid, anything left to ``F.linear`` or the
-    fp32 kernel on fp32 weights; or :func:`set_argmax_screen` off): ``linear(x, weight, bias).argmax(-1)``."""
+    route (no AMX, or one row) the head's bytes dominate: there, up to :data:`INT8_SCREEN_MAX_ROWS` rows, an int8
+    copy screens (:func:`int8_screen`, the same scheme with int8 codes and their error bound) and the fp32 kernel's
+    tiles compute the groups it cannot rule out, so their bits are ``linear``'s; a bias takes the whole ``linear``.
+    On the AMX path the same int8 codes screen on AMX-INT8 tiles (x split into two int8 parts, their sums exact;
+    :func:`amx_int8_tiles`) where the CPU has it and there is no bias, else one tile product a step (the hi parts
+    alone) screens the columns; each screened value lies within a proven bound of the exact one (the dropped parts
+    by Cauchy-Schwarz against the column norms, both sums' rounding for any order, denormals flushed), and only the
+    16-column groups whose upper bound reaches the row's best lower bound are computed exactly, by the GEMM's own
+    loop, so their bits are ``linear``'s. On SmolLM2's hidden states 1.4-1.6 groups of 3,072 a row are computed
+    exactly. Elsewhere (a weight off the bf16 grid, anything left to ``F.linear`` or the fp32 kernel on fp32
+    weights; or :func:`set_argmax_screen` off): ``linear(x, weight, bias).argmax(-1)``."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     fast = _fast_ok(x, weight, bias)

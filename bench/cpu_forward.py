@@ -12,7 +12,7 @@ streaming keeps the KV cache in L3, for one), so their costs need not add up to 
 is everything else measured directly. The configurations run interleaved, rep by rep; each cell is a median over
 reps (a shared machine's speed can drift by 10-20 %: a difference under ~2 ms is noise).
 
-native_forward: the whole forward as decoding runs it (the lean target's native forward, one C++ call a layer,
+native_forward: the whole forward as decoding runs it (the lean target's native forward, one C++ call for its layers,
 where it applies), next to the op path's whole. The bf16-packed setting is the fp32 GEMM reading SmolLM2's
 bf16-exact weights from their bf16 copies (``cpu_linear.bf16_rows``: the same bits).
 

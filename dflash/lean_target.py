@@ -13,7 +13,7 @@ memory floor, so each layer is seven kernels on the GPU:
 On the "cpu" backend the projections take ``cpu_linear`` (q/k/v and gate/up as row blocks of one call, with no
 merged copy) and the activation stays a ``silu_mul`` after the gate/up GEMM (``gate_up_act``). Where the kernel
 library has a whole forward for the model and shape (``dflash_kernels.cpu.forward``: on the CPU, up to 64 rows a
-request, one native call a layer; the same kernels and bits, without the ops' per-call Python) it runs that, else
+request, one native call for the layers; the same kernels and bits, without the ops' per-call Python) it runs that, else
 the layer loop below.
 
 The residual add of each sub-block is fused into the next norm; off the "cpu" backend ``merged_weight``

@@ -704,22 +704,18 @@ void expect_route(const char* op, dflash_cpu::Route route) {
   }
 }
 
-// The projections of forward_layer: routes[p] (dflash_cpu::Route) and nblocks[p] for p = q/k/v, o, gate/up, down,
-// projection p reading rows of depth[p] values and writing rows of width[p]; weights / block_rows / biases: every
-// block in order (weights: AMX tiles on the AMX route, bf16-packed int16 [n, K] on the bf16 routes, fp32 [n, K]
-// else).
-void projections(at::IntArrayRef routes, at::IntArrayRef nblocks, at::TensorList weights, at::IntArrayRef block_rows,
-                 const c10::List<OptTensor>& biases, const int64_t (&depth)[4], const int64_t (&width)[4],
-                 dflash_cpu::Projection* out) {
-  const char* op = "forward_layer";
-  TORCH_CHECK(routes.size() == 4 && nblocks.size() == 4, "dflash_cpu::forward_layer: four projections");
-  TORCH_CHECK(weights.size() == block_rows.size() && weights.size() == biases.size(),
-              "dflash_cpu::forward_layer: one block_rows and one bias (or None) a weight block");
-  size_t block = 0;
+// One layer's projections of forward_layers: routes[p] (dflash_cpu::Route) and nblocks[p] for p = q/k/v, o,
+// gate/up, down, projection p reading rows of depth[p] values and writing rows of width[p]; weights / block_rows /
+// biases: every block in order from block `first` on (weights: AMX tiles on the AMX route, bf16-packed int16 [n, K]
+// on the bf16 routes, fp32 [n, K] else). Returns the block after the layer's last.
+size_t projections(const char* op, at::IntArrayRef routes, at::IntArrayRef nblocks, at::TensorList weights,
+                   at::IntArrayRef block_rows, const c10::List<OptTensor>& biases, size_t first,
+                   const int64_t (&depth)[4], const int64_t (&width)[4], dflash_cpu::Projection* out) {
+  size_t block = first;
   for (size_t p = 0; p < 4; ++p) {
     TORCH_CHECK(routes[p] >= 0 && routes[p] <= 5 && nblocks[p] >= 1 && nblocks[p] <= 3 &&
                     block + nblocks[p] <= weights.size(),
-                "dflash_cpu::forward_layer: projection ", p, " needs a route 0-5 and 1 to 3 blocks of the ",
+                "dflash_cpu::", op, ": projection ", p, " needs a route 0-5 and 1 to 3 blocks of the ",
                 weights.size() - block, " weight blocks left");
     const auto route = static_cast<dflash_cpu::Route>(routes[p]);
     expect_route(op, route);
@@ -737,7 +733,7 @@ void projections(at::IntArrayRef routes, at::IntArrayRef nblocks, at::TensorList
       } else {
         TORCH_CHECK(expect_weight_block(op, index, w, bias, depth[p], packed ? at::kShort : at::kFloat) ==
                         block_rows[block],
-                    "dflash_cpu::forward_layer: block_rows[", block, "] = ", block_rows[block], " must be weights[",
+                    "dflash_cpu::", op, ": block_rows[", block, "] = ", block_rows[block], " must be weights[",
                     block, "]'s ", w.size(0), " rows");
         if (packed)
           proj.packed[i] = linear_block<uint16_t>(w, bias);
@@ -746,60 +742,107 @@ void projections(at::IntArrayRef routes, at::IntArrayRef nblocks, at::TensorList
       }
       rows += block_rows[block];
     }
-    TORCH_CHECK(rows == width[p], "dflash_cpu::forward_layer: projection ", p, "'s blocks have ", rows,
+    TORCH_CHECK(rows == width[p], "dflash_cpu::", op, ": projection ", p, "'s blocks have ", rows,
                 " rows in all; its output rows have ", width[p], " values");
   }
+  return block;
 }
 
-// One decoder layer (dflash_cpu::forward_layer) of M = N * B rows: buffers h, x, delta [M, H], qkv [N, B, (nH + 2
-// kvH) D], attn [N, B, nH, D], gu [M, 2I], act [M, I] (contiguous); taps: [M, H] views (row stride) the residual
-// stream is copied to after the input norm; the layer's caches [R, cap, kvH, D], norms [H] and projections (the
-// attention's rules: check_attention). 0, 1 (attention scratch) or 2 (projection memory) as the kernel.
-int64_t forward_layer(const Tensor& h, const Tensor& x, const Tensor& delta, const Tensor& qkv, const Tensor& attn,
-                      const Tensor& gu, const Tensor& act, at::TensorList taps, const Tensor& k_cache,
-                      const Tensor& v_cache, const Tensor& lens, const OptTensor& rows, const Tensor& cos,
-                      const Tensor& sin_signed, const OptTensor& tree_mask, const Tensor& input_norm, double input_eps,
-                      const Tensor& post_norm, double post_eps, const OptTensor& q_norm, const OptTensor& k_norm,
-                      double qk_eps, double scale, bool first, at::IntArrayRef routes, at::IntArrayRef nblocks,
-                      at::TensorList weights, at::IntArrayRef block_rows, const c10::List<OptTensor>& biases) {
-  const char* op = "forward_layer";
+// The L decoder layers of a forward (dflash_cpu::forward_layer, layer 0 first) of M = N * B rows: buffers h, x, delta
+// [M, H], qkv [N, B, (nH + 2 kvH) D], attn [N, B, nH, D], gu [M, 2I], act [M, I] (contiguous); taps[t]: an [M, H]
+// view (row stride) the residual stream entering layer tap_layers[t] is copied to (after that layer's input norm
+// adds it up); caches [L, R, cap, kvH, D] contiguous; per layer l: input_norms[l] / post_norms[l] [H], their eps,
+// q_norms[l] / k_norms[l] ([D] or None), qk_eps[l], scales[l], and routes / nblocks [4 L] with the weight blocks in
+// layer order (the attention's rules: check_attention). Everything is checked before the first layer runs. 0, 1
+// (attention scratch) or 2 (projection memory) as the kernel; a failing layer leaves the ones after it unrun.
+int64_t forward_layers(const Tensor& h, const Tensor& x, const Tensor& delta, const Tensor& qkv, const Tensor& attn,
+                       const Tensor& gu, const Tensor& act, at::TensorList taps, at::IntArrayRef tap_layers,
+                       const Tensor& k_cache, const Tensor& v_cache, const Tensor& lens, const OptTensor& rows,
+                       const Tensor& cos, const Tensor& sin_signed, const OptTensor& tree_mask,
+                       at::TensorList input_norms, at::ArrayRef<double> input_eps, at::TensorList post_norms,
+                       at::ArrayRef<double> post_eps, const c10::List<OptTensor>& q_norms,
+                       const c10::List<OptTensor>& k_norms, at::ArrayRef<double> qk_eps, at::ArrayRef<double> scales,
+                       at::IntArrayRef routes, at::IntArrayRef nblocks, at::TensorList weights,
+                       at::IntArrayRef block_rows, const c10::List<OptTensor>& biases) {
+  const char* op = "forward_layers";
+  const auto layers = static_cast<int64_t>(input_norms.size());
+  expect_size(op, "the layer count (input_norms' length)", layers, 1);
+  TORCH_CHECK(post_norms.size() == input_norms.size() && q_norms.size() == input_norms.size() &&
+                  k_norms.size() == input_norms.size() && input_eps.size() == input_norms.size() &&
+                  post_eps.size() == input_norms.size() && qk_eps.size() == input_norms.size() &&
+                  scales.size() == input_norms.size(),
+              "dflash_cpu::forward_layers: input_norms, post_norms, q_norms, k_norms, input_eps, post_eps, qk_eps and "
+              "scales need one entry a layer; got ", input_norms.size(), ", ", post_norms.size(), ", ", q_norms.size(),
+              ", ", k_norms.size(), ", ", input_eps.size(), ", ", post_eps.size(), ", ", qk_eps.size(), ", ",
+              scales.size());
+  TORCH_CHECK(routes.size() == static_cast<size_t>(4 * layers) && nblocks.size() == routes.size(),
+              "dflash_cpu::forward_layers: routes and nblocks need four entries a layer (", 4 * layers, "); got ",
+              routes.size(), " and ", nblocks.size());
+  TORCH_CHECK(weights.size() == block_rows.size() && weights.size() == biases.size(),
+              "dflash_cpu::forward_layers: one block_rows and one bias (or None) a weight block");
   expect(op, "h", h, at::kFloat, {kAny, kAny});
   const int64_t m = h.size(0), hidden = h.size(1);
   expect_size(op, "h's rows M", m, 1);
   expect(op, "x", x, at::kFloat, {m, hidden});
   expect(op, "delta", delta, at::kFloat, {m, hidden});
-  expect_values(op, "input_norm", input_norm, at::kFloat, hidden);
-  expect_values(op, "post_norm", post_norm, at::kFloat, hidden);
   expect(op, "attn", attn, at::kFloat, {kAny, kAny, kAny, kAny});
   const int64_t n = attn.size(0), b = attn.size(1), nh = attn.size(2), d = attn.size(3);
-  TORCH_CHECK(n * b == m, "dflash_cpu::forward_layer: attn's ", n, " x ", b, " rows must be h's ", m, " rows");
-  expect(op, "k_cache", k_cache, at::kFloat, {kAny, kAny, kAny, d});
-  const int64_t kvh = k_cache.size(2);
+  TORCH_CHECK(n * b == m, "dflash_cpu::forward_layers: attn's ", n, " x ", b, " rows must be h's ", m, " rows");
+  expect(op, "k_cache", k_cache, at::kFloat, {layers, kAny, kAny, kAny, d});
+  expect(op, "v_cache", v_cache, at::kFloat, k_cache.sizes());
+  const int64_t kvh = k_cache.size(3);
   expect(op, "qkv", qkv, at::kFloat, {n, b, (nh + 2 * kvh) * d});
   expect(op, "gu", gu, at::kFloat, {m, kAny});
   const int64_t inter = half_width(op, "gu", gu);
   expect(op, "act", act, at::kFloat, {m, inter});
-  std::vector<dflash_cpu::TapCopy> tap_copies;
+  TORCH_CHECK(tap_layers.size() == taps.size(), "dflash_cpu::forward_layers: one tap_layers entry a tap; got ",
+              tap_layers.size(), " for ", taps.size(), " taps");
+  std::vector<std::vector<dflash_cpu::TapCopy>> tap_copies(layers);
   for (size_t t = 0; t < taps.size(); ++t) {
     expect(op, {"taps", static_cast<int64_t>(t)}, taps[t], at::kFloat, {m, hidden}, 1);
-    tap_copies.push_back({ptr<float>(taps[t]), taps[t].stride(0)});
+    TORCH_CHECK(tap_layers[t] >= 0 && tap_layers[t] < layers, "dflash_cpu::forward_layers: tap_layers[", t, "] = ",
+                tap_layers[t], " must name one of the ", layers, " layers");
+    tap_copies[tap_layers[t]].push_back({ptr<float>(taps[t]), taps[t].stride(0)});
   }
   const Tensor q = qkv.narrow(2, 0, nh * d).unflatten(2, {nh, d});
   const Tensor k = qkv.narrow(2, nh * d, kvh * d).unflatten(2, {kvh, d});
   const Tensor v = qkv.narrow(2, (nh + kvh) * d, kvh * d).unflatten(2, {kvh, d});
-  const AttentionIndex index = check_attention(op, q, k, v, k_cache, v_cache, lens, rows, std::nullopt, q_norm,
-                                               k_norm, cos, sin_signed, tree_mask, true, attn);
-  dflash_cpu::Projection proj[4];
-  projections(routes, nblocks, weights, block_rows, biases, {hidden, nh * d, hidden, inter},
-              {(nh + 2 * kvh) * d, hidden, 2 * inter, hidden}, proj);
-  dflash_cpu::LayerArgs a{vector_kernels(), linear_fallback, ptr<float>(h), ptr<float>(x), ptr<float>(delta),
-                          ptr<float>(qkv), ptr<float>(attn), ptr<float>(gu), ptr<float>(act), m, hidden, inter, first,
-                          ptr<float>(input_norm), ptr<float>(post_norm), static_cast<float>(input_eps),
-                          static_cast<float>(post_eps), tap_copies.data(), static_cast<int>(tap_copies.size()),
-                          attention_args(q, k, v, k_cache, v_cache, index, rows, std::nullopt, q_norm, k_norm, qk_eps,
-                                         cos, sin_signed, tree_mask, true, true, scale, attn),
-                          proj[0], proj[1], proj[2], proj[3], at::get_num_threads()};
-  return dflash_cpu::forward_layer(a);
+  // Layer 0's caches stand for every layer's: the same shape, at a fixed stride in the contiguous [L, ...] caches.
+  const Tensor k_cache0 = k_cache.select(0, 0), v_cache0 = v_cache.select(0, 0);
+  const AttentionIndex index = check_attention(op, q, k, v, k_cache0, v_cache0, lens, rows, std::nullopt,
+                                               q_norms.get(0), k_norms.get(0), cos, sin_signed, tree_mask, true, attn);
+  const dflash_cpu::BlockAttentionArgs attention =
+      attention_args(q, k, v, k_cache0, v_cache0, index, rows, std::nullopt, std::nullopt, std::nullopt, 0.0, cos,
+                     sin_signed, tree_mask, true, true, 1.0, attn);
+  std::vector<dflash_cpu::LayerArgs> args(layers);
+  size_t block = 0;
+  for (int64_t l = 0; l < layers; ++l) {
+    expect_values(op, {"input_norms", l}, input_norms[l], at::kFloat, hidden);
+    expect_values(op, {"post_norms", l}, post_norms[l], at::kFloat, hidden);
+    const OptTensor q_norm = q_norms.get(l), k_norm = k_norms.get(l);
+    expect_values(op, {"q_norms", l}, q_norm, at::kFloat, d);
+    expect_values(op, {"k_norms", l}, k_norm, at::kFloat, d);
+    dflash_cpu::Projection proj[4];
+    block = projections(op, routes.slice(4 * l, 4), nblocks.slice(4 * l, 4), weights, block_rows, biases, block,
+                        {hidden, nh * d, hidden, inter}, {(nh + 2 * kvh) * d, hidden, 2 * inter, hidden}, proj);
+    dflash_cpu::BlockAttentionArgs at = attention;
+    at.k_cache += l * k_cache.stride(0);
+    at.v_cache += l * v_cache.stride(0);
+    at.q_norm = ptr<float>(q_norm);
+    at.k_norm = ptr<float>(k_norm);
+    at.eps = static_cast<float>(qk_eps[l]);
+    at.scale = static_cast<float>(scales[l]);
+    args[l] = {vector_kernels(), linear_fallback, ptr<float>(h), ptr<float>(x), ptr<float>(delta), ptr<float>(qkv),
+               ptr<float>(attn), ptr<float>(gu), ptr<float>(act), m, hidden, inter, l == 0,
+               ptr<float>(input_norms[l]), ptr<float>(post_norms[l]), static_cast<float>(input_eps[l]),
+               static_cast<float>(post_eps[l]), tap_copies[l].data(), static_cast<int>(tap_copies[l].size()), at,
+               proj[0], proj[1], proj[2], proj[3], at::get_num_threads()};
+  }
+  TORCH_CHECK(block == weights.size(), "dflash_cpu::forward_layers: the layers' projections use ", block, " of the ",
+              weights.size(), " weight blocks given");
+  for (const dflash_cpu::LayerArgs& a : args)
+    if (const int status = dflash_cpu::forward_layer(a)) return status;
+  return 0;
 }
 
 }  // namespace
@@ -833,11 +876,12 @@ TORCH_LIBRARY(dflash_cpu, m) {
   m.def("amx_argmax(Tensor x, Tensor tiles, Tensor? bias, Tensor norms, Tensor(a!) ids, Tensor? int8_tiles=None, "
         "Tensor? scales=None, Tensor? int8_bounds=None, Tensor? code_norms=None, float max_scale=0) -> int");
   m.def("amx_int8() -> bool", &has_amx_int8);
-  m.def("forward_layer(Tensor(a!) h, Tensor(b!) x, Tensor(c!) delta, Tensor(d!) qkv, Tensor(e!) attn, "
-        "Tensor(f!) gu, Tensor(g!) act, Tensor(h!)[] taps, Tensor(i!) k_cache, Tensor(j!) v_cache, Tensor lens, "
-        "Tensor? rows, Tensor cos, Tensor sin_signed, Tensor? tree_mask, Tensor input_norm, float input_eps, "
-        "Tensor post_norm, float post_eps, Tensor? q_norm, Tensor? k_norm, float qk_eps, float scale, bool first, "
-        "int[] routes, int[] nblocks, Tensor[] weights, int[] block_rows, Tensor?[] biases) -> int");
+  m.def("forward_layers(Tensor(a!) h, Tensor(b!) x, Tensor(c!) delta, Tensor(d!) qkv, Tensor(e!) attn, "
+        "Tensor(f!) gu, Tensor(g!) act, Tensor(h!)[] taps, int[] tap_layers, Tensor(i!) k_cache, Tensor(j!) v_cache, "
+        "Tensor lens, Tensor? rows, Tensor cos, Tensor sin_signed, Tensor? tree_mask, Tensor[] input_norms, "
+        "float[] input_eps, Tensor[] post_norms, float[] post_eps, Tensor?[] q_norms, Tensor?[] k_norms, "
+        "float[] qk_eps, float[] scales, int[] routes, int[] nblocks, Tensor[] weights, int[] block_rows, "
+        "Tensor?[] biases) -> int");
 }
 
 TORCH_LIBRARY_IMPL(dflash_cpu, CPU, m) {
@@ -859,5 +903,5 @@ TORCH_LIBRARY_IMPL(dflash_cpu, CPU, m) {
   m.impl("amx_column_norms", &amx_column_norms);
   m.impl("amx_linear", &amx_linear);
   m.impl("amx_argmax", &amx_argmax);
-  m.impl("forward_layer", &forward_layer);
+  m.impl("forward_layers", &forward_layers);
 }

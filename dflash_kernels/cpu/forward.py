@@ -1,14 +1,16 @@
-"""The lean target's forward on the "cpu" backend as one native call a decoder layer: the CPU's counterpart of a
-captured GPU step, and the one CPU target forward wherever it applies.
+"""The lean target's forward on the "cpu" backend with its decoder layers in one native call: the CPU's counterpart
+of a captured GPU step, and the one CPU target forward wherever it applies.
 
 Why: a SmolLM2 forward makes ~240 kernel calls (seven a layer and the LM head), and the Python around them (each
 op's argument checks and backend resolution, the output allocations, the ``cpu_linear`` dispatch) cost 11-19 ms of
 a 35-57 ms forward on the project's 2-core CPU: the same forward's native calls, recorded once and called back to
 back with their recorded arguments, take 20-41 ms (``bench/results/2026-12-02-cpu-smollm2-vocab4096.md``). A
 :class:`NativeForward` checks everything once per shape, keeps the activations in buffers of its own, and runs a
-forward as the embedding, the RoPE tables, then one ``torch.ops.dflash_cpu.forward_layer`` call a layer
-(``csrc/cpu/forward.cpp``: the layer's seven kernels in C++), the final norm and the LM head: the kernels and
-arguments of the op path (``LeanTarget``'s layer loop), so the same bits.
+forward as the embedding, the RoPE tables, then one ``torch.ops.dflash_cpu.forward_layers`` call for every layer
+(``csrc/cpu/forward.cpp``: each layer's seven kernels in C++), the final norm and the LM head: the kernels and
+arguments of the op path (``LeanTarget``'s layer loop), so the same bits. One call, not one a layer: the Python and
+dispatch around 30 per-layer calls, with the routes planned on every forward, cost ~1.9 ms of an 11.9 ms one-token
+SmolLM2 step (2-core Xeon), ~16 % (``bench/results/2026-12-05-cpu-one-call-forward.md``).
 
 Each projection takes the route ``cpu_linear.linear`` would take at these rows (``cpu_linear.route``, the one rule):
 the AMX tiles of a bf16-exact weight, the fp32 kernel (AVX-512 or AVX2) on a bf16-exact weight's bf16-packed copy
@@ -20,9 +22,9 @@ most :data:`MAX_ROWS` rows a request (decode, verify and tree steps; a long pref
 per-call cost is small next to its work). Elsewhere ``forward`` returns None and ``LeanTarget`` runs its op path.
 ``DFLASH_NATIVE_FORWARD=0`` (or :func:`set_enabled`) turns it off (A/B runs, tests).
 
-The routes (and the weights' packed forms: ``cpu_linear.bf16_tiles`` / ``bf16_rows``, a dict hit unless a weight was updated in
-place, which repacks it) are looked up on every forward, so an in-place update or a switched setting is seen as on
-the op path.
+The routes (and the weights' packed forms: ``cpu_linear.bf16_tiles`` / ``bf16_rows``) are planned once and kept
+while ``cpu_linear.route_key`` (the settings, each weight's version and storage) is unchanged, so an in-place update
+(which repacks the weight) or a switched setting is seen as on the op path.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from dflash_kernels.cpu.rope import rope_tables_cpu
 
 ENV = "DFLASH_NATIVE_FORWARD"
 MAX_ROWS = 64
-# cpu_linear.route's answers as forward_layer's route codes (dflash_cpu::Route, csrc/cpu/dflash_cpu.h)
+# cpu_linear.route's answers as forward_layers' route codes (dflash_cpu::Route, csrc/cpu/dflash_cpu.h)
 ROUTES = {"amx": 0, "avx512": 1, "avx2": 2, "torch": 3, "avx512_bf16": 4, "avx2_bf16": 5}
 _on = os.environ.get(ENV, "1") != "0"
 
@@ -68,7 +70,7 @@ class _Projection:
 
     def plan(self, rows: int, out: tuple[list, list, list, list, list]) -> None:
         """Append this projection's route, block count, tensors, block rows and biases at ``rows`` rows to ``out``
-        (forward_layer's ``routes, nblocks, weights, block_rows, biases``)."""
+        (forward_layers' ``routes, nblocks, weights, block_rows, biases``)."""
         how, tensors = cpu_linear.route(self.sources, self.weights, rows, self.min_rows)
         routes, nblocks, weights, block_rows, biases = out
         routes.append(ROUTES[how])
@@ -102,6 +104,17 @@ class NativeForward:
         # what autograd would record through (read only with grad mode on)
         self.parameters = [t for layer in self.projections for proj in layer
                            for t in (*proj.sources, *proj.biases) if t is not None]
+        self.sources = [t for layer in self.projections for proj in layer for t in proj.sources]
+        self.plan_key, self.plan = None, None  # the projections' routes, kept while cpu_linear.route_key holds
+        # forward_layers' per-layer constants; the residual stream entering layer li is tapped for the output of
+        # layer li - 1 (the last layer's output is tapped after the final norm's add)
+        layers = lt.layers
+        self.norms = ([p.input_norm for p in layers], [float(p.input_eps) for p in layers],
+                      [p.post_norm for p in layers], [float(p.post_eps) for p in layers],
+                      [p.q_norm for p in layers], [p.k_norm for p in layers], [float(p.qk_norm_eps) for p in layers],
+                      [float(self.d ** -0.5 if p.scale is None else p.scale) for p in layers])
+        taps = [(li, t) for li in range(len(layers)) for t in lt.taps.get(li - 1, ())]
+        self.tap_layers, self.tap_slots = [li for li, _ in taps], [t for _, t in taps]
 
     @staticmethod
     def supports(lt) -> bool:
@@ -167,20 +180,20 @@ class NativeForward:
         torch.index_select(model.model.embed_tokens.weight, 0, input_ids.reshape(-1), out=self.h)
         features = self.h.new_empty((n, q, len(lt.layer_ids) * hid)) if lt.layer_ids else None
         columns = None if features is None else features.view(m, -1)
-        qkv, attn = self.qkv.view(n, q, -1), self.attn.view(n, q, self.nh, self.d)
-        for li, p in enumerate(lt.layers):
+        key = cpu_linear.route_key(self.sources)
+        if key != self.plan_key:
             plan = ([], [], [], [], [])
-            for proj in self.projections[li]:
-                proj.plan(m, plan)
-            # the previous layer's output, copied where it is tapped, after this layer's input norm adds it up
-            taps = [columns[:, t * hid:(t + 1) * hid] for t in lt.taps.get(li - 1, ())]
-            status = ops.forward_layer(self.h, self.x, self.delta, qkv, attn, self.gu, self.act, taps, lt.k_cache[li],
-                                       lt.v_cache[li], start_t, rows_t, cos, sin, mask, p.input_norm, p.input_eps,
-                                       p.post_norm, p.post_eps, p.q_norm, p.k_norm, p.qk_norm_eps,
-                                       self.d ** -0.5 if p.scale is None else p.scale, li == 0, *plan)
-            if status:
-                what = "the attention's scratch" if status == 1 else "a projection's split input rows"
-                raise MemoryError(f"native_forward: not enough memory for {what} ({n} x {q} rows, layer {li})")
+            for layer in self.projections:
+                for proj in layer:
+                    proj.plan(m, plan)
+            self.plan_key, self.plan = key, plan
+        taps = [columns[:, t * hid:(t + 1) * hid] for t in self.tap_slots]
+        status = ops.forward_layers(self.h, self.x, self.delta, self.qkv.view(n, q, -1),
+                                    self.attn.view(n, q, self.nh, self.d), self.gu, self.act, taps, self.tap_layers,
+                                    lt.k_cache, lt.v_cache, start_t, rows_t, cos, sin, mask, *self.norms, *self.plan)
+        if status:
+            what = "the attention's scratch" if status == 1 else "a projection's split input rows"
+            raise MemoryError(f"native_forward: not enough memory for {what} ({n} x {q} rows)")
         final = model.model.norm
         ops.add_rms_norm(self.delta, self.h, final.weight, self.x, final.variance_epsilon)
         lt.copy_taps(features, lt.taps, len(lt.layers) - 1, self.h.view(n, q, hid))

@@ -529,6 +529,15 @@ def route(sources: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], rows
     return "torch", list(weights)
 
 
+def route_key(sources: Sequence[torch.Tensor]) -> tuple:
+    """What :func:`route`'s answers for row blocks of ``sources`` depend on besides the row count: the settings and
+    constants it reads, and each source's version and storage (with its identity, what :func:`bf16_tiles` and
+    :func:`bf16_rows` key their packed forms by). For the same source tensors, equal keys give equal answers: a
+    caller that holds the sources may keep a plan of routes while the key stays the same."""
+    return (amx_active(), _bf16_on, _isa, _kernel is not None, AMX_MIN_ROWS, BF16_MIN_ROWS, BF16_MAX_ROWS, MIN_ROWS,
+            MAX_ROWS, *[(_version(t), t.data_ptr()) for t in sources])
+
+
 def _compute(how: str, x: torch.Tensor, tensors, sizes, biases) -> torch.Tensor:
     """``x`` times the blocks of ``sizes`` rows (their biases added) by :func:`route`'s ``(how, tensors)``, on the
     AMX kernel, the fp32 kernel or the fp32 kernel on bf16-packed weights."""

@@ -139,20 +139,29 @@ def argmax_int8_args():
                 ids=torch.full((3,), -7))
 
 
-def layer_args(route=3, h=40, nh=2, kvh=1, d=16, inter=24, n=1, b=3):
-    """A tiny decoder layer: fp32 weights on the fallback route (3, torch's linear: any CPU) unless ``route``."""
+def layer_args(route=3, h=40, nh=2, kvh=1, d=16, inter=24, n=1, b=3, layers=2):
+    """Tiny decoder layers: fp32 weights on the fallback route (3, torch's linear: any CPU) unless ``route``; one tap
+    entering the last layer."""
     m = n * b
-    qkv_w = [torch.randn(rows, h) * 0.1 for rows in (nh * d, kvh * d, kvh * d)]
-    weights = qkv_w + [torch.randn(h, nh * d) * 0.1, torch.randn(inter, h) * 0.1, torch.randn(inter, h) * 0.1,
-                       torch.randn(h, inter) * 0.1]
+    weights, biases = [], []
+    for _ in range(layers):
+        weights += [torch.randn(rows, h) * 0.1 for rows in (nh * d, kvh * d, kvh * d)]
+        weights += [torch.randn(h, nh * d) * 0.1, torch.randn(inter, h) * 0.1, torch.randn(inter, h) * 0.1,
+                    torch.randn(h, inter) * 0.1]
+        biases += [None, None, None, torch.randn(h), None, None, None]
+
+    def per_layer(make):
+        return [make() for _ in range(layers)]
     return dict(h=torch.randn(m, h), x=nan(m, h), delta=nan(m, h), qkv=nan(n, b, (nh + 2 * kvh) * d),
                 attn=nan(n, b, nh, d), gu=nan(m, 2 * inter), act=nan(m, inter), taps=[nan(m, 2 * h)[:, h:]],
-                k_cache=torch.randn(2, 8, kvh, d), v_cache=torch.randn(2, 8, kvh, d), lens=idx(8 - b), rows=idx(1),
-                cos=torch.randn(m, d), sin_signed=torch.randn(m, d), tree_mask=None, input_norm=torch.rand(h) + 0.5,
-                input_eps=1e-6, post_norm=torch.rand(h) + 0.5, post_eps=1e-6, q_norm=torch.rand(d) + 0.5,
-                k_norm=torch.rand(d) + 0.5, qk_eps=1e-6, scale=d ** -0.5, first=True, routes=[route] * 4,
-                nblocks=[3, 1, 2, 1], weights=weights, block_rows=[w.shape[0] for w in weights],
-                biases=[None, None, None, torch.randn(h), None, None, None])
+                tap_layers=[layers - 1], k_cache=torch.randn(layers, 2, 8, kvh, d),
+                v_cache=torch.randn(layers, 2, 8, kvh, d), lens=idx(8 - b), rows=idx(1), cos=torch.randn(m, d),
+                sin_signed=torch.randn(m, d), tree_mask=None, input_norms=per_layer(lambda: torch.rand(h) + 0.5),
+                input_eps=[1e-6] * layers, post_norms=per_layer(lambda: torch.rand(h) + 0.5),
+                post_eps=[1e-6] * layers, q_norms=per_layer(lambda: torch.rand(d) + 0.5),
+                k_norms=per_layer(lambda: torch.rand(d) + 0.5), qk_eps=[1e-6] * layers, scales=[d ** -0.5] * layers,
+                routes=[route] * 4 * layers, nblocks=[3, 1, 2, 1] * layers, weights=weights,
+                block_rows=[w.shape[0] for w in weights], biases=biases)
 
 
 # ---- valid calls run (and write every output)
@@ -203,9 +212,13 @@ def test_valid_calls_run():
             assert getattr(ops(), f"argmax_int8_{isa}")(**a) >= 3 and ((a["ids"] >= 0) & (a["ids"] < 20)).all()
 
     a = layer_args()
-    assert ops().forward_layer(**a) == 0
+    caches = [a["k_cache"].clone(), a["v_cache"].clone()]
+    assert ops().forward_layers(**a) == 0
     assert not any(a[k].isnan().any() for k in ("h", "x", "delta", "qkv", "attn", "gu", "act"))
     assert not a["taps"][0].isnan().any()
+    for new, old in zip((a["k_cache"], a["v_cache"]), caches):  # each layer wrote its block's rows, nothing else
+        assert all(not torch.equal(new[layer, 1, 5:], old[layer, 1, 5:]) for layer in range(2))
+        assert torch.equal(new[:, 0], old[:, 0]) and torch.equal(new[:, 1, :5], old[:, 1, :5])
 
 
 @pytest.mark.parametrize("route", [1, 2, 4, 5])
@@ -217,7 +230,7 @@ def test_valid_layer_on_each_vector_route(route):
     a = layer_args(route)
     if route in (4, 5):
         a["weights"] = [w.bfloat16().float().view(torch.int16)[:, 1::2].contiguous() for w in a["weights"]]
-    assert ops().forward_layer(**a) == 0 and not a["delta"].isnan().any()
+    assert ops().forward_layers(**a) == 0 and not a["delta"].isnan().any()
 
 
 def test_amx_ops_run_only_where_the_cpu_and_os_allow():
@@ -230,8 +243,8 @@ def test_amx_ops_run_only_where_the_cpu_and_os_allow():
         for name, make in (("amx_linear", amx_linear_args), ("amx_argmax", amx_argmax_args)):
             with pytest.raises(RuntimeError, match=f"dflash_cpu::{name}: the AMX tile state is not granted"):
                 getattr(ops(), name)(**make())
-        with pytest.raises(RuntimeError, match="dflash_cpu::forward_layer: the AMX tile state is not granted"):
-            ops().forward_layer(**layer_args(route=0))
+        with pytest.raises(RuntimeError, match="dflash_cpu::forward_layers: the AMX tile state is not granted"):
+            ops().forward_layers(**layer_args(route=0))
         return
     assert ops().amx_request() == 0
     a = pack_args()
@@ -460,39 +473,60 @@ BAD = {
                                "tiles must be"),
     "amx-argmax-bias-short": ("amx_argmax", amx_argmax_args, lambda a: replace(a, bias=torch.randn(19)),
                               "bias must be"),
-    # forward_layer
-    "layer-lens-past-room": ("forward_layer", layer_args, lambda a: replace(a, lens=idx(6)), r"lens\[0\] = 6"),
-    "layer-rows-past": ("forward_layer", layer_args, lambda a: replace(a, rows=idx(2)), r"rows\[0\] = 2"),
-    "layer-cache-short": ("forward_layer", layer_args, lambda a: replace(a, v_cache=torch.randn(2, 7, 1, 16)),
+    # forward_layers (two layers; weight blocks 0-6 are layer 0's, 7-13 layer 1's)
+    "layer-lens-past-room": ("forward_layers", layer_args, lambda a: replace(a, lens=idx(6)), r"lens\[0\] = 6"),
+    "layer-rows-past": ("forward_layers", layer_args, lambda a: replace(a, rows=idx(2)), r"rows\[0\] = 2"),
+    "layer-cache-short": ("forward_layers", layer_args, lambda a: replace(a, v_cache=torch.randn(2, 2, 7, 1, 16)),
                           "v_cache must be"),
-    "layer-qkv-narrow": ("forward_layer", layer_args, lambda a: replace(a, qkv=nan(1, 3, 48)), "qkv must be"),
-    "layer-attn-rows": ("forward_layer", layer_args, lambda a: replace(a, attn=nan(1, 2, 2, 16)), "attn's 1 x 2"),
-    "layer-act-short": ("forward_layer", layer_args, lambda a: replace(a, act=nan(3, 23)), "act must be"),
-    "layer-gu-odd": ("forward_layer", layer_args, lambda a: replace(a, gu=nan(3, 47)), "even width"),
-    "layer-h-dtype": ("forward_layer", layer_args, lambda a: replace(a, h=a["h"].bfloat16()), "h must be"),
-    "layer-tap-short": ("forward_layer", layer_args, lambda a: replace(a, taps=[nan(3, 39)]), r"taps\[0\] must be"),
-    "layer-tap-strided": ("forward_layer", layer_args, lambda a: replace(a, taps=[transposed(3, 40)]),
+    "layer-cache-layers": ("forward_layers", layer_args, lambda a: replace(a, k_cache=torch.randn(1, 2, 8, 1, 16),
+                                                                           v_cache=torch.randn(1, 2, 8, 1, 16)),
+                           "k_cache must be"),
+    "layer-cache-strided": ("forward_layers", layer_args,
+                            lambda a: replace(a, v_cache=torch.randn(2, 2, 8, 1, 32)[..., ::2]), "v_cache must be"),
+    "layer-qkv-narrow": ("forward_layers", layer_args, lambda a: replace(a, qkv=nan(1, 3, 48)), "qkv must be"),
+    "layer-attn-rows": ("forward_layers", layer_args, lambda a: replace(a, attn=nan(1, 2, 2, 16)), "attn's 1 x 2"),
+    "layer-act-short": ("forward_layers", layer_args, lambda a: replace(a, act=nan(3, 23)), "act must be"),
+    "layer-gu-odd": ("forward_layers", layer_args, lambda a: replace(a, gu=nan(3, 47)), "even width"),
+    "layer-h-dtype": ("forward_layers", layer_args, lambda a: replace(a, h=a["h"].bfloat16()), "h must be"),
+    "layer-tap-short": ("forward_layers", layer_args, lambda a: replace(a, taps=[nan(3, 39)]), r"taps\[0\] must be"),
+    "layer-tap-strided": ("forward_layers", layer_args, lambda a: replace(a, taps=[transposed(3, 40)]),
                           r"taps\[0\] must be"),
-    "layer-norm-short": ("forward_layer", layer_args, lambda a: replace(a, input_norm=torch.randn(39)),
-                         "input_norm must be"),
-    "layer-cos-short": ("forward_layer", layer_args, lambda a: replace(a, cos=torch.randn(2, 16)), "cos must be"),
-    "layer-tree-words": ("forward_layer", layer_args,
+    "layer-tap-layer-past": ("forward_layers", layer_args, lambda a: replace(a, tap_layers=[2]),
+                             r"tap_layers\[0\] = 2 must name one of the 2 layers"),
+    "layer-tap-count": ("forward_layers", layer_args, lambda a: replace(a, tap_layers=[]), "one tap_layers entry"),
+    "layer-norm-short": ("forward_layers", layer_args, lambda a: replace_item(a, "input_norms", 1, torch.randn(39)),
+                         r"input_norms\[1\] must be"),
+    "layer-qnorm-short": ("forward_layers", layer_args, lambda a: replace_item(a, "q_norms", 1, torch.randn(15)),
+                          r"q_norms\[1\] must be"),
+    "layer-eps-count": ("forward_layers", layer_args, lambda a: replace(a, post_eps=[1e-6]), "one entry a layer"),
+    "layer-no-layers": ("forward_layers", layer_args,
+                        lambda a: replace(a, **{k: [] for k in ("input_norms", "input_eps", "post_norms", "post_eps",
+                                                                "q_norms", "k_norms", "qk_eps", "scales")}),
+                        "layer count"),
+    "layer-cos-short": ("forward_layers", layer_args, lambda a: replace(a, cos=torch.randn(2, 16)), "cos must be"),
+    "layer-tree-words": ("forward_layers", layer_args,
                          lambda a: replace(a, tree_mask=torch.zeros(1, 3, 0, dtype=I64)), "tree_mask's 0 words"),
-    "layer-weight-depth": ("forward_layer", layer_args, lambda a: replace_item(a, "weights", 3, torch.randn(40, 31)),
-                           r"weights\[3\] must be"),
-    "layer-weight-strided": ("forward_layer", layer_args, lambda a: replace_item(a, "weights", 6, transposed(40, 24)),
-                             r"weights\[6\] must be"),
-    "layer-block-rows": ("forward_layer", layer_args, lambda a: replace_item(a, "block_rows", 0, 31),
+    "layer-weight-depth": ("forward_layers", layer_args,
+                           lambda a: replace_item(a, "weights", 10, torch.randn(40, 31)), r"weights\[10\] must be"),
+    "layer-weight-strided": ("forward_layers", layer_args,
+                             lambda a: replace_item(a, "weights", 6, transposed(40, 24)), r"weights\[6\] must be"),
+    "layer-block-rows": ("forward_layers", layer_args, lambda a: replace_item(a, "block_rows", 0, 31),
                          r"block_rows\[0\] = 31"),
-    "layer-projection-width": ("forward_layer", layer_args,
+    "layer-projection-width": ("forward_layers", layer_args,
                                lambda a: replace_item(replace_item(a, "weights", 4, torch.randn(23, 40)),
                                                       "block_rows", 4, 23), "projection 2's blocks have 47 rows"),
-    "layer-bias-short": ("forward_layer", layer_args, lambda a: replace_item(a, "biases", 3, torch.randn(39)),
-                         r"biases\[3\] must be"),
-    "layer-route": ("forward_layer", layer_args, lambda a: replace(a, routes=[6, 3, 3, 3]), "route 0-5"),
-    "layer-blocks-left": ("forward_layer", layer_args, lambda a: replace(a, nblocks=[3, 1, 2, 2]),
+    "layer-bias-short": ("forward_layers", layer_args, lambda a: replace_item(a, "biases", 10, torch.randn(39)),
+                         r"biases\[10\] must be"),
+    "layer-route": ("forward_layers", layer_args, lambda a: replace_item(a, "routes", 4, 6), "route 0-5"),
+    "layer-route-count": ("forward_layers", layer_args, lambda a: replace(a, routes=[3, 3, 3, 3]),
+                          "four entries a layer"),
+    "layer-blocks-left": ("forward_layers", layer_args, lambda a: replace_item(a, "nblocks", 7, 2),
                           "projection 3 needs"),
-    "layer-bf16-route-fp32": ("forward_layer", layer_args, lambda a: replace(a, routes=[5, 3, 3, 3]),
+    "layer-blocks-unused": ("forward_layers", layer_args,
+                            lambda a: replace(a, weights=a["weights"] + [torch.randn(40, 40)],
+                                              block_rows=a["block_rows"] + [40], biases=a["biases"] + [None]),
+                            "use 14 of the 15 weight blocks"),
+    "layer-bf16-route-fp32": ("forward_layers", layer_args, lambda a: replace_item(a, "routes", 0, 5),
                               r"weights\[0\] must be a CPU Short"),
 }
 

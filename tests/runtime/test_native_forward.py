@@ -1,4 +1,4 @@
-"""``dflash_kernels.cpu.forward``: the lean target's "cpu" forward as one native call a layer equals the op path bit for
+"""``dflash_kernels.cpu.forward``: the lean target's "cpu" forward as one native call equals the op path bit for
 bit (logits, tapped features, both caches) on every projection route (AMX where the CPU has it, the fp32 kernel of each
 instruction set, torch's linear), and steps aside wherever the op path must run."""
 import pytest
@@ -205,3 +205,47 @@ def test_steps_aside(target, native):
     finally:
         with torch.no_grad():
             w.copy_(saved)
+
+
+def test_kept_plan_follows_in_place_updates_and_settings(target, native, monkeypatch):
+    """The native forward keeps its projections' routes while cpu_linear.route_key holds: a weight updated in place
+    (off the bf16 grid, then back) and a switched setting are planned anew, so each forward of the same lean target
+    equals the op path's on a fresh one."""
+    replanned = []
+    plan = native_forward._Projection.plan
+
+    def recorded(self, rows, out):
+        plan(self, rows, out)
+        replanned.append(rows)
+    monkeypatch.setattr(native_forward._Projection, "plan", recorded)
+    lt, ref = _pair(target)  # stepped side by side: the native forward and the op path
+    w = target.model.layers[2].self_attn.o_proj.weight
+    saved = w.detach().clone()
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, VOCAB, (1, 9), generator=g)
+    steps = [torch.randint(0, VOCAB, (1, 1), generator=g) for _ in range(4)]
+
+    def step(i):
+        args = (steps[i], torch.tensor([9 + i]), 10 + i)
+        _assert_same(_forward(lt, True, *args), _forward(ref, False, *args), lt, ref)
+    try:
+        for x, on in ((lt, True), (ref, False)):
+            _forward(x, on, prompt, torch.tensor([0]), 9)
+        step(0)
+        planned = len(replanned)
+        step(1)
+        assert len(replanned) == planned  # nothing changed: the kept plan
+        with torch.no_grad():
+            w[0, 0] += 1e-3  # no longer a bf16 value: no packed copy, no tiles
+        step(2)
+        assert len(replanned) == planned + 12  # four projections a layer, three layers
+        before = cpu_linear.set_bf16(not cpu_linear._bf16_on)
+        try:
+            step(3)
+        finally:
+            cpu_linear.set_bf16(before)
+        assert len(replanned) == planned + 24
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+    assert all(native)

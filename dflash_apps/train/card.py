@@ -35,8 +35,11 @@ def loss_curve(history: list[dict], points: int = 16) -> str:
         acc = h.get("acc") or [float("nan")] * 4
         lines.append(f"| {h['step']} | {h['loss']:.3f} | {acc[0]:.2f} | {acc[min(3, len(acc) - 1)]:.2f} | `{bar}` |")
     if evals:
-        lines += ["", "| step | eval loss (full vocab) | teacher-forced τ estimate |", "|---:|---:|---:|"]
-        lines += [f"| {e['step']} | {e['eval_loss']:.3f} | {e['tau_est']:.3f} |" for e in evals]
+        walk = any("walk_tau_est" in e for e in evals)  # fits before the decode walk have none
+        lines += ["", "| step | eval loss (full vocab) | teacher-forced τ estimate |"
+                  + (" decode walk τ |" if walk else ""), "|---:|---:|---:|" + ("---:|" if walk else "")]
+        lines += [f"| {e['step']} | {e['eval_loss']:.3f} | {e['tau_est']:.3f} |"
+                  + (f" {e['walk_tau_est']:.3f} |" if "walk_tau_est" in e else " |" if walk else "") for e in evals]
     return "\n".join(lines)
 
 

@@ -175,6 +175,12 @@ def check_soft_label_weight(weight: float, name: str) -> None:
         raise ValueError(f"{name} must be in 0..1 (the soft labels' share of the loss), got {weight}")
 
 
+def check_walk_tokens(tokens: int, name: str) -> None:
+    """The decode walk's new tokens per sequence: 0 (no walk) or more; ``name`` as the caller knows it."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(f"{name} must be an integer >= 0 (new tokens a sequence; 0 skips the walk), got {tokens!r}")
+
+
 class Trainer:
     def __init__(self, draft: DFlashDraftModel, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, *,
                  lr: float = 6e-4, weight_decay: float = 0.0, warmup_ratio: float = 0.04, grad_clip: float = 1.0,
@@ -227,14 +233,16 @@ class Trainer:
             ids = torch.unique(torch.cat([ids, labels[labels >= 0].unique()]))
         return self.lm_head_weight[ids.to(self.lm_head_weight.device)], _labels_in(labels, ids, V), ids
 
+    def _hidden(self, batch) -> torch.Tensor:
+        if self.attention == "flex":
+            return draft_forward_flex(self.draft, batch, self.embed_weight)
+        return draft_forward_dense(self.draft, batch, self.embed_weight)
+
     def forward_loss(self, batch, training: bool = False):
         """``(loss, hidden, logits, stats)`` of a packed batch: the position-weighted loss (a DFlash2 draft's:
         plus its selector's, also in ``stats["selector_loss"]``), the draft's hidden states and logits (over the
         step's vocabulary subset when training with one)."""
-        if self.attention == "flex":
-            hidden = draft_forward_flex(self.draft, batch, self.embed_weight)
-        else:
-            hidden = draft_forward_dense(self.draft, batch, self.embed_weight)
+        hidden = self._hidden(batch)
         if self.draft.vocab_ids is not None:
             # A draft with its own vocabulary subset scores only those ids, as at inference: its logits index
             # them; a label outside them is left out of the loss (and never matched by evaluate).
@@ -278,13 +286,17 @@ class Trainer:
         return {"loss": float(loss.detach()), "lr": lr, "grad_norm": float(gnorm), **stats}
 
     @torch.no_grad()
-    def evaluate(self, records, stride: int = 4, max_anchors: int = 32, tree_budgets: Sequence[int] = ()) -> dict:
+    def evaluate(self, records, stride: int = 4, max_anchors: int = 32, tree_budgets: Sequence[int] = (),
+                 walk_tokens: int = 0) -> dict:
         """Teacher-forced τ estimate: anchors every ``stride`` response positions, acceptance length =
         1 + leading run of proposals equal to the target's (greedy) continuation; the proposals are the draft's
         argmaxes, a DFlash2 draft's the selector's greedy walk from the anchor. ``tree_budgets``: also the
         estimate of draft trees of each budget (``tree_tau_est``, by budget: :func:`tree_acceptance_lengths` on the
-        same blocks; DFlash drafts only, as in the runtimes)."""
+        same blocks; DFlash drafts only, as in the runtimes). ``walk_tokens`` > 0: also ``walk_tau_est``, the
+        chain's τ of a greedy decode of that many new tokens per record (:meth:`walk_rounds`), which the evenly
+        spaced anchors overstate: a decode's anchors follow its rejections, at the harder positions."""
         check_tree_budgets(self.draft, tree_budgets)
+        check_walk_tokens(walk_tokens, "walk_tokens")
         self.draft.eval()
         lens, losses = [], []
         tree_lens: dict[int, list[torch.Tensor]] = {n: [] for n in tree_budgets}
@@ -314,7 +326,53 @@ class Trainer:
         if tree_budgets:
             out["tree_tau_est"] = {n: float((torch.cat(got) if got else torch.zeros(1)).mean())
                                    for n, got in tree_lens.items()}
+        if walk_tokens:
+            rounds = [c for r in records for c in self.walk_rounds(r, walk_tokens)]
+            out["walk_tau_est"] = sum(rounds) / max(1, len(rounds))
+            out["walk_rounds"] = len(rounds)
         return out
+
+    @torch.no_grad()
+    def walk_rounds(self, record, tokens: int) -> list[int]:
+        """The tokens each round commits when the chain runtimes decode ``record``'s prompt greedily for
+        ``tokens`` new tokens (as ``GenerateResult.acceptance_lengths``), teacher-forced: the record's response
+        is the target's greedy output, so round by round the anchor, the context and the block are the
+        runtime's (a block of v = min(B, positions left) rows near the end), and a round commits its accepted
+        proposals and the bonus token, up to the last position (``tokens`` in, or the response's end: its stop
+        token, or where the data's own decode stopped)."""
+        self.draft.eval()
+        P, B = record["prompt_len"], self.B
+        last = min(P + tokens, len(record["ids"])) - 1  # the last position the decode commits
+        full = list(range(P, min(last, P + tokens - B + 1)))  # the anchors whose block has all B rows
+        accepted = dict(zip(full, self._accepted(record, full, B))) if full else {}
+        a, rounds = P, []
+        while a < last:
+            v = min(B, P + tokens - a)  # the runtime's block rows (labels past the response's end match nothing)
+            if a not in accepted:
+                accepted[a] = self._accepted(record, [a], v)[0]
+            rounds.append(min(accepted[a] + 1, last - a))
+            a += rounds[-1]
+        return rounds
+
+    def _accepted(self, record, anchors: list[int], v: int) -> list[int]:
+        """For blocks of ``v`` rows at ``anchors`` of one record: how many of the v - 1 proposals lead in a run
+        equal to the record's next tokens (proposals as in :meth:`evaluate`)."""
+        batch = pack_batch([record], [torch.tensor(anchors)], v, self.mask_id)
+        hidden = self._hidden(batch)
+        if self.draft.config.dflash2 is not None:
+            logits = self.draft.compute_logits(hidden, lambda h: h @ self.lm_head_weight.T)
+            path, _, _ = self.draft.candidate_selector.select(
+                hidden.view(len(anchors), v, -1)[:, 1:], logits.view(len(anchors), v, -1)[:, 1:],
+                batch.block_ids.view(len(anchors), v)[:, 0].to(logits.device))
+            pred = path
+        else:
+            head = (SimpleNamespace(weight=self.lm_head_weight) if self.draft.vocab_ids is not None
+                    else (lambda h: h @ self.lm_head_weight.T))
+            pred = self.draft.compute_logits(hidden, head).argmax(-1).view(len(anchors), v)[:, 1:]
+            if self.draft.vocab_ids is not None:
+                pred = self.draft.vocab_ids.to(pred.device)[pred]
+        labels = batch.labels.view(len(anchors), v)[:, 1:].to(pred.device)
+        return ((pred == labels) & (labels != -100)).long().cumprod(-1).sum(-1).tolist()
 
     def state_dict(self) -> dict:
         return {"draft": self.draft.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
@@ -391,6 +449,9 @@ def add_fit_args(sub) -> None:
     f.add_argument("--eval-tree-budgets", default="",
                    help="comma-separated draft tree budgets: each eval also logs their teacher-forced τ estimates "
                         "(best/ is still chosen by the chain's)")
+    f.add_argument("--eval-walk-tokens", type=int, default=96,
+                   help="each eval also logs the chain's τ of a greedy decode of this many new tokens per eval "
+                        "sequence, teacher-forced (walk_tau_est: what the runtimes measure; 0: skip)")
     f.add_argument("--log-every", type=int, default=10)
     f.add_argument("--save-every-min", type=float, default=5.0)
     f.add_argument("--max-minutes", type=float, default=None, help="stop (after saving) when this wall time is used")
@@ -417,6 +478,9 @@ def add_evaluate_args(sub) -> None:
     v.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, i.e. all cores)")
     v.add_argument("--tree-budgets", default="",
                    help="comma-separated draft tree budgets: also their teacher-forced τ estimates (tree_tau_est)")
+    v.add_argument("--walk-tokens", type=int, default=96,
+                   help="also the chain's τ of a greedy decode of this many new tokens per sequence, teacher-forced "
+                        "(walk_tau_est; 0: skip)")
     v.set_defaults(func=evaluate_main)
 
 
@@ -446,6 +510,7 @@ def fit_main(args) -> int:
     from dflash_apps.train.data import load_dataset
 
     tree_budgets = _budgets(args.eval_tree_budgets)
+    check_walk_tokens(args.eval_walk_tokens, "--eval-walk-tokens")
     check_soft_label_weight(args.soft_labels, "--soft-labels")  # before the target and the data load
     device_arg(args.device)
     if args.threads:
@@ -558,14 +623,17 @@ def fit_main(args) -> int:
             losses, selector_losses, step_times = [], [], []
             acc_c.zero_(); acc_n.zero_()
         if eval_recs and (s % args.eval_every == 0 or s == args.steps):
-            ev = trainer.evaluate(eval_recs, tree_budgets=tree_budgets)
+            ev = trainer.evaluate(eval_recs, tree_budgets=tree_budgets, walk_tokens=args.eval_walk_tokens)
             improved = ev["tau_est"] > best_tau
             if improved:
                 best_tau = ev["tau_est"]
                 draft.save_pretrained(os.path.join(args.out, "best"))
             trees = "".join(f", trees of {n} {t:.3f}" for n, t in ev.get("tree_tau_est", {}).items())
+            walk = (f", decode walk {ev['walk_tau_est']:.3f} over {ev['walk_rounds']} rounds"
+                    if "walk_tau_est" in ev else "")
             log(f"eval step {s}: loss {ev['eval_loss']:.4f} τ-estimate {ev['tau_est']:.3f}{trees} over "
-                f"{ev['eval_blocks']} blocks" + (" (best, saved best/)" if improved else f" (best {best_tau:.3f})"))
+                f"{ev['eval_blocks']} blocks{walk}"
+                + (" (best, saved best/)" if improved else f" (best {best_tau:.3f})"))
             with open(log_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": s, **ev, "time": time.time()}) + "\n")
         now = time.perf_counter()
@@ -607,6 +675,7 @@ def evaluate_main(args) -> int:
     from dflash_apps.train.data import load_dataset
 
     tree_budgets = _budgets(args.tree_budgets)
+    check_walk_tokens(args.walk_tokens, "--walk-tokens")
     if args.threads:
         torch.set_num_threads(args.threads)
     draft = DFlashDraftModel.from_pretrained(args.draft, dtype=torch.float32)
@@ -614,5 +683,5 @@ def evaluate_main(args) -> int:
     target, _ = smollm2.load()
     trainer = Trainer(draft, target.get_input_embeddings().weight.float(), target.lm_head.weight.float())
     recs = load_dataset(args.data, draft.config.target_layer_ids)
-    print(json.dumps(trainer.evaluate(recs, tree_budgets=tree_budgets)))
+    print(json.dumps(trainer.evaluate(recs, tree_budgets=tree_budgets, walk_tokens=args.walk_tokens)))
     return 0

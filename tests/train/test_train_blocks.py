@@ -417,3 +417,49 @@ def test_fit_refuses_a_soft_label_weight_outside_0_1_before_any_work(tmp_path, c
     assert train_main(["fit", "--soft-labels", "1.5", "--out", str(tmp_path / "run")]) == 2
     assert "--soft-labels must be in 0..1" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_decode_walk_gives_the_runtimes_rounds():
+    """Trainer.walk_rounds on records whose responses are the target's greedy outputs: the rounds (tokens committed
+    each) that both runtimes make decoding those prompts, round for round, for the whole response and for a decode
+    that ends inside it (blocks cut short near the end); a trained draft, so rounds longer than one occur. With
+    every id as a permuted vocabulary subset: the same rounds. walk_tau_est pools them as the runtimes' τ."""
+    from dflash import generate
+    from dflash_apps.train.vocab import with_draft_vocab
+
+    from helpers.tiny_models import make_target
+
+    torch.manual_seed(0)
+    target = make_target("qwen3")
+    with torch.no_grad():  # an expressive head: confident, varied greedy continuations
+        target.lm_head.weight.normal_(0.0, 0.5)
+    g = torch.Generator().manual_seed(1)
+    recs = []
+    for n in (5, 7):
+        prompt = torch.randint(MASK + 1, 48, (1, n), generator=g)
+        ids = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False)[0]
+        recs.append(record(target, ids, n))
+    draft = DFlashDraftModel(make_draft_config(target.config, num_layers=1, block_size=4, mask_token_id=MASK,
+                                               target_layer_ids=[1, 2]))
+    tr = Trainer(draft, target.get_input_embeddings().weight, target.lm_head.weight, lr=3e-3, total_steps=60,
+                 num_anchors=16, seed=0)
+    for _ in range(60):
+        tr.train_step(recs)
+    subset = Trainer(with_draft_vocab(draft, torch.randperm(target.config.vocab_size)),
+                     target.get_input_embeddings().weight, target.lm_head.weight)
+    pooled = []
+    for tokens in (20, 11):
+        for rec in recs:
+            walked = tr.walk_rounds(rec, tokens)
+            assert sum(walked) == tokens - 1  # the first new token comes from the prefill
+            assert subset.walk_rounds(rec, tokens) == walked
+            prompt = rec["ids"][None, :rec["prompt_len"]].long()
+            for backend in ("reference", "fast"):
+                assert generate(target, draft, prompt, tokens, backend=backend).acceptance_lengths == walked, backend
+            if tokens == 20:
+                pooled += walked
+    assert max(pooled) > 1, pooled
+    ev = tr.evaluate(recs, walk_tokens=20)
+    assert ev["walk_rounds"] == len(pooled) and ev["walk_tau_est"] == pytest.approx(sum(pooled) / len(pooled))
+    with pytest.raises(ValueError, match="walk_tokens must be an integer >= 0"):
+        tr.evaluate(recs, walk_tokens=-1)

@@ -180,6 +180,21 @@ def test_evaluate_walks_the_selector_as_the_runtime_does(trained, target, record
     assert walked != first_rounds
 
 
+def test_decode_walk_gives_the_runtimes_rounds(trained, target, records):
+    """The teacher-forced decode walk (the selector's proposals, blocks cut short near the end) gives the rounds
+    the runtime makes, round for round, for the whole response and for a decode that ends inside it."""
+    trainer = trained[0]
+    longest = 1
+    for tokens in (20, 9):
+        for rec in records:
+            walked = trainer.walk_rounds(rec, tokens)
+            prompt = rec["ids"][None, :rec["prompt_len"]].long()
+            out = generate(target, trainer.draft.eval(), prompt, tokens, backend="reference")
+            assert out.acceptance_lengths == walked
+            longest = max(longest, *walked)
+    assert longest > 1
+
+
 def test_vocabulary_subsets_and_tree_estimates_are_refused(trained, exported, tmp_path, capsys):
     draft = trained[0].draft
     with pytest.raises(ValueError, match="a DFlash2 draft keeps the full target vocabulary"):

@@ -96,6 +96,29 @@ def test_filter_keeps_ties_and_at_least_one():
     assert torch.isfinite(z).tolist() == [[False, True, False]]
 
 
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.97])
+def test_top_p_matches_transformers_warper(top_p, seed):
+    """The reference's top-p (the nucleus ranked by topk, a row whose nucleus reaches past TOP_P_CANDIDATES sorted
+    whole) keeps what transformers' TopPLogitsWarper keeps, but for tokens at the boundary itself: the two sum the
+    probabilities in other orders, so a token whose cumulative probability lies within rounding of 1 - top_p may
+    go either way (HF's ascending cumsum over the whole vocabulary is itself rounded)."""
+    from transformers import TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(seed)
+    v = 3000
+    scales = torch.tensor([0.3, 1.0, 2.0, 4.0, 8.0, 16.0])[:, None]  # nuclei from thousands of tokens to one
+    z = torch.randn(len(scales), v, generator=g) * scales
+    kept = torch.isfinite(filter_logits_reference(z, 1.0, top_p=top_p))
+    want = torch.isfinite(TopPLogitsWarper(top_p)(None, z.clone()))
+    sizes = kept.sum(-1)
+    assert (sizes > verify.TOP_P_CANDIDATES).any() and (sizes < verify.TOP_P_CANDIDATES).any()  # both paths
+    ranked, order = torch.sort(z, dim=-1)
+    cum = torch.zeros_like(z).scatter_(-1, order, ranked.softmax(-1).cumsum(-1))  # HF's ascending cumsum
+    differ = kept != want
+    assert differ.sum() <= 4 and ((cum[differ] - (1 - top_p)).abs() < 1e-5).all(), cum[differ] - (1 - top_p)
+    assert kept[torch.arange(len(z)), z.argmax(-1)].all()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_same_seed_offset_same_tokens(backend, dtype):

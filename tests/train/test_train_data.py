@@ -197,9 +197,10 @@ def test_fit_refuses_a_bad_device_before_any_work(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-def test_fit_logs_tree_estimates(tmp_path, capsys):
+def test_fit_logs_tree_estimates_and_the_decode_walk(tmp_path, capsys):
     """`fit --eval-tree-budgets 2,5`: every eval also logs the teacher-forced τ estimates of draft trees of those
-    budgets (history and log line); best/ is still chosen by the chain's estimate. Needs SmolLM2."""
+    budgets and (by default) the decode walk's τ (history and log line); best/ is still chosen by the chain's
+    estimate. Bad budgets or walk lengths are refused before any work. Needs SmolLM2."""
     from dflash_apps import smollm2
     from dflash_apps.train.cli import main
 
@@ -218,9 +219,21 @@ def test_fit_logs_tree_estimates(tmp_path, capsys):
     for h in evals:
         trees = h["tree_tau_est"]
         assert list(trees) == ["2", "5"] and 1.0 <= trees["2"] <= trees["5"] <= 8.0
-    assert "trees of 2" in capsys.readouterr().out
+        assert h["walk_rounds"] >= 2 and 1.0 <= h["walk_tau_est"] <= 8.0
+    out = capsys.readouterr().out
+    assert "trees of 2" in out and "decode walk" in out
+    # `train evaluate` prints the same measures of a draft folder
+    assert main(["evaluate", str(tmp_path / "run" / "best"), "--data", str(data / "eval"), "--threads", "1",
+                 "--walk-tokens", "8"]) == 0
+    ev = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert ev["walk_rounds"] >= 2 and 1.0 <= ev["walk_tau_est"] <= 8.0 and "tau_est" in ev
+    assert main(["evaluate", str(tmp_path / "run" / "best"), "--data", str(data / "eval"), "--walk-tokens",
+                 "-8"]) == 2
+    assert "--walk-tokens must be an integer >= 0" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="tree budgets"):
         main(args[:-2] + ["--eval-tree-budgets", "5,x", "--out", str(tmp_path / "bad")])
+    assert main(args[:-2] + ["--eval-walk-tokens", "-1", "--out", str(tmp_path / "bad")]) == 2
+    assert "--eval-walk-tokens must be an integer >= 0" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()  # refused before any work
 
 

@@ -12,9 +12,9 @@ memory floor, so each layer is seven kernels on the GPU:
 
 On the "cpu" backend the projections take ``cpu_linear`` (q/k/v and gate/up as row blocks of one call, with no
 merged copy) and the activation stays a ``silu_mul`` after the gate/up GEMM (``gate_up_act``). Where the kernel
-library has a whole forward for the model and shape (``dflash_kernels.cpu.forward``: on the CPU, up to 64 rows a
-request, one native call for the layers; the same kernels and bits, without the ops' per-call Python) it runs that, else
-the layer loop below.
+library has a whole forward for the model and shape (``dflash_kernels.cpu.forward``: on the CPU, up to a prefill
+chunk's rows a request, one native call for the layers; the same kernels and bits, without the ops' per-call Python)
+it runs that, else the layer loop below.
 
 The residual add of each sub-block is fused into the next norm; off the "cpu" backend ``merged_weight``
 re-points the HF modules' q/k/v and gate/up parameters at views of one buffer per layer, so the model itself keeps

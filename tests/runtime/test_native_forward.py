@@ -51,8 +51,8 @@ class _Watching(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _pair(target, n=1):
-    return [LeanTarget(target, [0, 2], batch=n, capacity=CAP, backend="cpu") for _ in range(2)]
+def _pair(target, n=1, capacity=CAP):
+    return [LeanTarget(target, [0, 2], batch=n, capacity=capacity, backend="cpu") for _ in range(2)]
 
 
 def _forward(lt, on, *args, **kwargs):
@@ -70,17 +70,17 @@ def _assert_same(a, b, la, lb):
     assert torch.equal(la.k_cache, lb.k_cache) and torch.equal(la.v_cache, lb.v_cache)
 
 
-@pytest.mark.parametrize("rows", [1, 8, 24, 64])
+@pytest.mark.parametrize("rows", [1, 8, 24, 64, 117, 512])
 def test_chain_rows_bit_equal(target, native, rows, seed):
     g = torch.Generator().manual_seed(seed)
-    a, b = _pair(target)
+    a, b = _pair(target, capacity=max(CAP, 9 + rows))
     prompt = torch.randint(0, VOCAB, (1, 9), generator=g)
     ids = torch.randint(0, VOCAB, (1, rows), generator=g)
     outs = []
     for lt, on in ((a, True), (b, False)):
         _forward(lt, on, prompt, torch.tensor([0]), 9)
         outs.append(_forward(lt, on, ids, torch.tensor([9]), 9 + rows))
-    assert native == [True, True]  # the prompt and the block: both native (<= 64 rows)
+    assert native == [True, True]  # the prompt and the block: both native (<= MAX_ROWS rows)
     _assert_same(*outs, a, b)
 
 
@@ -187,7 +187,9 @@ def test_steps_aside(target, native):
         with _Watching():
             lt.forward(ids, torch.tensor([8]), 16)
         assert native == [True, False]
-        lt.forward(torch.randint(0, VOCAB, (1, native_forward.MAX_ROWS + 1)), torch.tensor([0]), 65)
+        big = _pair(target, capacity=native_forward.MAX_ROWS + 1)[0]
+        big.forward(torch.randint(0, VOCAB, (1, native_forward.MAX_ROWS + 1)), torch.tensor([0]),
+                    native_forward.MAX_ROWS + 1)
         assert len(native) == 2  # not even tried
         with pytest.raises(ValueError, match=r"reaches cache row 84, past the 80 rows of the cache"):
             lt.forward(ids, torch.tensor([CAP - 4]), CAP + 4)  # rows past the cache: refused before any work

@@ -238,21 +238,27 @@ class Trainer:
             return draft_forward_flex(self.draft, batch, self.embed_weight)
         return draft_forward_dense(self.draft, batch, self.embed_weight)
 
+    def _scores(self, hidden: torch.Tensor, labels: torch.Tensor, training: bool):
+        """``(logits, labels as indices into their columns, the columns' token ids or None for the whole head)``
+        of the draft's hidden states: over its own vocabulary subset where it has one, else over the step's
+        training subset (:meth:`_head_for_step`; the whole head when not training)."""
+        if self.draft.vocab_ids is not None:
+            # A draft with its own vocabulary subset scores only those ids, as at inference: its logits index
+            # them; a label outside them is left out of the loss (and never matched by evaluate).
+            logits = self.draft.compute_logits(hidden, SimpleNamespace(weight=self.lm_head_weight))
+            labels = _labels_in(labels, self.draft.vocab_ids, self.lm_head_weight.shape[0])
+            columns = self.draft.vocab_ids
+        else:
+            head, labels, columns = self._head_for_step(labels, training)
+            logits = self.draft.compute_logits(hidden, lambda h: h @ head.T)
+        return logits, labels.to(logits.device), columns
+
     def forward_loss(self, batch, training: bool = False):
         """``(loss, hidden, logits, stats)`` of a packed batch: the position-weighted loss (a DFlash2 draft's:
         plus its selector's, also in ``stats["selector_loss"]``), the draft's hidden states and logits (over the
         step's vocabulary subset when training with one)."""
         hidden = self._hidden(batch)
-        if self.draft.vocab_ids is not None:
-            # A draft with its own vocabulary subset scores only those ids, as at inference: its logits index
-            # them; a label outside them is left out of the loss (and never matched by evaluate).
-            logits = self.draft.compute_logits(hidden, SimpleNamespace(weight=self.lm_head_weight))
-            labels = _labels_in(batch.labels, self.draft.vocab_ids, self.lm_head_weight.shape[0])
-            columns = self.draft.vocab_ids
-        else:
-            head, labels, columns = self._head_for_step(batch.labels, training)
-            logits = self.draft.compute_logits(hidden, lambda h: h @ head.T)
-        labels = labels.to(logits.device)
+        logits, labels, columns = self._scores(hidden, batch.labels, training)
         soft = None
         if training and self.soft_label_weight:
             head_w = self.lm_head_weight
@@ -359,16 +365,13 @@ class Trainer:
         equal to the record's next tokens (proposals as in :meth:`evaluate`)."""
         batch = pack_batch([record], [torch.tensor(anchors)], v, self.mask_id)
         hidden = self._hidden(batch)
+        logits = self._scores(hidden, batch.labels, training=False)[0]
         if self.draft.config.dflash2 is not None:
-            logits = self.draft.compute_logits(hidden, lambda h: h @ self.lm_head_weight.T)
-            path, _, _ = self.draft.candidate_selector.select(
+            pred, _, _ = self.draft.candidate_selector.select(
                 hidden.view(len(anchors), v, -1)[:, 1:], logits.view(len(anchors), v, -1)[:, 1:],
                 batch.block_ids.view(len(anchors), v)[:, 0].to(logits.device))
-            pred = path
         else:
-            head = (SimpleNamespace(weight=self.lm_head_weight) if self.draft.vocab_ids is not None
-                    else (lambda h: h @ self.lm_head_weight.T))
-            pred = self.draft.compute_logits(hidden, head).argmax(-1).view(len(anchors), v)[:, 1:]
+            pred = logits.argmax(-1).view(len(anchors), v)[:, 1:]
             if self.draft.vocab_ids is not None:
                 pred = self.draft.vocab_ids.to(pred.device)[pred]
         labels = batch.labels.view(len(anchors), v)[:, 1:].to(pred.device)

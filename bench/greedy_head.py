@@ -3,7 +3,7 @@ their argmax by NumPy, as ``verify_greedy``'s "cpu" backend takes it) against on
 itself (``cpu_linear.linear_argmax``: a screen of the vocabulary, one AMX tile product a step on the AMX route or
 int8 codes on the bf16-packed route, and only the 16-column groups a proven bound cannot rule out computed
 exactly), at several row counts, in one run. ``--without-amx`` runs every row count on the bf16-packed route (the
-route of CPUs without AMX; with AMX, one row takes it anyway).
+route of CPUs without AMX; with AMX on, every row count takes AMX).
 
 The forward is ``dflash.lean_target.LeanTarget`` on the "cpu" kernel backend (its native forward where it applies,
 as the engine runs it), after a context of ``--context`` tokens of real text: a held-out prompt and the target's

@@ -4,7 +4,7 @@
 // significant bits of what is left), so every product w * part is exact in fp32 and TDPBF16PS accumulates them in
 // fp32: the fp32 dot product, only the order of its fp32 sums differs (as between any two GEMMs). Tile registers:
 // C 0-2 (hi, mid, lo sums), A 3-5 (the parts of up to 16 rows), B 6 (16 columns x 32 deep, 1 KiB); up to 10 rows,
-// C 1-2 and A 4-5 hold the 3M part rows in 16-row slices instead (packed_group).
+// the 3M part rows in 16-row slices instead, two column groups a step up to 5 rows (packed_pair).
 //
 // Compiled for AMX-TILE + AMX-BF16 + AVX-512 (the pragma below, after every header); bindings.cpp calls it only
 // where the CPU reports AMX-BF16 and the OS grants the tile state (amx_request).
@@ -40,6 +40,10 @@ constexpr long FLUSH = 8;
 // one tile product a step up to 5 rows, two up to 10, where one tile per part took three. Past 10 rows this saves
 // nothing (16 rows: three either way) and the packed loop's sums cost more (it was 1.01-1.13x the time at 16-32 rows).
 constexpr long PACK = 10;
+// Up to PAIR rows (3M part rows in one tile), two column groups share each step (packed_pair): their two independent
+// tile-product chains and B tile loads stream more of the weight at once. A one-row SmolLM2 forward's 120 projections
+// took 8.9 against 9.5 ms alone (2-core Xeon-167, 2 threads, alternated runs); at 8 rows sharing was 5 % slower.
+constexpr long PAIR = 5;
 
 struct TileConfig { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
 
@@ -73,22 +77,32 @@ void split(const float* x, long ldx, long M, long K, long Mp, long Kp, uint16_t*
   for (long p = 0; p < 3; ++p) memset(a + p * Mp * Kp + M * Kp, 0, sizeof(uint16_t) * (Mp - M) * Kp);
 }
 
-// The tiles of amx_linear and of the argmax (which must compute amx_linear's values) for M rows in chunks of R: C 0-2
-// and A 3-5 of R rows, B 6 of 16. Up to PACK rows (one chunk) packed_group's instead in 1-2 and 4-5: C 1 and A 4
-// the first min(3M, 16) part rows, C 2 and A 5 the rest (none up to 5 rows); the argmax's screen keeps 0 and 3.
-inline TileConfig tile_config(long R, long M) {
+// The tiles of M > PACK rows in chunks of R (amx_linear and the argmax's exact pass) and of the argmax's screen: C
+// 0-2 and A 3-5 of R rows, B 6 of 16.
+inline TileConfig tile_config(long R) {
   TileConfig cfg;
   memset(&cfg, 0, sizeof cfg);
   cfg.palette = 1;
   for (int t = 0; t < 6; ++t) { cfg.rows[t] = (uint8_t)R; cfg.colsb[t] = 64; }
   cfg.rows[6] = 16;
   cfg.colsb[6] = 64;
-  if (M <= PACK) {
-    const long first = 3 * M < TR ? 3 * M : TR, rest = 3 * M - first;
-    cfg.rows[1] = cfg.rows[4] = (uint8_t)first;
-    cfg.rows[2] = cfg.rows[5] = (uint8_t)rest;
-    cfg.colsb[2] = cfg.colsb[5] = rest ? 64 : 0;
+  return cfg;
+}
+
+// packed_pair's tiles for M <= PACK rows: C 0 / 2 and A 4 the first min(3M, 16) part rows, C 1 / 3 and A 5 the rest
+// (none up to 5 rows: not configured), B 6-7 of 16.
+inline TileConfig pair_tile_config(long M) {
+  TileConfig cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  const long first = 3 * M < TR ? 3 * M : TR, rest = 3 * M - first;
+  for (int t = 0; t < 6; t += 2) {  // (C 0 / 2, A 4; C 1 / 3, A 5)
+    cfg.rows[t] = (uint8_t)first;
+    cfg.colsb[t] = 64;
+    cfg.rows[t + 1] = (uint8_t)rest;
+    cfg.colsb[t + 1] = rest ? 64 : 0;
   }
+  for (int t = 6; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
   return cfg;
 }
 
@@ -108,33 +122,52 @@ __attribute__((always_inline)) inline void prefetch_b_tiles(const uint16_t* wt, 
     for (int l = 0; l < 16; ++l) _mm_prefetch(pf + 64 * l, _MM_HINT_T0);
 }
 
-// One 16-column group with the M <= PACK rows packed (the planes of split(..., Mp = M, ...) at a): ps [3M][16] = each
-// part row's sums over the K depth, moved out of the tiles every FLUSH steps; c: a [16][16] scratch. The value of
-// row m, column n is packed_value(ps, M, m, n) (+ bias).
-__attribute__((always_inline)) inline void packed_group(const uint16_t* wt, long steps, const uint16_t* a, long M,
-                                                        long Kp, float* ps, float* c) {
+// One or two 16-column groups (wa, and wb unless null) with the M <= PACK rows packed (the planes of split(..., Mp =
+// M, ...) at a), on pair_tile_config's tiles: C 0-1 (wa's first and rest part rows), C 2-3 (wb's), A 4-5, B 6-7.
+// psa / psb [3M][16] = each part row's sums over the K depth, moved out of the tiles every FLUSH steps; c: a
+// [16][16] scratch. The value of row m, column n is packed_value(ps, M, m, n) (+ bias). Each group gets the same
+// operations in the same order whether it shares the step or not (the same bits); two groups (up to PAIR rows)
+// run two independent chains of tile products on A tiles loaded once.
+__attribute__((always_inline)) inline void packed_pair(const uint16_t* wa, const uint16_t* wb, long steps,
+                                                       const uint16_t* a, long M, long Kp, float* psa, float* psb,
+                                                       float* c) {
   const long first = 3 * M < TR ? 3 * M : TR, rest = 3 * M - first;
-  _tile_zero(1);
-  if (rest) _tile_zero(2);  // (a tile of no rows is not configured: touching it faults)
-  for (long i = 0; i < 3 * M * TN; ++i) ps[i] = 0.f;
+  _tile_zero(0);
+  if (rest) _tile_zero(1);  // (a tile of no rows is not configured: touching it faults)
+  for (long i = 0; i < 3 * M * TN; ++i) psa[i] = 0.f;
+  if (wb) {
+    _tile_zero(2);
+    if (rest) _tile_zero(3);
+    for (long i = 0; i < 3 * M * TN; ++i) psb[i] = 0.f;
+  }
+  auto flush = [&](float* ps, bool b) {
+    if (b) _tile_stored(2, c, 64); else _tile_stored(0, c, 64);
+    if (b) _tile_zero(2); else _tile_zero(0);
+    for (long i = 0; i < first * TN; ++i) ps[i] += c[i];
+    if (rest) {
+      if (b) _tile_stored(3, c, 64); else _tile_stored(1, c, 64);
+      if (b) _tile_zero(3); else _tile_zero(1);
+      for (long i = 0; i < rest * TN; ++i) ps[TR * TN + i] += c[i];
+    }
+  };
   for (long t = 0; t < steps; ++t) {
-    prefetch_b_tiles(wt, t, 0, steps, 1);
-    _tile_loadd(6, wt + t * TILE, 64);
+    prefetch_b_tiles(wa, t, 0, steps, 1);
     _tile_loadd(4, a + t * TK, Kp * 2);
-    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(6, wa + t * TILE, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (wb) {
+      prefetch_b_tiles(wb, t, 0, steps, 1);
+      _tile_loadd(7, wb + t * TILE, 64);
+      _tile_dpbf16ps(2, 4, 7);
+    }
     if (rest) {
       _tile_loadd(5, a + TR * Kp + t * TK, Kp * 2);
-      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(1, 5, 6);
+      if (wb) _tile_dpbf16ps(3, 5, 7);
     }
     if ((t + 1) % FLUSH == 0 || t + 1 == steps) {
-      _tile_stored(1, c, 64);
-      _tile_zero(1);
-      for (long i = 0; i < first * TN; ++i) ps[i] += c[i];
-      if (rest) {
-        _tile_stored(2, c, 64);
-        _tile_zero(2);
-        for (long i = 0; i < rest * TN; ++i) ps[TR * TN + i] += c[i];
-      }
+      flush(psa, false);
+      if (wb) flush(psb, true);
     }
   }
 }
@@ -221,7 +254,7 @@ void amx_column_norms(const uint16_t* tiles, long N, long K, double* norms, int 
 
 // AmxLinearArgs (dflash_cpu.h). Each thread takes a contiguous range of 16-column groups of each block; per group,
 // the rows in chunks of at most 16 (the B tiles of the later chunks come from L1/L2: the weight leaves memory once),
-// or up to PACK rows packed (packed_group).
+// or up to PACK rows packed (packed_pair: two groups a step up to PAIR rows).
 int amx_linear(const AmxLinearArgs& args) {
   const float* x = args.x;
   const long ldx = args.ldx, M = args.M, K = args.K;
@@ -235,26 +268,36 @@ int amx_linear(const AmxLinearArgs& args) {
   split(x, ldx, M, K, Mp, Kp, a);
 #pragma omp parallel num_threads(threads)
   {
-    const TileConfig cfg = tile_config(R, M);
+    const TileConfig cfg = M <= PACK ? pair_tile_config(M) : tile_config(R);
     _tile_loadconfig(&cfg);  // per call: other code (oneDNN) may have configured the tiles differently
     alignas(64) float c[3][TR * TN];
     alignas(64) float hi[TR * TN];
-    alignas(64) float ps[3 * PACK * TN];
+    alignas(64) float ps[2][3 * PACK * TN];
     long col = 0;
     for (int s = 0; s < 3; ++s) {
       const AmxBlock bk = blk[s];
       const long groups = (bk.n + TN - 1) / TN;
+      if (M <= PACK) {
+        const long share = M <= PAIR ? 2 : 1;  // groups a step
+#pragma omp for schedule(static) nowait
+        for (long unit = 0; unit < (groups + share - 1) / share; ++unit) {
+          const long g0 = share * unit, count = share == 2 && g0 + 1 < groups ? 2 : 1;
+          packed_pair(bk.tiles + g0 * steps * TILE, count == 2 ? bk.tiles + (g0 + 1) * steps * TILE : nullptr, steps,
+                      a, M, Kp, ps[0], ps[1], c[0]);
+          for (long h = 0; h < count; ++h) {
+            const long g = g0 + h, nv = bk.n - g * TN < TN ? bk.n - g * TN : TN;
+            for (long m = 0; m < M; ++m)
+              for (long n = 0; n < nv; ++n)
+                y[m * N + col + g * TN + n] = packed_value(ps[h], M, m, n) + (bk.b ? bk.b[g * TN + n] : 0.f);
+          }
+        }
+        col += bk.n;
+        continue;
+      }
 #pragma omp for schedule(static) nowait
       for (long g = 0; g < groups; ++g) {
         const uint16_t* wt = bk.tiles + g * steps * TILE;
         const long nv = bk.n - g * TN < TN ? bk.n - g * TN : TN;
-        if (M <= PACK) {
-          packed_group(wt, steps, a, M, Kp, ps, c[0]);
-          for (long m = 0; m < M; ++m)
-            for (long n = 0; n < nv; ++n)
-              y[m * N + col + g * TN + n] = packed_value(ps, M, m, n) + (bk.b ? bk.b[g * TN + n] : 0.f);
-          continue;
-        }
         for (long ch = 0; ch < chunks; ++ch) {
           _tile_zero(0);
           _tile_zero(1);
@@ -364,7 +407,7 @@ long amx_argmax(const AmxArgmaxArgs& args) {
   long exact = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : exact)
   {
-    const TileConfig cfg = tile_config(R, M);
+    const TileConfig cfg = tile_config(R), exact_cfg = M <= PACK ? pair_tile_config(M) : cfg;
     _tile_loadconfig(&cfg);
     alignas(64) float cs[3][TR * TN];
     alignas(64) float hi[TR * TN];
@@ -402,7 +445,6 @@ long amx_argmax(const AmxArgmaxArgs& args) {
           }
         }
       }
-      _tile_loadconfig(&cfg);  // the exact pass's tiles
     } else {  // the hi-part screen: per group, per row, the largest a (AVX-512 over the group's 16 columns)
 #pragma omp for schedule(static)
       for (long g = 0; g < groups; ++g) {
@@ -437,6 +479,7 @@ long amx_argmax(const AmxArgmaxArgs& args) {
         }
       }
     }
+    _tile_loadconfig(&exact_cfg);  // the exact pass's tiles
     // The groups each row needs exactly: those whose largest a + B reaches the row's best a - B.
 #pragma omp for schedule(static)
     for (long m = 0; m < M; ++m) {
@@ -466,7 +509,7 @@ long amx_argmax(const AmxArgmaxArgs& args) {
       }
     }
     // Exact values of the (chunk, group) pairs a row of the chunk needs; each needed (row, group) keeps its maximum
-    // and first index (a NaN first). amx_linear's loop (packed_group up to PACK rows), repeated on purpose: the same
+    // and first index (a NaN first). amx_linear's loop (packed_pair up to PACK rows, a group alone), repeated on purpose: the same
     // bits need the same operations, and amx_linear calling one shared inline function for its row chunks was 3-7 %
     // slower at 24 rows (in-process A/B, alternated).
 #pragma omp for schedule(dynamic, 1)
@@ -480,7 +523,7 @@ long amx_argmax(const AmxArgmaxArgs& args) {
       const uint16_t* ah = a + ch * R * Kp;
       const bool packed = M <= PACK;
       if (packed) {
-        packed_group(wt, steps, a, M, Kp, ps, cs[0]);
+        packed_pair(wt, nullptr, steps, a, M, Kp, ps, nullptr, cs[0]);
       } else {
         _tile_zero(0);
         _tile_zero(1);

@@ -13,15 +13,15 @@ the tests hold them to the 2x error rule against fp64):
   loaded from bf16 into fp32. The weight is packed once into AMX tiles (bf16: half the bytes to stream); each x row
   is split into three bf16 parts, ``x = hi + mid + lo`` exactly, so every product is exact in fp32 and the tiles
   accumulate in fp32 (the hi sums moved out every 256 deep, so they carry no more rounding than a vector GEMM's).
-  From :data:`AMX_MIN_ROWS` rows (one row takes the bf16-packed copy below, where that is on: faster there); the
-  weight leaves memory once per call. Measured on SmolLM2 (2 threads, AMX against the fp32
+  At every row count (one row too: two column groups a step keep two tile-product chains and weight streams going,
+  ``bench/results/*-amx-paired-groups.md``); the weight leaves memory once per call. Measured on SmolLM2 (2 threads, AMX against the fp32
   kernel in the same run): the one-token step 30.2 against 39.5 ms, the 8-row verify step 36.8 against 49.8, the
   16-row (trees of 15) 42.9 against 67.2 (``bench/results/*-amx-linear.md``). Memory: the packed
   copy, 2 bytes a weight (SmolLM2: 270 MB), made on first use of each weight (one C pass that also checks
   exactness) and kept while the weight lives; an in-place update (which bumps the tensor's version) repacks.
   C++: ``csrc/cpu/linear_amx.cpp``.
 * **fp32 SIMD** (AVX-512 or AVX2 + FMA) for 2-16 rows of any fp32 weight (``csrc/cpu/linear_f32.h``).
-* **fp32 SIMD on bf16-packed weights**, where there is no AMX (with AMX: at one row), for 1-32 rows of a weight
+* **fp32 SIMD on bf16-packed weights**, where there is no AMX, for 1-32 rows of a weight
   whose values are all bf16 values: the same kernel reading a copy of the weight that keeps the upper half of each
   value's bits (:func:`bf16_rows`), widened back to the same fp32 values in registers, so the same bits as the fp32
   kernel at half the bytes to stream. Measured on SmolLM2 (2-core AMD EPYC, AVX-512, no AMX, 2 threads, in one run):
@@ -92,11 +92,6 @@ from dflash_kernels.cpu.argmax import argmax_cpu
 
 MIN_ROWS = 2
 MAX_ROWS = 16
-# The fewest rows at which a bf16-exact weight takes the AMX tiles where the bf16-packed fp32 kernel is on (one row:
-# that kernel). At one row a TDPBF16PS chain is latency-bound and AMX streamed SmolLM2's layer weights as one 212 MB
-# weight at 24 GB/s against the packed kernel's 31 (2-core Xeon, CPUID model 167, 2 threads); the 1-row native
-# forward took 13.6 against 12.6 ms; from 2 rows AMX was as fast or faster (bench/results/*-amx-one-row.md).
-AMX_MIN_ROWS = 2
 # The rows at which a bf16-exact weight takes the fp32 kernel on its bf16-packed copy (bf16_rows), when that is on:
 # measured faster than F.linear on every SmolLM2 projection at 1, 8, 16, 17, 24 and 32 rows, and than the fp32
 # kernel at 1-16 (bench/cpu_gemm.py, bench/cpu_forward.py); more rows not measured.
@@ -331,8 +326,8 @@ def bf16_rows(weight: torch.Tensor) -> torch.Tensor | None:
 
 def int8_screen(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor] | None:
     """The int8 screen of :func:`linear_argmax` for a bf16-exact ``weight`` [N, K]: (codes int8 [N, K], scales fp32
-    [N], bounds fp64 [ceil(N / 16)], the largest scale, code norms fp64 [ceil(N / 16)]), or None where
-    :func:`bf16_rows` is None or a value is not finite.
+    [N], bounds fp64 [ceil(N / 16)], the largest scale, code norms fp64 [ceil(N / 16)]), or None where a value is
+    not exactly a bf16 value or not finite.
 
     Column j is approximated by ``d_j = scales[j] * codes[j]`` (``scales[j] = max|w_j| / 127`` in fp32, the codes the
     nearest integers). On the bf16-packed route the screen's ``s_j = fl(scales[j] * fl(x . codes[j]))`` (fp32
@@ -351,7 +346,9 @@ def int8_screen(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     forms = _forms(weight)
     if "int8" not in forms:
         screen = None
-        if bf16_rows(weight) is not None and bool(weight.detach().isfinite().all()):
+        # bf16-exact: the AMX tiles say so where AMX is on (no bf16-packed copy then), else the packed copy
+        exact = (amx_active() and bf16_tiles(weight) is not None) or bf16_rows(weight) is not None
+        if exact and bool(weight.detach().isfinite().all()):
             n, k = weight.shape
             codes = torch.empty((n, k), dtype=torch.int8)
             scales = torch.empty(n, dtype=torch.float32)
@@ -506,8 +503,7 @@ def route(sources: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], rows
     """How :func:`linear` computes ``rows`` rows of a CPU fp32 input nothing watches times the row blocks
     ``weights`` (``sources``: the tensors their packed forms are kept for; a plain weight is one block, with
     ``min_rows`` :data:`MIN_ROWS`, row blocks 1): ``("amx", tiles)`` when every block is exactly bf16 and the AMX
-    path is on, from :data:`AMX_MIN_ROWS` rows (below, the bf16 rows where those are on); ``(isa() + "_bf16", bf16
-    rows)`` when every block is exactly bf16 at :data:`BF16_MIN_ROWS` to :data:`BF16_MAX_ROWS` rows
+    path is on, at any row count; ``(isa() + "_bf16", bf16 rows)`` when every block is exactly bf16 at :data:`BF16_MIN_ROWS` to :data:`BF16_MAX_ROWS` rows
     (:func:`set_bf16`); ``(isa(), weights)`` for the fp32 kernel from ``min_rows`` to :data:`MAX_ROWS` rows; else
     ``("torch", weights)`` (``F.linear``). The one rule of the choice: ``dflash_kernels.cpu.forward`` plans its
     projections with it."""
@@ -515,9 +511,7 @@ def route(sources: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], rows
     if amx_active():
         tiles = [bf16_tiles(w) for w in sources]
         if all(t is not None for t in tiles):
-            if rows >= AMX_MIN_ROWS or not (_bf16_on and vector):
-                return "amx", tiles
-            return _isa + "_bf16", [bf16_rows(w) for w in sources]  # bf16-exact, as the tiles are
+            return "amx", tiles
     if not vector:
         return "torch", list(weights)
     if _bf16_on and BF16_MIN_ROWS <= rows <= BF16_MAX_ROWS:
@@ -534,7 +528,7 @@ def route_key(sources: Sequence[torch.Tensor]) -> tuple:
     constants it reads, and each source's version and storage (with its identity, what :func:`bf16_tiles` and
     :func:`bf16_rows` key their packed forms by). For the same source tensors, equal keys give equal answers: a
     caller that holds the sources may keep a plan of routes while the key stays the same."""
-    return (amx_active(), _bf16_on, _isa, _kernel is not None, AMX_MIN_ROWS, BF16_MIN_ROWS, BF16_MAX_ROWS, MIN_ROWS,
+    return (amx_active(), _bf16_on, _isa, _kernel is not None, BF16_MIN_ROWS, BF16_MAX_ROWS, MIN_ROWS,
             MAX_ROWS, *[(_version(t), t.data_ptr()) for t in sources])
 
 

@@ -312,29 +312,23 @@ def amx_calls(monkeypatch):
 
 
 @needs_amx
-def test_amx_one_row_route(amx_calls, seed):
-    """With the bf16-packed copies on, one row takes them (faster there than AMX: AMX_MIN_ROWS) and more rows the
-    AMX tiles, each with its kernel's bits; linear_argmax follows: at one row the argmax of that kernel's output, not
-    the AMX screen (whose exact values are AMX's bits and could pick another index at a near tie)."""
+def test_amx_takes_every_row_count(amx_calls, seed):
+    """With the bf16-packed copies on, every row count takes the AMX tiles (one row too, two column groups a step up
+    to five rows), never the packed copy, and linear_argmax screens with AMX at each of them."""
     g = torch.Generator().manual_seed(seed)
-    k, n = 96, 4099
+    k, n = 96, 4099  # 257 column groups: the last of a pair alone
     w = _bf16_values(torch.randn(n, k, generator=g) * k**-0.5)
     cpu_linear.set_bf16(True)  # (the fixture's monkeypatch restores it)
-    packed = getattr(torch.ops.dflash_cpu, "linear_" + cpu_linear.isa() + "_bf16")
-    for rows in (1, cpu_linear.AMX_MIN_ROWS, 8):
-        x = torch.randn(rows, k, generator=g)
-        got = _check(x, w, what=f"rows={rows}")
-        want = _nan_out(rows, n)
-        packed(x, [cpu_linear.bf16_rows(w)], [None], want)
-        assert torch.equal(got, want) == (rows < cpu_linear.AMX_MIN_ROWS), rows
-        assert torch.equal(cpu_linear.linear_argmax(x, w), got.argmax(-1))
-    assert amx_calls["amx"] == [cpu_linear.AMX_MIN_ROWS, 8]
     calls = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu_linear, "_amx_argmax", _spy(cpu_linear._amx_argmax, calls))
-        for rows in (1, 8):
-            cpu_linear.linear_argmax(torch.randn(rows, k, generator=g), w)
-    assert calls == [8]
+        mp.setattr(cpu_linear, "bf16_rows", lambda w: pytest.fail("a bf16-packed copy was made"))
+        for rows in (1, 5, 6, 8):
+            x = torch.randn(rows, k, generator=g)
+            got = _check(x, w, what=f"rows={rows}")
+            assert torch.equal(cpu_linear.linear_argmax(x, w), got.argmax(-1))
+    assert amx_calls["amx"] == [1, 5, 6, 8]
+    assert calls == [1, 5, 6, 8]
 
 
 @needs_amx
@@ -363,9 +357,10 @@ def test_amx_smollm2_shapes(shape, rows, amx_calls):
 
 @needs_amx
 @pytest.mark.parametrize("k,n", [(1, 1), (5, 3), (15, 17), (17, 33), (100, 7), (577, 61), (1536, 576)])
-@pytest.mark.parametrize("rows", [1, 3, 16, 33])
+@pytest.mark.parametrize("rows", [1, 3, 5, 6, 10, 16, 33])
 def test_amx_ugly_shapes(k, n, rows, amx_calls):
-    """Columns that leave a tile part empty, depths that are not a multiple of 32, rows over a 16-row tile."""
+    """Columns that leave a tile part empty, depths that are not a multiple of 32, odd column group counts (up to
+    five rows two groups share a step), rows over a 16-row tile."""
     w = _bf16_values(torch.randn(n, k))
     for bias in (None, torch.randn(n)):
         _check(torch.randn(rows, k), w, bias, f"amx K={k} N={n} rows={rows}")

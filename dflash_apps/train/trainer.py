@@ -308,7 +308,9 @@ class Trainer:
         tree_lens: dict[int, list[torch.Tensor]] = {n: [] for n in tree_budgets}
         for i in range(0, len(records), 4):
             recs = records[i:i + 4]
-            anchors = [torch.arange(r["prompt_len"], len(r["ids"]) - self.B, stride)[:max_anchors] for r in recs]
+            # (a response shorter than a block has no anchor here; the walk still decodes it)
+            anchors = [torch.arange(r["prompt_len"], max(r["prompt_len"], len(r["ids"]) - self.B), stride)[:max_anchors]
+                       for r in recs]
             if not any(len(a) for a in anchors):
                 continue
             batch = pack_batch(recs, anchors, self.B, self.mask_id)

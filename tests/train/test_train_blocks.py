@@ -182,6 +182,21 @@ def test_training_overfits_tiny_batch_and_freezes_target():
     assert ev["tau_est"] > 1.5
 
 
+def test_evaluate_skips_responses_shorter_than_a_block():
+    """Responses of 1 and 3 tokens (block size 4) have no anchor block: evaluated beside a longer one they leave its
+    estimate and loss as they are, and the walk still decodes them."""
+    target = tiny_target()
+    draft = tiny_draft(target, block_size=4)
+    tr = Trainer(draft, target.get_input_embeddings().weight, target.lm_head.weight)
+    long = record(target, torch.randint(10, V, (22,)), 4)
+    short = [record(target, torch.randint(10, V, (n,)), 4) for n in (5, 7)]
+    alone = tr.evaluate([long], stride=1)
+    mixed = tr.evaluate([short[0], long, short[1]], stride=1, walk_tokens=8)
+    assert mixed["tau_est"] == alone["tau_est"] and mixed["eval_loss"] == pytest.approx(alone["eval_loss"], rel=1e-6)
+    assert mixed["walk_rounds"] == sum(len(tr.walk_rounds(r, 8)) for r in (short[0], long, short[1]))
+    assert tr.walk_rounds(short[1], 8)  # its 3 tokens: decoded in rounds
+
+
 def test_evaluate_a_draft_with_a_vocabulary_subset():
     """A subset draft is evaluated over its own ids (as at inference): with every id, permuted, it scores exactly
     like the full draft; with none of the labels' ids it never matches (τ estimate 1)."""

@@ -130,10 +130,17 @@ def init_from_draft(draft: DFlashDraftModel, folder: str) -> None:
     subset, if it has one, is not part of training and is dropped). A DFlash2 draft also starts from a DFlash
     draft's folder: the parts both have are copied, its convolutions and selector keep their initialisation
     (:func:`build_draft`). A deeper draft starts from a shallower one (:func:`_deepened`): it first computes
-    exactly what the folder's draft does, so training adds capacity without losing what was learnt."""
-    state = DFlashDraftModel.from_pretrained(folder, dtype=torch.float32).state_dict()  # any stored layout
+    exactly what the folder's draft does, so training adds capacity without losing what was learnt; so does one
+    tapping more target layers than the folder's draft (:func:`_widened`: the added taps start unread)."""
+    source = DFlashDraftModel.from_pretrained(folder, dtype=torch.float32)  # any stored layout
+    taps, wanted = source.config.target_layer_ids, draft.config.target_layer_ids
+    if not set(taps) <= set(wanted):
+        raise ValueError(f"--init {folder}: it taps target layers {list(taps)}, the draft being trained "
+                         f"{list(wanted)}; --target-layer-ids must name all of its taps (more may be added)")
+    state = source.state_dict()
     state.pop(DRAFT_TOKEN_IDS, None)
     state = _deepened(state, len(draft.layers))
+    state = _widened(state, taps, wanted, draft.config.hidden_size)
     own = draft.state_dict()
     dflash2_only = set(draft.config.expected_weight_shapes()) - set(
         dataclasses.replace(draft.config, dflash2=None).expected_weight_shapes())
@@ -144,6 +151,20 @@ def init_from_draft(draft: DFlashDraftModel, folder: str) -> None:
                          f"--layers, the same --block-size and --target-layer-ids needed; a DFlash2 draft starts "
                          f"from a DFlash or DFlash2 draft, a DFlash draft from a DFlash draft)")
     draft.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=False)
+
+
+def _widened(state: dict, taps: list[int], wider: list[int], hidden: int) -> dict:
+    """``state`` (a draft tapping target layers ``taps``) for a draft tapping ``wider``, a superset: its ``fc``
+    columns moved to their taps' places among ``wider`` and zero columns for the added taps, so the wider draft's
+    context rows (``hidden_norm(fc(features))``) start as the folder draft's. The same taps in the same order, or
+    an ``fc`` of another shape (which then fails the shape check): ``state`` as it is."""
+    if list(taps) == list(wider) or state["fc.weight"].shape[1] != len(taps) * hidden:
+        return state
+    fc = state["fc.weight"].new_zeros(state["fc.weight"].shape[0], len(wider) * hidden)
+    for j, layer in enumerate(taps):
+        i = list(wider).index(layer)
+        fc[:, i * hidden:(i + 1) * hidden] = state["fc.weight"][:, j * hidden:(j + 1) * hidden]
+    return {**state, "fc.weight": fc}
 
 
 def _deepened(state: dict, layers: int) -> dict:
@@ -430,8 +451,8 @@ def add_fit_args(sub) -> None:
     f.add_argument("--init", default="target",
                    help="draft init: 'target' (copy the target's last layers + final norm; default), 'random', or "
                         "a trained z-lab draft folder of the same architecture (warm start from its weights; with "
-                        "more --layers than it has, the added layers start as identities, and --target-layer-ids "
-                        "must name its taps)")
+                        "more --layers than it has, the added layers start as identities; --target-layer-ids must name "
+                        "its taps or more, the added taps start unread)")
     f.add_argument("--steps", type=int, default=4000, help="total optimizer steps (cosine schedule length)")
     f.add_argument("--batch-seqs", type=int, default=8, help="sequences per step")
     f.add_argument("--anchors", type=int, default=16, help="anchors (blocks) per sequence per visit")

@@ -234,9 +234,39 @@ def test_init_from_draft_copies_weights_and_drops_vocab_subset(tmp_path):
         assert torch.equal(fresh.state_dict()[name], w), name
     with pytest.raises(ValueError, match="the same or more --layers"):
         init_from_draft(tiny_draft(target, layers=1), str(tmp_path / "src"))
-    cfg = make_draft_config(target.config, num_layers=2, block_size=4, mask_token_id=MASK, target_layer_ids=[1, 2, 3])
+    cfg = make_draft_config(target.config, num_layers=2, block_size=4, mask_token_id=MASK, target_layer_ids=[1, 3])
     with pytest.raises(ValueError, match="--target-layer-ids"):
         init_from_draft(DFlashDraftModel(cfg), str(tmp_path / "src"))
+
+
+def test_init_with_more_taps_computes_what_it_did(tmp_path, seed):
+    """A draft tapping more target layers (`fit --target-layer-ids 0,1,2,3 --init FOLDER` from a draft of taps 1,2)
+    gives the folder draft's logits (fp32 rounding apart: its fc sums zero columns too) on the same sequence, and
+    the added taps' fc columns get a gradient at once."""
+    from dflash_apps.train.trainer import init_from_draft
+
+    torch.manual_seed(seed)
+    target = tiny_target()
+    src = tiny_draft(target, layers=2)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.normal_(0, 0.2)
+    src.save_pretrained(str(tmp_path / "src"))
+    src = DFlashDraftModel.from_pretrained(str(tmp_path / "src"), dtype=torch.float32)
+    cfg = make_draft_config(target.config, num_layers=2, block_size=4, mask_token_id=MASK,
+                            target_layer_ids=[0, 1, 2, 3])
+    wide = DFlashDraftModel(cfg)
+    init_from_draft(wide, str(tmp_path / "src"))
+    ids, anchors = torch.randint(10, V, (40,)), [torch.tensor([9, 17, 26])]
+    want = logits_of(src, target, pack_batch([record(target, ids, 8)], anchors, 4, MASK))
+    batch = pack_batch([record(target, ids, 8, layer_ids=(0, 1, 2, 3))], anchors, 4, MASK)
+    got = logits_of(wide, target, batch)
+    assert torch.isfinite(want).all() and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - want).abs().max() < (want.abs().max() * 1e-5)
+    logits_of(wide, target, batch).square().mean().backward()
+    H = target.config.hidden_size
+    grad = wide.fc.weight.grad
+    assert grad[:, :H].abs().sum() > 0 and grad[:, 3 * H:].abs().sum() > 0
 
 
 def test_init_from_shallower_draft_computes_what_it_did(tmp_path, seed):

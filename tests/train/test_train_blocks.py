@@ -245,14 +245,7 @@ def test_init_with_more_taps_computes_what_it_did(tmp_path, seed):
     the added taps' fc columns get a gradient at once."""
     from dflash_apps.train.trainer import init_from_draft
 
-    torch.manual_seed(seed)
-    target = tiny_target()
-    src = tiny_draft(target, layers=2)
-    with torch.no_grad():
-        for p in src.parameters():
-            p.normal_(0, 0.2)
-    src.save_pretrained(str(tmp_path / "src"))
-    src = DFlashDraftModel.from_pretrained(str(tmp_path / "src"), dtype=torch.float32)
+    target, src = _saved_random_draft(tmp_path, seed)
     cfg = make_draft_config(target.config, num_layers=2, block_size=4, mask_token_id=MASK,
                             target_layer_ids=[0, 1, 2, 3])
     wide = DFlashDraftModel(cfg)
@@ -269,12 +262,9 @@ def test_init_with_more_taps_computes_what_it_did(tmp_path, seed):
     assert grad[:, :H].abs().sum() > 0 and grad[:, 3 * H:].abs().sum() > 0
 
 
-def test_init_from_shallower_draft_computes_what_it_did(tmp_path, seed):
-    """A deeper draft warm-started from a shallower one (`fit --layers 4 --init FOLDER`) gives the folder draft's
-    logits bit for bit on random blocks (its added layers are identities), and those layers are not inert: their
-    attention and MLP inputs are trained copies, so the output projections get a gradient at once."""
-    from dflash_apps.train.trainer import init_from_draft
-
+def _saved_random_draft(tmp_path, seed):
+    """A tiny target and a 2-layer draft of random weights saved to ``tmp_path / "src"``, loaded back as stored
+    (bf16 values)."""
     torch.manual_seed(seed)
     target = tiny_target()
     src = tiny_draft(target, layers=2)
@@ -282,7 +272,16 @@ def test_init_from_shallower_draft_computes_what_it_did(tmp_path, seed):
         for p in src.parameters():
             p.normal_(0, 0.2)
     src.save_pretrained(str(tmp_path / "src"))
-    src = DFlashDraftModel.from_pretrained(str(tmp_path / "src"), dtype=torch.float32)  # as stored (bf16 values)
+    return target, DFlashDraftModel.from_pretrained(str(tmp_path / "src"), dtype=torch.float32)
+
+
+def test_init_from_shallower_draft_computes_what_it_did(tmp_path, seed):
+    """A deeper draft warm-started from a shallower one (`fit --layers 4 --init FOLDER`) gives the folder draft's
+    logits bit for bit on random blocks (its added layers are identities), and those layers are not inert: their
+    attention and MLP inputs are trained copies, so the output projections get a gradient at once."""
+    from dflash_apps.train.trainer import init_from_draft
+
+    target, src = _saved_random_draft(tmp_path, seed)
     deep = tiny_draft(target, layers=4)
     init_from_draft(deep, str(tmp_path / "src"))
     ids = torch.randint(10, V, (40,))

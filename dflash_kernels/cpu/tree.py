@@ -52,10 +52,11 @@ def tree_accept_sample_cpu(logits, tree_tokens, tree_parents, block_size, temper
 def kept_gumbel_draw(z, g) -> int:
     """:func:`gumbel_draw` over the entries of ``z`` other than -inf alone: the same distribution (the others have
     probability 0), another random stream, and noise for a top-p nucleus (~256 tokens at most, usually) rather
-    than the vocabulary. Where a kept logit is NaN or +inf, the whole vocabulary's rule decides."""
+    than the vocabulary. Where a kept logit is NaN or +inf, or none is kept (all -inf), the whole vocabulary's rule
+    decides."""
     kept = (z != float("-inf")).nonzero().squeeze(1)  # (NaN kept: it sends the draw to the whole rule)
     zk = z[kept]
-    if not bool(torch.isfinite(zk).all()):
+    if not kept.numel() or not bool(torch.isfinite(zk).all()):
         return gumbel_draw(z, g)
     return int(kept[gumbel_draw(zk, g)])
 

@@ -505,8 +505,9 @@ def test_kept_draw_is_the_whole_draw_on_the_kept_tokens():
     assert {kept_gumbel_draw(nucleus, torch.Generator().manual_seed(s)) for s in range(200)} == {3, 17, 31}
     bad = nucleus.clone()
     bad[17] = float("nan")
-    g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    assert kept_gumbel_draw(bad, g1) == gumbel_draw(bad, g2)
+    for z in (bad, torch.full((40,), float("-inf"))):
+        g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+        assert kept_gumbel_draw(z, g1) == gumbel_draw(z, g2)
 
 
 def test_sampled_walk_kernel_is_reproducible_and_uses_the_offset():

@@ -28,7 +28,7 @@ from dflash_kernels._triton_utils import (
 )
 from dflash_kernels.verify import (
     _argmax_partial_kernel, _filter_threshold, _merge_argmax, _rng_for, _rows_per_program, _sample_partial_kernel,
-    _vocab_split, check_packed_sampling, filter_logits_reference, sampling_op_args,
+    _vocab_split, check_packed_sampling, filter_logits_reference, gumbel_max, sampling_op_args,
 )
 
 _INDEX_DTYPES = (torch.int64,)
@@ -695,24 +695,9 @@ def tree_accept_sample_reference(logits, tree_tokens, tree_parents, *, block_siz
                                  top_p=1.0, seed=0, offset=0):
     """Definition (reads seed/offset and the parameters on the host; torch.Generator, not the kernel's stream):
     the walk (:func:`_walk_reference`) choosing, at each visited node i, a token x ~ softmax(filter(logits[:, i]
-    / temperature)) (the ``verify_sample`` filter; Gumbel-max with fresh noise per node). Each visited node's
+    / temperature)) (the ``verify_sample`` filter; :func:`gumbel_max`, fresh noise per node). Each visited node's
     draw is independent, so the emitted tokens follow the target's distribution exactly (the proposals are
     deterministic). Parameters: scalars or ``[R]`` tensors."""
-    return sampled_walk(logits, tree_tokens, tree_parents, block_size, temperature, top_k, top_p, seed, offset,
-                        gumbel_draw)
-
-
-def gumbel_draw(z: torch.Tensor, g: torch.Generator) -> int:
-    """A token of softmax(z) for filtered logits ``z [V]`` (-inf where removed): Gumbel-max in fp64 with a fresh
-    uniform per entry from ``g``."""
-    u = torch.rand(z.shape[-1], generator=g, device=z.device, dtype=torch.float64).clamp_min(1e-300)
-    return int((z.softmax(-1).double().log() - torch.log(-torch.log(u))).argmax())
-
-
-def sampled_walk(logits, tree_tokens, tree_parents, block_size: int, temperature, top_k, top_p, seed, offset,
-                 draw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`tree_accept_sample_reference`'s walk with each visited node's token ``draw(z, g)``: ``z`` the node's
-    filtered logits, ``g`` the walk's generator of (seed, offset). Parameters: scalars or ``[R]`` tensors."""
     g = _rng_for(seed, offset, logits.device)
 
     def at(x, req):
@@ -720,17 +705,9 @@ def sampled_walk(logits, tree_tokens, tree_parents, block_size: int, temperature
 
     def choose(req, node):
         z = filter_logits_reference(logits[req, node], at(temperature, req), int(at(top_k, req)), float(at(top_p, req)))
-        return draw(z, g)
+        return gumbel_max(z.double(), g)  # (the logits are the log-probabilities up to one constant)
 
     return _walk_reference(choose, tree_tokens, tree_parents, block_size)
-
-
-def walk_parameters(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
-    """The op's packed sampling parameters as the walks read them: Python scalars for one value, else the ``[R]``
-    tensors."""
-    if temperature.numel() == 1:
-        return temperature.item(), int(top_k.item()), top_p.item()
-    return temperature, top_k, top_p
 
 
 def tree_accept_sample(logits: torch.Tensor, tree_tokens: torch.Tensor, tree_parents: torch.Tensor, *,
@@ -778,11 +755,8 @@ def _tree_accept_sample_op(logits: torch.Tensor, tree_tokens: torch.Tensor, tree
                                           top_k.to(torch.int32), top_p.to(torch.float32),
                                           seed.reshape(1).to(torch.int64), offset.reshape(1).to(torch.int64),
                                           use_top_k, use_top_p)
-    body = registered("tree_accept_sample", chosen)
-    if body is not None:
-        return body(logits, tree_tokens, tree_parents, block_size, temperature, top_k, top_p, seed, offset, use_top_k,
-                    use_top_p)
-    temperature, top_k, top_p = walk_parameters(temperature, top_k, top_p)
+    if temperature.numel() == 1:
+        temperature, top_k, top_p = temperature.item(), int(top_k.item()), top_p.item()
     return tree_accept_sample_reference(logits, tree_tokens, tree_parents, block_size=block_size,
                                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, offset=offset)
 

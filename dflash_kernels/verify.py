@@ -368,6 +368,21 @@ def _rng_for(seed, offset, device, stream: int = 0) -> torch.Generator:
     return g
 
 
+def gumbel_max(log_weights: torch.Tensor, g: torch.Generator) -> int:
+    """The references' draw: a token of ``log_weights [V]`` (logs of unnormalised probabilities, -inf where a
+    token cannot be drawn) by Gumbel-max in fp64, a fresh uniform from ``g`` for each entry above -inf. The other
+    entries have probability 0, so leaving them out changes nothing but the cost: a top-p nucleus (a few to ~256
+    tokens) rather than SmolLM2's 49,152 (a tree node's draw 1.07 -> 0.46 ms on a 2-core Xeon). Where an entry is
+    NaN or +inf, or none is above -inf, a uniform for every entry (the argmax then picks the first NaN or +inf)."""
+    kept = (log_weights != float("-inf")).nonzero().squeeze(1)  # (NaN kept: it sends the draw to the whole rule)
+    weights = log_weights[kept]
+    if not kept.numel() or not bool(torch.isfinite(weights).all()):
+        kept, weights = None, log_weights
+    u = torch.rand(weights.shape, generator=g, device=weights.device, dtype=torch.float64).clamp_min(1e-300)
+    i = int((weights.double() - torch.log(-torch.log(u))).argmax())
+    return i if kept is None else int(kept[i])
+
+
 def verify_sample_reference(logits: torch.Tensor, draft_tokens: torch.Tensor, *, temperature, top_k=0, top_p=1.0,
                             seed=0, offset=0, draft_probs=None,
                             draft_indices=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -401,9 +416,8 @@ def verify_sample_reference(logits: torch.Tensor, draft_tokens: torch.Tensor, *,
         left = (p[:, :-1] - q).clamp_min(0.0)
         residual[:, :-1] = torch.where(left.sum(-1, keepdim=True) > 0, left, p[:, :-1])
     row = residual.gather(1, accepted[:, None, None].expand(n, 1, v)).squeeze(1)  # [N, V]
-    uu = torch.rand((n, v), generator=g, device=logits.device, dtype=torch.float64).clamp_min(1e-300)
-    gumbel = -torch.log(-torch.log(uu))
-    next_token = (row.double().log() + gumbel).argmax(dim=-1)
+    next_token = torch.tensor([gumbel_max(r.double().log(), g) for r in row], dtype=torch.int64,
+                              device=logits.device)
     return accepted, next_token
 
 

@@ -1,16 +1,14 @@
 """The CPU bodies of the tree ops: ``build_tree``, ``tree_ancestor_mask``, the greedy walk on argmax tokens and
 ``tree_compact`` in C where the native library applies (else their references), ``tree_accept_greedy``'s argmax
-by NumPy, ``tree_accept_sample``'s draws over the filter's kept tokens only."""
+by NumPy."""
 from __future__ import annotations
-
-import torch
 
 from dflash_kernels._dispatch import register
 from dflash_kernels.cpu import native as cpu_native
 from dflash_kernels.cpu.argmax import argmax_cpu
 from dflash_kernels.tree import (
-    _walk_reference, build_tree_reference, draft_log_normalizer, gumbel_draw, mask_words, sampled_walk,
-    tree_accept_greedy_tokens_reference, tree_ancestor_mask_reference, tree_compact_reference, walk_parameters,
+    _walk_reference, build_tree_reference, draft_log_normalizer, mask_words, tree_accept_greedy_tokens_reference,
+    tree_ancestor_mask_reference, tree_compact_reference,
 )
 
 
@@ -37,28 +35,6 @@ def tree_accept_greedy_cpu(logits, tree_tokens, tree_parents, block_size):
     """``tree_accept_greedy`` on CPU tensors: the reference's walk, each node's argmax by :func:`argmax_cpu`."""
     return _walk_reference(lambda req, node: int(argmax_cpu(logits[req, node])), tree_tokens, tree_parents,
                            block_size)
-
-
-@register("tree_accept_sample", "cpu")
-def tree_accept_sample_cpu(logits, tree_tokens, tree_parents, block_size, temperature, top_k, top_p, seed, offset,
-                           use_top_k, use_top_p):
-    """``tree_accept_sample`` on CPU tensors: the reference's walk and filter, each node's Gumbel-max over the
-    tokens the filter keeps (:func:`kept_gumbel_draw`)."""
-    temperature, top_k, top_p = walk_parameters(temperature, top_k, top_p)
-    return sampled_walk(logits, tree_tokens, tree_parents, block_size, temperature, top_k, top_p, seed, offset,
-                        kept_gumbel_draw)
-
-
-def kept_gumbel_draw(z, g) -> int:
-    """:func:`gumbel_draw` over the entries of ``z`` other than -inf alone: the same distribution (the others have
-    probability 0), another random stream, and noise for a top-p nucleus (~256 tokens at most, usually) rather
-    than the vocabulary. Where a kept logit is NaN or +inf, or none is kept (all -inf), the whole vocabulary's rule
-    decides."""
-    kept = (z != float("-inf")).nonzero().squeeze(1)  # (NaN kept: it sends the draw to the whole rule)
-    zk = z[kept]
-    if not kept.numel() or not bool(torch.isfinite(zk).all()):
-        return gumbel_draw(z, g)
-    return int(kept[gumbel_draw(zk, g)])
 
 
 @register("tree_accept_greedy_tokens", "cpu")

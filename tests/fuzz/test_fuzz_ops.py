@@ -86,7 +86,7 @@ KNOBS["fused_context"] = (dict(n=_ints(0, 5), h=_ints(1, 40), taps=_ints(1, 4),
 _SAMPLING = dict(r=_ints(0, 3), t=_ints(1, 6), v=_ints(1, 300), temperature=st.sampled_from([1.0, 0.5, 2.0]),
                  top_k=st.sampled_from([0, 1, 5]), top_p=st.sampled_from([1.0, 0.9, 0.3]))
 KNOBS["verify_sample"] = (_SAMPLING, ("triton", "torch"), MUTATIONS)
-KNOBS["tree_accept_sample"] = (dict(_SAMPLING, block_size=_ints(0, 6)), ("triton", "cpu", "torch"), {"none": ["none"]})
+KNOBS["tree_accept_sample"] = (dict(_SAMPLING, block_size=_ints(0, 6)), ("triton", "torch"), {"none": ["none"]})
 # DFlash2: verify_sample with the selector's sparse draft distribution, and the selector itself (greedy, sampled)
 KNOBS["verify_sample_sparse"] = (
     dict(_SAMPLING, k=st.sampled_from([1, 3, 16, 64, 65]), probs_fp64=st.booleans(),

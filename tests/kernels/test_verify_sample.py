@@ -447,3 +447,30 @@ def test_sparse_draft_distribution_bad_inputs():
         verify_sample(logits, draft, draft_probs=probs, draft_indices=ids + 7, **kw)
     with pytest.raises(TypeError, match="draft_probs"):
         verify_sample(logits, draft, draft_probs=probs.half(), draft_indices=ids, **kw)
+
+
+def test_gumbel_max_draws_over_the_possible_tokens():
+    """The references' draw: with every entry possible it is Gumbel-max over the whole vector, noise and all; an
+    entry at -inf is never drawn, and the draws follow the weights (chi-square); a NaN, or no possible entry, takes
+    a uniform for every entry."""
+    w = torch.randn(40, dtype=torch.float64)
+    for s in range(20):
+        g1, g2 = torch.Generator().manual_seed(s), torch.Generator().manual_seed(s)
+        u = torch.rand(40, generator=g2, dtype=torch.float64).clamp_min(1e-300)
+        assert verify.gumbel_max(w, g1) == int((w - torch.log(-torch.log(u))).argmax())
+    sparse = torch.full((40,), float("-inf"), dtype=torch.float64)
+    sparse[[3, 17, 31]] = torch.tensor([0.5, 1.0, 0.2]).log().double()
+    g = torch.Generator().manual_seed(0)
+    draws = torch.tensor([verify.gumbel_max(sparse, g) for _ in range(N_SAMPLES)])
+    assert set(draws.tolist()) <= {3, 17, 31}
+    counts = torch.bincount(draws, minlength=40)[[3, 17, 31]]
+    stat, crit = chi2(counts, torch.tensor([0.5, 1.0, 0.2]) / 1.7, N_SAMPLES)
+    assert stat < crit, (stat, crit, counts)
+    wrong, wrong_crit = chi2(counts, torch.full((3,), 1 / 3), N_SAMPLES)
+    assert wrong > wrong_crit  # the counts tell the weights from a uniform pick among the three
+    bad = sparse.clone()
+    bad[17] = float("nan")
+    for row in (bad, torch.full((40,), float("-inf"), dtype=torch.float64)):
+        g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+        u = torch.rand(40, generator=g2, dtype=torch.float64).clamp_min(1e-300)
+        assert verify.gumbel_max(row, g1) == int((row - torch.log(-torch.log(u))).argmax())

@@ -509,9 +509,9 @@ long amx_argmax(const AmxArgmaxArgs& args) {
       }
     }
     // Exact values of the (chunk, group) pairs a row of the chunk needs; each needed (row, group) keeps its maximum
-    // and first index (a NaN first). amx_linear's loop (packed_pair up to PACK rows, a group alone), repeated on purpose: the same
-    // bits need the same operations, and amx_linear calling one shared inline function for its row chunks was 3-7 %
-    // slower at 24 rows (in-process A/B, alternated).
+    // and first index (a NaN first). amx_linear's loop (packed_pair up to PACK rows, a group alone), repeated on
+    // purpose: the same bits need the same operations, and amx_linear calling one shared inline function for its row
+    // chunks was 3-7 % slower at 24 rows (in-process A/B, alternated).
 #pragma omp for schedule(dynamic, 1)
     for (long pair = 0; pair < groups * chunks; ++pair) {
       const long g = pair / chunks, ch = pair % chunks;

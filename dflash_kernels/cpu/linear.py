@@ -13,16 +13,16 @@ the tests hold them to the 2x error rule against fp64):
   loaded from bf16 into fp32. The weight is packed once into AMX tiles (bf16: half the bytes to stream); each x row
   is split into three bf16 parts, ``x = hi + mid + lo`` exactly, so every product is exact in fp32 and the tiles
   accumulate in fp32 (the hi sums moved out every 256 deep, so they carry no more rounding than a vector GEMM's).
-  At every row count (one row too: two column groups a step keep two tile-product chains and weight streams going,
-  ``bench/results/*-amx-paired-groups.md``); the weight leaves memory once per call. Measured on SmolLM2 (2 threads, AMX against the fp32
-  kernel in the same run): the one-token step 30.2 against 39.5 ms, the 8-row verify step 36.8 against 49.8, the
-  16-row (trees of 15) 42.9 against 67.2 (``bench/results/*-amx-linear.md``). Memory: the packed
-  copy, 2 bytes a weight (SmolLM2: 270 MB), made on first use of each weight (one C pass that also checks
+  At every row count (one row too: two column groups a step keep two tile-product chains and weight streams
+  going, ``bench/results/*-amx-paired-groups.md``); the weight leaves memory once per call. Measured on SmolLM2 (2
+  threads, AMX against the fp32 kernel in the same run): the one-token step 30.2 against 39.5 ms, the 8-row verify
+  step 36.8 against 49.8, the 16-row (trees of 15) 42.9 against 67.2 (``bench/results/*-amx-linear.md``). Memory:
+  the packed copy, 2 bytes a weight (SmolLM2: 270 MB), made on first use of each weight (one C pass that also checks
   exactness) and kept while the weight lives; an in-place update (which bumps the tensor's version) repacks.
   C++: ``csrc/cpu/linear_amx.cpp``.
 * **fp32 SIMD** (AVX-512 or AVX2 + FMA) for 2-16 rows of any fp32 weight (``csrc/cpu/linear_f32.h``).
-* **fp32 SIMD on bf16-packed weights**, where there is no AMX, for 1-32 rows of a weight
-  whose values are all bf16 values: the same kernel reading a copy of the weight that keeps the upper half of each
+* **fp32 SIMD on bf16-packed weights**, where there is no AMX (or it is off), for 1-32 rows of a weight whose values
+  are all bf16 values: the same kernel reading a copy of the weight that keeps the upper half of each
   value's bits (:func:`bf16_rows`), widened back to the same fp32 values in registers, so the same bits as the fp32
   kernel at half the bytes to stream. Measured on SmolLM2 (2-core AMD EPYC, AVX-512, no AMX, 2 threads, in one run):
   the one-token step 9.4 against 24.3 ms (its bf16 weight floor: 9.0), the 8-row step 10.7 against 17.9, the 16-row
@@ -503,10 +503,10 @@ def route(sources: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], rows
     """How :func:`linear` computes ``rows`` rows of a CPU fp32 input nothing watches times the row blocks
     ``weights`` (``sources``: the tensors their packed forms are kept for; a plain weight is one block, with
     ``min_rows`` :data:`MIN_ROWS`, row blocks 1): ``("amx", tiles)`` when every block is exactly bf16 and the AMX
-    path is on, at any row count; ``(isa() + "_bf16", bf16 rows)`` when every block is exactly bf16 at :data:`BF16_MIN_ROWS` to :data:`BF16_MAX_ROWS` rows
-    (:func:`set_bf16`); ``(isa(), weights)`` for the fp32 kernel from ``min_rows`` to :data:`MAX_ROWS` rows; else
-    ``("torch", weights)`` (``F.linear``). The one rule of the choice: ``dflash_kernels.cpu.forward`` plans its
-    projections with it."""
+    path is on, at any row count; else ``(isa() + "_bf16", bf16 rows)`` when every block is exactly bf16 at
+    :data:`BF16_MIN_ROWS` to :data:`BF16_MAX_ROWS` rows (:func:`set_bf16`); ``(isa(), weights)`` for the fp32
+    kernel from ``min_rows`` to :data:`MAX_ROWS` rows; else ``("torch", weights)`` (``F.linear``). The one rule of
+    the choice: ``dflash_kernels.cpu.forward`` plans its projections with it."""
     vector = _kernel is not None or _load() is not None  # the fp32 kernel (and its bf16-packed reading) builds
     if amx_active():
         tiles = [bf16_tiles(w) for w in sources]

@@ -124,6 +124,20 @@ def check_tree_budget(tree_budget, block_size: int, draft: DraftModel, target: T
                          "block_size")
 
 
+def check_lookup_depth(lookup_depth, tree_budget, block_size: int) -> None:
+    """``lookup_depth``: None, or the longest prompt-lookup path (1..B-1) grafted into each round's tree."""
+    if lookup_depth is None:
+        return
+    if isinstance(lookup_depth, bool) or not isinstance(lookup_depth, int) or lookup_depth < 0:
+        raise ValueError(f"lookup_depth must be None or an integer >= 0 (0: no lookup path), got {lookup_depth!r}")
+    if lookup_depth and tree_budget is None:
+        raise ValueError("lookup_depth grafts a path into the draft tree: it needs tree_budget (an integer), or pass "
+                         "lookup_depth=None")
+    if lookup_depth > block_size - 1:
+        raise ValueError(f"lookup_depth={lookup_depth} exceeds the tree's depth B - 1 = {block_size - 1} at "
+                         f"block_size={block_size}; pass lookup_depth <= {block_size - 1}")
+
+
 def stop_list(stop_token_ids, what: str = "stop_token_ids") -> list[int]:
     """None, an int or a sequence of ints -> a list of ints."""
     if stop_token_ids is None:
@@ -185,6 +199,7 @@ def generate(
     use_cuda_graphs: bool | str | None = None,
     on_tokens: Callable[[int, list[int]], None] | None = None,
     tree_budget: int | None = None,
+    lookup_depth: int | None = None,
 ):
     """Speculative generation with a DFlash draft.
 
@@ -217,6 +232,11 @@ def generate(
             (best-first by the product of the draft's per-position probabilities, depth <= B-1) in one
             target pass and commits the longest accepted root-to-node path plus the target's next token.
             Same losslessness as the chain; needs block_size >= 2.
+        lookup_depth: tree mode only. None or 0 = the draft's tree as built. An integer 1..B-1 = each round also
+            proposes the tokens that followed the latest earlier occurrence of the sequence's last 4..1 tokens
+            (prompt lookup, up to this many), grafted into the tree as a path in place of its last-selected nodes
+            (:func:`dflash_kernels.tree_graft_lookup`): free acceptance where the text repeats its prompt or
+            itself. Same T nodes a round, same losslessness.
     Returns:
         :class:`GenerateResult` with ``.sequences`` [1, P + n] and ``.acceptance_lengths``; for batched
         input, a :class:`BatchResult` whose fields are per-request lists.
@@ -246,10 +266,11 @@ def generate(
             raise ValueError(f"options {given} need backend='fast'")
         input_ids, block = check_prompt(target, draft, input_ids, max_new_tokens, block_size)
         check_tree_budget(tree_budget, block, draft, target)
+        check_lookup_depth(lookup_depth, tree_budget, block)
         stops = stop_list(stop_token_ids)
         with target_lock(target.model), torch.inference_mode():
             return reference_generate(target, draft, input_ids, max_new_tokens, stops, sampling, block, seed,
-                                      on_tokens=on_tokens, tree_budget=tree_budget)
+                                      on_tokens=on_tokens, tree_budget=tree_budget, lookup_depth=lookup_depth)
 
     if reason is not None:
         raise ValueError(f"backend='fast' cannot run this pair: {reason}; use backend='reference'")
@@ -269,6 +290,7 @@ def generate(
         checked.append(ids[0])
         stops.append(stop_list(stop_token_ids[r] if per_request_stops else stop_token_ids))
     check_tree_budget(tree_budget, block, draft, target)
+    check_lookup_depth(lookup_depth, tree_budget, block)
     needed = max(p.shape[0] + m for p, m in zip(checked, limits))
     if max_length is None:
         max_length = -(-needed // 64) * 64
@@ -277,6 +299,7 @@ def generate(
                          f"needs {needed}")
     with target_lock(target.model):
         engine = cached_engine(target.model, draft, batch=n, capacity=max_length, block_size=block,
-                               kernel_backend=kernel_backend, use_cuda_graphs=use_cuda_graphs, tree_budget=tree_budget)
+                               kernel_backend=kernel_backend, use_cuda_graphs=use_cuda_graphs, tree_budget=tree_budget,
+                               lookup_depth=lookup_depth or None)
         results: list[GenerateResult] = engine.generate(checked, limits, stops, sampling, seed, on_tokens=on_tokens)
     return BatchResult(results) if batched else results[0]

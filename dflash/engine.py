@@ -37,8 +37,9 @@ write):
                lengths, positions, anchor, stop and length limits, done flags).
 
 Tree mode (``tree_budget=N``, DDTree): the draft step keeps the block's logits instead of their argmax;
-the verify step builds each request's tree of T = N + 1 nodes from them (build_tree, then its ancestor
-bitmask), runs the lean target over the T nodes (node i at position positions[r] + depth, its K/V
+the verify step builds each request's tree of T = N + 1 nodes from them (build_tree; with ``lookup_depth``,
+tree_graft_lookup puts the request's prompt-lookup continuation in as a path; then its ancestor bitmask),
+runs the lean target over the T nodes (node i at position positions[r] + depth, its K/V
 written at cache row positions[r] + i, attending to the live rows and its ancestors), walks it
 (tree_accept_greedy / tree_accept_sample), moves the accepted path's K/V rows to consecutive rows
 (tree_compact), gathers the path's tapped features for the draft, and commits the path's tokens with
@@ -66,9 +67,8 @@ from dflash.sampling import GREEDY_EPS, SamplingParams, sample
 from dflash_kernels import (
     add_rms_norm, backend_traits, build_tree, candidate_select, commit_round, default_backend, draft_attention,
     draft_round_setup, first_token_done, fused_context, gate_up_silu, grouped_dynamic_conv, inject_context_kv,
-    qkv_proj,
-    tree_accept_greedy, tree_accept_greedy_tokens, tree_accept_sample, tree_ancestor_mask, tree_compact,
-    verify_greedy, verify_greedy_tokens, verify_sample,
+    qkv_proj, tree_accept_greedy, tree_accept_greedy_tokens, tree_accept_sample, tree_ancestor_mask, tree_compact,
+    tree_graft_lookup, verify_greedy, verify_greedy_tokens, verify_sample,
 )
 
 
@@ -108,7 +108,7 @@ class DFlashEngine:
 
     def __init__(self, target_model, draft: DraftModel, *, batch: int, capacity: int, block_size: int,
                  kernel_backend: str | None = None, use_cuda_graphs: bool | str | None = None,
-                 prefill_chunk: int = 512, tree_budget: int | None = None):
+                 prefill_chunk: int = 512, tree_budget: int | None = None, lookup_depth: int | None = None):
         check_lean_target(target_model)
         cfg = draft.config
         if cfg.attention_bias:
@@ -127,6 +127,7 @@ class DFlashEngine:
         self.graph_mode = graph_mode_for(use_cuda_graphs, device)
         self.use_draft = block_size > 1
         self.tree_budget = tree_budget  # None: chain rounds; N: trees of N + 1 nodes (validated by generate)
+        self.lookup_depth = lookup_depth  # trees: the prompt-lookup path grafted into each tree (None: none)
         # Rows beyond a request's length are scratch for one verified block (B rows, or a tree's T = N + 1)
         # and one drafted block: capacity + that keeps them in bounds.
         self.scratch_rows = block_size if tree_budget is None else max(block_size, tree_budget + 1)
@@ -417,6 +418,9 @@ class DFlashEngine:
             B = self.block_size
             tokens, parents, depths = build_tree(self.draft_logits, self.anchor, self.tree_budget,
                                                  vocab_ids=self.draft.vocab_ids, backend=self.backend)
+            if self.lookup_depth:
+                tokens, parents, depths = tree_graft_lookup(tokens, parents, depths, self.out_tokens, self.lengths,
+                                                            depth=self.lookup_depth, backend=self.backend)
             ancestors = tree_ancestor_mask(parents, backend=self.backend)
             head, feats = self.target.forward(tokens, self.positions, self.kv_bound, tree=(depths, ancestors),
                                               argmax=tokens_only)

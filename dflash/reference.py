@@ -24,7 +24,9 @@ Tree rounds (``tree_budget=N``, DDTree) change steps 1-4 only where the block be
 
 1. the draft pass is the same; ``draft.block_logits`` (all v-1 rows, not their argmax) and the anchor
    go to ``build_tree``: the root plus the N best continuations of depth <= v-1 (fewer when v-1
-   positions allow fewer distinct sequences; the root alone when v = 1);
+   positions allow fewer distinct sequences; the root alone when v = 1); with ``lookup_depth``,
+   ``tree_graft_lookup`` then puts the prompt-lookup continuation (up to min(lookup_depth, v-1) tokens) in as a
+   path, in place of the tree's last-selected nodes;
 2. the target scores every node in one forward: node i at position ``start + depth[i]``, attending to
    the cached rows and to its ancestors and itself only (a 4-D attention mask);
 3. ``tree_accept_greedy`` / ``tree_accept_sample`` walk the tree (the child equal to the target's token
@@ -43,7 +45,7 @@ from dflash.sampling import SamplingParams, sample
 from dflash.target import TargetAdapter
 from dflash_kernels import (
     build_tree, candidate_select, commit_round, distinct_prefixes, first_token_done, tree_accept_greedy,
-    tree_accept_sample, verify_greedy, verify_sample,
+    tree_accept_sample, tree_graft_lookup, verify_greedy, verify_sample,
 )
 
 MAX_TREE_BUDGET = 64  # tree nodes besides the root: the verify kernels hold up to 65 block rows
@@ -74,10 +76,12 @@ def tree_attention_mask(parents: torch.Tensor, cached: int, dtype: torch.dtype) 
 
 def reference_generate(target: TargetAdapter, draft: DraftModel, input_ids: torch.Tensor, max_new_tokens: int,
                        stops: list[int], sampling: SamplingParams, block_size: int, seed: int,
-                       on_tokens=None, tree_budget: int | None = None) -> GenerateResult:
+                       on_tokens=None, tree_budget: int | None = None,
+                       lookup_depth: int | None = None) -> GenerateResult:
     """One request ``input_ids`` [1, P] (validated by :func:`dflash.generate`); ``seed`` keys every random draw;
     ``on_tokens(0, ids)`` is called with each round's committed tokens (the first token included);
-    ``tree_budget``: None = chain rounds, N = tree rounds of N nodes besides the root."""
+    ``tree_budget``: None = chain rounds, N = tree rounds of N nodes besides the root; ``lookup_depth``: trees
+    only, the prompt-lookup path grafted into each tree (``tree_graft_lookup``)."""
     from transformers import DynamicCache
 
     device = target.device
@@ -168,6 +172,10 @@ def reference_generate(target: TargetAdapter, draft: DraftModel, input_ids: torc
                                                              MAX_TREE_BUDGET + 1))
                 tokens, parents, depths = build_tree(draft_logits, anchor, budget, vocab_ids=draft.vocab_ids,
                                                      backend="torch")
+                if lookup_depth:
+                    tokens, parents, depths = tree_graft_lookup(tokens, parents, depths, out_tokens, lengths,
+                                                                depth=min(lookup_depth, verify_len - 1),
+                                                                backend="torch")
             mask = tree_attention_mask(parents[0], start, target.embed_weight.dtype)
             verify = target.forward(tokens, start + depths, target_cache, with_features=use_draft,
                                     attention_mask=mask)

@@ -5,8 +5,9 @@ shipped in ``dflash_apps/assets/smollm2-135m-dflash``, and generates the same re
 a warm-up call, in one run: Hugging Face ``target.generate`` (what a user would otherwise run),
 plain autoregressive decoding through this package's machinery (``block_size=1``) and DFlash (by default
 with draft trees of :data:`DEFAULT_TREE_BUDGET` nodes, the fastest setting measured for the shipped pair on
-a 2-core CPU; ``--tree-budget 0`` for the chain). The three are timed ``--reps`` times, interleaved
-(so a slow spell of the machine hits all of them), and reported as medians with their range. It
+a 2-core CPU, and a prompt-lookup path of up to :data:`DEFAULT_LOOKUP_DEPTH` tokens grafted into each tree;
+``--tree-budget 0`` for the chain, ``--lookup-depth 0`` for the draft's trees alone). The three are timed
+``--reps`` times, interleaved (so a slow spell of the machine hits all of them), and reported as medians with their range. It
 prints the text, the mean acceptance length τ, tokens/s end to end (prefill included) and the
 speedups, and whether the outputs are identical to HF's (they must be at temperature 0). A machine whose
 load average already exceeds its cores gets a warning: its timings say little (and OpenMP's spin-waiting
@@ -25,6 +26,7 @@ DEFAULT_DRAFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets
 # fastest budget measured for the shipped pair on the project's 2-core CPU
 # (bench/results/2026-12-02-cpu-smollm2-refit-trees.md).
 DEFAULT_TREE_BUDGET = 7
+DEFAULT_LOOKUP_DEPTH = 4  # the prompt-lookup path grafted into each tree (bench/results: τ on the natural set)
 # The demo's default request: one of the hand-written natural evaluation prompts (dflash_apps.train.eval_sets), not an
 # instance of the templates the draft was trained on, so the demo shows what a user's own prompt gets.
 DEFAULT_PROMPT = "Give me some tips for writing clearer emails at work."
@@ -57,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-budget", type=int, default=DEFAULT_TREE_BUDGET,
                    help="verify a draft tree of N nodes besides the root per round (DDTree, 1..64), 0 for the chain "
                         "(default: %(default)s)")
+    p.add_argument("--lookup-depth", type=int, default=None,
+                   help="trees: graft the continuation of the text's latest repeat, up to N tokens (<= B - 1), into "
+                        f"each tree (prompt lookup; 0: none; default: {DEFAULT_LOOKUP_DEPTH}, at most B - 1)")
     p.add_argument("--backend", default="auto", choices=["auto", "fast", "reference"],
                    help="decode loop implementation (see dflash.generate)")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft folder (default: the shipped SmolLM2 draft)")
@@ -125,8 +130,10 @@ def main(argv=None) -> int:
     stops = smollm2.stop_token_ids(tok)
     common = dict(stop_token_ids=stops, temperature=args.temperature, backend=args.backend, seed=args.seed)
     tree_budget = args.tree_budget or None  # 0: the chain
-    dflash_args = dict(block_size=B, tree_budget=tree_budget)
-    label = f"B={B}" + (f" tree {tree_budget}" if tree_budget else " chain")
+    lookup = min(DEFAULT_LOOKUP_DEPTH, B - 1) if args.lookup_depth is None else args.lookup_depth
+    lookup = lookup if tree_budget else None
+    dflash_args = dict(block_size=B, tree_budget=tree_budget, lookup_depth=lookup)
+    label = f"B={B}" + (f" tree {tree_budget}" if tree_budget else " chain") + (f" + lookup {lookup}" if lookup else "")
 
     hf_kwargs = hf_generate_kwargs(input_ids, args.max_new_tokens, stops, args.temperature)
 

@@ -45,11 +45,11 @@ __all__ += ["commit_round", "commit_round_reference", "draft_round_setup", "firs
             "candidate_select"]
 from dflash_kernels.tree import (  # noqa: E402
     build_tree, distinct_prefixes, tree_accept_greedy, tree_accept_greedy_tokens, tree_accept_sample,
-    tree_ancestor_mask, tree_compact,
+    tree_ancestor_mask, tree_compact, tree_graft_lookup,
 )
 
 __all__ += ["build_tree", "distinct_prefixes", "tree_ancestor_mask", "tree_accept_greedy", "tree_accept_greedy_tokens",
-            "tree_accept_sample", "tree_compact"]
+            "tree_accept_sample", "tree_compact", "tree_graft_lookup"]
 
 # The CPU wing registers its op bodies and the "cpu" backend's traits (after the ops it implements).
 from dflash_kernels.cpu import (  # noqa: E402,F401

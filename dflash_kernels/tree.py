@@ -910,3 +910,214 @@ def _tree_compact_op(k_cache: torch.Tensor, v_cache: torch.Tensor, path: torch.T
 @_tree_compact_op.register_fake
 def _tree_compact_fake(k_cache, v_cache, path, accepted, start, cache_batch_idx, backend):
     return None
+
+
+# --------------------------------------------------------------------------------------------------
+# tree_graft_lookup
+# --------------------------------------------------------------------------------------------------
+
+def lookup_continuation(seq: list[int], max_ngram: int, min_ngram: int, limit: int) -> list[int]:
+    """Prompt lookup over one committed sequence (its last entry the tree's root): for n = ``max_ngram`` down to
+    ``min_ngram``, the latest earlier occurrence of the sequence's last n tokens that a token follows; the first n
+    with one gives the up to ``limit`` tokens after it. Empty when no suffix recurs (or ``limit`` is 0)."""
+    end = len(seq)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        suffix = seq[end - n:]
+        for s in range(end - n - 1, -1, -1):
+            if seq[s:s + n] == suffix:
+                return seq[s + n:s + n + limit]
+    return []
+
+
+def _validate_graft(op, tree_tokens, tree_parents, tree_depths, tokens, lengths, depth, max_ngram, min_ngram):
+    _validate_nodes(op, "tree_tokens", tree_tokens)
+    dev = tree_tokens.device
+    _validate_nodes(op, "tree_parents", tree_parents, tree_tokens.shape, dev)
+    _validate_nodes(op, "tree_depths", tree_depths, tree_tokens.shape, dev)
+    r = tree_tokens.shape[0]
+    check_tensor(op, "tokens", tokens, ndim=2, dtypes=_INDEX_DTYPES, device=dev)
+    check_last_dim_contiguous(op, "tokens", tokens)
+    check_tensor(op, "lengths", lengths, ndim=1, dtypes=_INDEX_DTYPES, device=dev)
+    if tokens.shape[0] != r or lengths.shape[0] != r:
+        raise ValueError(f"{op}: tokens must be [R={r}, C] (each request's committed tokens, the root last) and "
+                         f"lengths [R={r}], got {tuple(tokens.shape)} and {tuple(lengths.shape)}")
+    for name, value, low in (("depth", depth, 0), ("min_ngram", min_ngram, 1), ("max_ngram", max_ngram, min_ngram)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{op}: {name} must be an int >= {low}, got {value!r}"
+                             + (" (max_ngram >= min_ngram)" if name == "max_ngram" else ""))
+    if max_ngram > MAX_LOOKUP_NGRAM:
+        raise ValueError(f"{op}: max_ngram must be <= {MAX_LOOKUP_NGRAM} (the suffix lengths a kernel unrolls), got "
+                         f"{max_ngram}")
+
+
+MAX_LOOKUP_NGRAM = 8
+
+
+def tree_graft_lookup_reference(tree_tokens, tree_parents, tree_depths, tokens, lengths, *, depth: int,
+                                max_ngram: int, min_ngram: int):
+    """Definition (host lists). Per request: ``cont`` = :func:`lookup_continuation` of ``tokens[r, :L]`` (L =
+    ``lengths[r]`` clamped to [0, C]) with ``limit = min(depth, T - 1)``, k = len(cont). ``a_j`` is the first node
+    (in node order) whose parent is ``a_{j-1}`` (``a_-1`` = the root, node 0) and whose token is ``cont[j]``, while
+    one exists. With d(m) the leading a_j below ``T - m``, m is the least with ``k - d(m) <= m`` (then exactly
+    equal): the tree keeps its first T - m nodes and its last m become ``cont[d:]``, a chain below ``a_{d-1}``. So
+    the tree holds the whole continuation as a path, gives up only its last-selected nodes, and keeps its siblings
+    distinct."""
+    out = [t.cpu().clone() for t in (tree_tokens, tree_parents, tree_depths)]
+    tok, par, dep = (t.tolist() for t in out)
+    r, t = tree_tokens.shape
+    c = tokens.shape[1]
+    limit = min(depth, t - 1)
+    for req, length in enumerate(lengths.tolist()):
+        seq = tokens[req, :min(max(length, 0), c)].tolist()
+        cont = lookup_continuation(seq, max_ngram, min_ngram, limit)
+        k = len(cont)
+        chain, node = [], 0
+        for token in cont:
+            kids = [i for i in range(1, t) if par[req][i] == node and tok[req][i] == token]
+            if not kids:
+                break
+            node = kids[0]
+            chain.append(node)
+
+        def shared(m):
+            return next((j for j, a in enumerate(chain) if a >= t - m), len(chain))
+
+        m = next(m for m in range(k + 1) if k - shared(m) <= m)
+        d = k - m
+        parent = chain[d - 1] if d else 0
+        for q in range(m):
+            i = t - m + q
+            tok[req][i], par[req][i], dep[req][i] = cont[d + q], parent, d + q + 1
+            parent = i
+    dev = tree_tokens.device
+    return tuple(torch.tensor(x, dtype=torch.int64).view(r, t).to(dev) for x in (tok, par, dep))
+
+
+@triton.jit
+def _graft_lookup_kernel(tok_ptr, par_ptr, dep_ptr, seq_ptr, len_ptr, otok_ptr, opar_ptr, odep_ptr, T, C, LIMIT,
+                         stride_tok, stride_par, stride_dep, stride_seq, MAX_N: tl.constexpr, MIN_N: tl.constexpr,
+                         BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Per request: every suffix length's latest recurrence in BLOCK_C-wide sweeps, the longest that recurs; then
+    the continuation's walk down the tree (one masked vector pass a depth), the least m, and the rewritten tail."""
+    r = tl.program_id(0).to(tl.int64)
+    length = tl.minimum(tl.maximum(tl.load(len_ptr + r), 0), C)
+    row = seq_ptr + r * stride_seq
+    found_n = length * 0
+    found_s = length * 0 - 1
+    for n in tl.static_range(MIN_N, MAX_N + 1):                # shortest first: a longer suffix that recurs wins
+        latest = length * 0 - 1
+        if length >= n + 1:
+            for start in range(0, length - n, BLOCK_C):
+                s = start + tl.arange(0, BLOCK_C)
+                hit = s < length - n
+                for j in tl.static_range(n):
+                    x = tl.load(row + s + j, mask=hit, other=0)
+                    y = tl.load(row + length - n + j)
+                    hit = hit & (x == y)
+                latest = tl.maximum(latest, tl.max(tl.where(hit, s, -1), axis=0))
+        take = latest >= 0
+        found_n = tl.where(take, n, found_n)
+        found_s = tl.where(take, latest, found_s)
+    first = found_s + found_n                                   # the continuation's first index in the row
+    k = tl.where(found_s >= 0, tl.minimum(LIMIT, length - first), 0)
+    i = tl.arange(0, BLOCK_T).to(tl.int64)
+    i_ok = i < T
+    tok = tl.load(tok_ptr + r * stride_tok + i, mask=i_ok, other=0)
+    par = tl.load(par_ptr + r * stride_par + i, mask=i_ok, other=0)
+    dep = tl.load(dep_ptr + r * stride_dep + i, mask=i_ok, other=0)
+    m = tl.arange(0, BLOCK_K)                                   # candidate m = 0..k (BLOCK_K > LIMIT)
+    alive = m <= k
+    shared = tl.zeros((BLOCK_K,), tl.int64)
+    chain = tl.zeros((BLOCK_K,), tl.int64)                      # chain[j] = a_j (T + 1 once the walk stops)
+    cur = length * 0
+    for j in range(0, k):
+        want = tl.load(row + first + j)
+        kid = tl.min(tl.where(i_ok & (i >= 1) & (par == cur) & (tok == want), i, T + 1), axis=0)
+        cur = tl.where(cur <= T, kid, T + 1)
+        alive = alive & (cur < T - m)
+        shared += alive.to(tl.int64)
+        chain = tl.where(m == j, cur, chain)
+    cut = tl.min(tl.where((m <= k) & (k - shared <= m), m, BLOCK_K), axis=0)
+    d = k - cut
+    root_of = tl.sum(tl.where(m == d - 1, chain, 0), axis=0)    # a_{d-1}, or 0 when d = 0
+    q = i - (T - cut)
+    new = i_ok & (q >= 0)
+    new_tok = tl.load(row + first + d + q, mask=new, other=0)
+    tok = tl.where(new, new_tok, tok)
+    par = tl.where(new, tl.where(q == 0, root_of, i - 1), par)
+    dep = tl.where(new, d + q + 1, dep)
+    base = r * T + i
+    tl.store(otok_ptr + base, tok, mask=i_ok)
+    tl.store(opar_ptr + base, par, mask=i_ok)
+    tl.store(odep_ptr + base, dep, mask=i_ok)
+
+
+def tree_graft_lookup(tree_tokens: torch.Tensor, tree_parents: torch.Tensor, tree_depths: torch.Tensor,
+                      tokens: torch.Tensor, lengths: torch.Tensor, *, depth: int, max_ngram: int = 4,
+                      min_ngram: int = 1, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Put a prompt-lookup continuation into each draft tree as a path, in place of its last-selected nodes.
+
+    The request's own text often repeats (a rewrite, a list, a loop of a small model): the tokens that followed
+    the latest earlier occurrence of its last n tokens (n = ``max_ngram`` .. ``min_ngram``, the longest that
+    recurs) are a cheap proposal the draft may not rank. The tree keeps its T nodes (the verify step's shape)
+    and gives up its last-selected ones, as few as the continuation's new nodes; a continuation the tree already
+    holds costs nothing. Verification stays lossless: the acceptance walks accept any deterministic tree.
+
+    Args:
+        tree_tokens, tree_parents, tree_depths: ``[R, T]`` int64 trees (:func:`build_tree`'s; siblings distinct).
+        tokens: ``[R, C]`` int64, each request's committed tokens, the tree's root last (the engine's output rows).
+        lengths: ``[R]`` int64, the committed count of each row (clamped to [0, C]).
+        depth: the longest continuation (<= the acceptance walk's ``block_size - 1``; at most T - 1 are used).
+        max_ngram, min_ngram: the suffix lengths tried, longest first (1 <= min_ngram <= max_ngram <= 8).
+        backend: ``"auto" | "triton" | "cpu" | "torch"``.
+
+    Returns:
+        ``(tree_tokens, tree_parents, tree_depths)``, new ``[R, T]`` int64 tensors: the first T - m nodes as given,
+        then the continuation's m new nodes. Definition: :func:`tree_graft_lookup_reference`.
+    """
+    chosen = resolve_backend("tree_graft_lookup", backend, tree_tokens.device, available=_BACKENDS)
+    return call_op(_tree_graft_lookup_op, tree_tokens, tree_parents, tree_depths, tokens, lengths, depth, max_ngram,
+                   min_ngram, chosen, device=tree_tokens.device)
+
+
+def _check_graft(tree_tokens, tree_parents, tree_depths, tokens, lengths, depth, max_ngram, min_ngram, backend):
+    op = "tree_graft_lookup"
+    _validate_graft(op, tree_tokens, tree_parents, tree_depths, tokens, lengths, depth, max_ngram, min_ngram)
+    if lengths.device.type == "cpu" and lengths.numel():  # (device kernels clamp them instead)
+        c = tokens.shape[1]
+        low, high = int(lengths.min()), int(lengths.max())
+        if low < 0 or high > c:
+            raise ValueError(f"{op}: lengths must lie in [0, C={c}] (each row's committed tokens), got values in "
+                             f"[{low}, {high}]")
+
+
+@torch.library.custom_op("dflash::tree_graft_lookup", mutates_args=())
+@checked_by(_check_graft)
+def _tree_graft_lookup_op(tree_tokens: torch.Tensor, tree_parents: torch.Tensor, tree_depths: torch.Tensor,
+                          tokens: torch.Tensor, lengths: torch.Tensor, depth: int, max_ngram: int, min_ngram: int,
+                          backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.ops.dflash.tree_graft_lookup``: :func:`tree_graft_lookup` after validation."""
+    chosen = resolve_backend("tree_graft_lookup", backend, tree_tokens.device, available=_BACKENDS)
+    body = registered("tree_graft_lookup", chosen)
+    if body is not None:
+        return body(tree_tokens, tree_parents, tree_depths, tokens, lengths, depth, max_ngram, min_ngram)
+    if chosen == "torch":
+        return tree_graft_lookup_reference(tree_tokens, tree_parents, tree_depths, tokens, lengths, depth=depth,
+                                           max_ngram=max_ngram, min_ngram=min_ngram)
+    r, t = tree_tokens.shape
+    out = tuple(torch.empty((r, t), dtype=torch.int64, device=tree_tokens.device) for _ in range(3))
+    if r:
+        limit = min(depth, t - 1)
+        _graft_lookup_kernel[(r,)](
+            tok_ptr=tree_tokens, par_ptr=tree_parents, dep_ptr=tree_depths, seq_ptr=tokens, len_ptr=lengths,
+            otok_ptr=out[0], opar_ptr=out[1], odep_ptr=out[2], T=t, C=tokens.shape[1], LIMIT=limit,
+            stride_tok=tree_tokens.stride(0), stride_par=tree_parents.stride(0), stride_dep=tree_depths.stride(0),
+            stride_seq=tokens.stride(0), MAX_N=max_ngram, MIN_N=min_ngram, BLOCK_C=128, BLOCK_T=next_pow2(t),
+            BLOCK_K=next_pow2(limit + 1))
+    return out
+
+
+@_tree_graft_lookup_op.register_fake
+def _tree_graft_lookup_fake(tree_tokens, tree_parents, tree_depths, tokens, lengths, depth, max_ngram, min_ngram,
+                            backend):
+    return tuple(torch.empty_like(tree_tokens) for _ in range(3))

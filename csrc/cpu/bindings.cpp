@@ -463,6 +463,33 @@ void tree_walk_tokens(const Tensor& target, const Tensor& tokens, const Tensor& 
                                 ptr<int64_t>(accepted), ptr<int64_t>(bonus)});
 }
 
+// tree_* [R, T] (row strides, T >= 1), tokens [R, C] (row stride), lengths [R], out_* [R, T] contiguous, limit >= 0,
+// 1 <= min_n <= max_n: TreeGraftArgs (any token, parent or length value is safe: the kernel clamps the lengths and
+// compares the rest).
+void tree_graft_lookup(const Tensor& tree_tokens, const Tensor& tree_parents, const Tensor& tree_depths,
+                       const Tensor& tokens, const Tensor& lengths, int64_t limit, int64_t max_n, int64_t min_n,
+                       const Tensor& out_tokens, const Tensor& out_parents, const Tensor& out_depths) {
+  const char* op = "tree_graft_lookup";
+  expect(op, "tree_tokens", tree_tokens, at::kLong, {kAny, kAny}, 1);
+  const int64_t r = tree_tokens.size(0), t = tree_tokens.size(1);
+  expect(op, "tree_parents", tree_parents, at::kLong, {r, t}, 1);
+  expect(op, "tree_depths", tree_depths, at::kLong, {r, t}, 1);
+  expect(op, "tokens", tokens, at::kLong, {r, kAny}, 1);
+  expect(op, "lengths", lengths, at::kLong, {r});
+  for (const auto& [name, out] : {std::pair<const char*, const Tensor*>{"out_tokens", &out_tokens},
+                                  {"out_parents", &out_parents}, {"out_depths", &out_depths}})
+    expect(op, name, *out, at::kLong, {r, t});
+  if (r > 0) expect_size(op, "tree_tokens' nodes T", t, 1);
+  expect_size(op, "limit", limit, 0);
+  expect_size(op, "min_n", min_n, 1);
+  expect_size(op, "max_n", max_n, min_n);
+  dflash_cpu::tree_graft_lookup({ptr<int64_t>(tree_tokens), ptr<int64_t>(tree_parents), ptr<int64_t>(tree_depths),
+                                 tree_tokens.stride(0), tree_parents.stride(0), tree_depths.stride(0),
+                                 ptr<int64_t>(tokens), ptr<int64_t>(lengths), tokens.stride(0), r, t, tokens.size(1),
+                                 limit, max_n, min_n, ptr<int64_t>(out_tokens), ptr<int64_t>(out_parents),
+                                 ptr<int64_t>(out_depths)});
+}
+
 // caches [L, Nb, cap, ...] contiguous (one shape and dtype), path [R, B] a walk's path up to accepted (d <=
 // path[r, d] < path[r, d + 1]), accepted [R] in [0, B), start [R] >= 0, rows [R] in [0, Nb): TreeCompactArgs.
 void tree_compact(const Tensor& k_cache, const Tensor& v_cache, const Tensor& path, const Tensor& accepted,
@@ -861,6 +888,9 @@ TORCH_LIBRARY(dflash_cpu, m) {
   m.def("tree_ancestor_mask(Tensor parents, Tensor(a!) mask) -> int");
   m.def("tree_walk_tokens(Tensor target, Tensor tokens, Tensor parents, Tensor(a!) path, Tensor(b!) accepted, "
         "Tensor(c!) bonus) -> ()");
+  m.def("tree_graft_lookup(Tensor tree_tokens, Tensor tree_parents, Tensor tree_depths, Tensor tokens, "
+        "Tensor lengths, int limit, int max_n, int min_n, Tensor(a!) out_tokens, Tensor(b!) out_parents, "
+        "Tensor(c!) out_depths) -> ()");
   m.def("tree_compact(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor path, Tensor accepted, Tensor start, "
         "Tensor rows) -> ()");
   for (const char* isa : {"avx512", "avx2", "avx512_bf16", "avx2_bf16"})
@@ -892,6 +922,7 @@ TORCH_LIBRARY_IMPL(dflash_cpu, CPU, m) {
   m.impl("build_tree", &build_tree);
   m.impl("tree_ancestor_mask", &tree_ancestor_mask);
   m.impl("tree_walk_tokens", &tree_walk_tokens);
+  m.impl("tree_graft_lookup", &tree_graft_lookup);
   m.impl("tree_compact", &tree_compact);
   m.impl("linear_avx512", &linear<&dflash_cpu::kAvx512, float>);
   m.impl("linear_avx2", &linear<&dflash_cpu::kAvx2, float>);

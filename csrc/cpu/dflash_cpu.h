@@ -201,6 +201,19 @@ struct TreeWalkArgs {
 };
 void tree_walk_tokens(const TreeWalkArgs& a);
 
+// tree_graft_lookup: per request, the prompt lookup's continuation of tokens[r, :L] (L = lengths[r] clamped to
+// [0, C]; suffix lengths max_n down to min_n, the latest recurrence, up to limit tokens) replaces the tree's last
+// m nodes as a path (m the least with k - d(m) <= m, d(m) the continuation's leading nodes below T - m). in_* / out_*
+// [R, T] at row strides (out_* contiguous), tokens [R, C] at row stride lds. Reads only the rows' own entries.
+struct TreeGraftArgs {
+  const int64_t *in_tokens, *in_parents, *in_depths;
+  long ldt, ldp, ldd;
+  const int64_t *tokens, *lengths;
+  long lds, R, T, C, limit, max_n, min_n;
+  int64_t *out_tokens, *out_parents, *out_depths;
+};
+void tree_graft_lookup(const TreeGraftArgs& a);
+
 // tree_compact's moves: for request r and d <= accepted[r], row start[r] + path[r, d] of batch row rows[r] to row
 // start[r] + d in every layer of both caches [L, Nb, cap, row_bytes] (contiguous); sources at or past cap and rows
 // that stay are skipped. The caller guarantees d <= path[r, d] < path[r, d + 1] (a walk's path), so in depth order

@@ -134,6 +134,54 @@ void tree_walk_tokens(const TreeWalkArgs& a) {
   }
 }
 
+void tree_graft_lookup(const TreeGraftArgs& a) {
+  const long T = a.T, C = a.C;
+  for (long r = 0; r < a.R; ++r) {
+    const int64_t* seq = a.tokens + r * a.lds;
+    const int64_t *tk = a.in_tokens + r * a.ldt, *pr = a.in_parents + r * a.ldp, *dp = a.in_depths + r * a.ldd;
+    int64_t *otk = a.out_tokens + r * T, *opr = a.out_parents + r * T, *odp = a.out_depths + r * T;
+    for (long i = 0; i < T; ++i) otk[i] = tk[i], opr[i] = pr[i], odp[i] = dp[i];
+    const long len = a.lengths[r] < 0 ? 0 : (a.lengths[r] > C ? C : a.lengths[r]);
+    long first = -1;  // the continuation's first index in the row
+    for (long n = a.max_n; n >= a.min_n && first < 0; --n)
+      for (long s = len - n - 1; s >= 0; --s) {
+        long j = 0;
+        while (j < n && seq[s + j] == seq[len - n + j]) ++j;
+        if (j == n) {
+          first = s + n;
+          break;
+        }
+      }
+    if (first < 0) continue;
+    const long k = a.limit < len - first ? a.limit : len - first;
+    std::vector<long> chain;  // a_j: the continuation's nodes already in the tree, root to leaf
+    long node = 0;
+    for (long j = 0; j < k; ++j) {
+      long kid = -1;
+      for (long i = 1; i < T; ++i)
+        if (pr[i] == node && tk[i] == seq[first + j]) {
+          kid = i;
+          break;
+        }
+      if (kid < 0) break;
+      chain.push_back(node = kid);
+    }
+    long m = 0;
+    for (;; ++m) {
+      long d = 0;
+      while (d < static_cast<long>(chain.size()) && chain[d] < T - m) ++d;
+      if (k - d <= m) break;
+    }
+    const long d = k - m;
+    long parent = d ? chain[d - 1] : 0;
+    for (long q = 0; q < m; ++q) {
+      const long i = T - m + q;
+      otk[i] = seq[first + d + q], opr[i] = parent, odp[i] = d + q + 1;
+      parent = i;
+    }
+  }
+}
+
 void tree_compact(const TreeCompactArgs& a) {
   char *kc = a.k_cache, *vc = a.v_cache;
   const int64_t *path = a.path, *accepted = a.accepted, *start = a.start, *rows = a.rows;

@@ -307,6 +307,20 @@ def tree_walk_tokens(target_tokens: torch.Tensor, tree_tokens: torch.Tensor, tre
     return path, accepted, bonus
 
 
+def tree_graft_lookup(tree_tokens: torch.Tensor, tree_parents: torch.Tensor, tree_depths: torch.Tensor,
+                      tokens: torch.Tensor, lengths: torch.Tensor, limit: int, max_ngram: int,
+                      min_ngram: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``tree_graft_lookup``'s "cpu" body for validated CPU inputs (``limit`` = min(depth, T - 1)): the new
+    ``(tokens, parents, depths)``; None without the native library."""
+    if not enabled():
+        return None
+    r, t = tree_tokens.shape
+    out = tuple(torch.empty((r, t), dtype=torch.int64) for _ in range(3))
+    _ops.tree_graft_lookup(tree_tokens, tree_parents, tree_depths, tokens, lengths.contiguous(), limit, max_ngram,
+                           min_ngram, *out)
+    return out
+
+
 def compact_index_error(paths: list[list[int]], accepted: list[int], start: list[int], rows: list[int],
                         batch_rows: int) -> str | None:
     """Why ``tree_compact``'s host values would address rows outside the caches, or None: ``accepted[r]`` must be

@@ -1,6 +1,6 @@
-"""The CPU bodies of the tree ops: ``build_tree``, ``tree_ancestor_mask``, the greedy walk on argmax tokens and
-``tree_compact`` in C where the native library applies (else their references), ``tree_accept_greedy``'s argmax
-by NumPy."""
+"""The CPU bodies of the tree ops: ``build_tree``, ``tree_ancestor_mask``, the greedy walk on argmax tokens,
+``tree_graft_lookup`` and ``tree_compact`` in C where the native library applies (else their references),
+``tree_accept_greedy``'s argmax by NumPy."""
 from __future__ import annotations
 
 from dflash_kernels._dispatch import register
@@ -8,7 +8,7 @@ from dflash_kernels.cpu import native as cpu_native
 from dflash_kernels.cpu.argmax import argmax_cpu
 from dflash_kernels.tree import (
     _walk_reference, build_tree_reference, draft_log_normalizer, mask_words, tree_accept_greedy_tokens_reference,
-    tree_ancestor_mask_reference, tree_compact_reference,
+    tree_ancestor_mask_reference, tree_compact_reference, tree_graft_lookup_reference,
 )
 
 
@@ -44,6 +44,17 @@ def tree_accept_greedy_tokens_cpu(target_tokens, tree_tokens, tree_parents, bloc
     if walked is not None:
         return walked
     return tree_accept_greedy_tokens_reference(target_tokens, tree_tokens, tree_parents, block_size=block_size)
+
+
+@register("tree_graft_lookup", "cpu")
+def tree_graft_lookup_cpu(tree_tokens, tree_parents, tree_depths, tokens, lengths, depth, max_ngram, min_ngram):
+    """``tree_graft_lookup`` on CPU tensors: the native graft where the library is built, else the reference."""
+    grafted = cpu_native.tree_graft_lookup(tree_tokens, tree_parents, tree_depths, tokens, lengths,
+                                           min(depth, tree_tokens.shape[1] - 1), max_ngram, min_ngram)
+    if grafted is not None:
+        return grafted
+    return tree_graft_lookup_reference(tree_tokens, tree_parents, tree_depths, tokens, lengths, depth=depth,
+                                       max_ngram=max_ngram, min_ngram=min_ngram)
 
 
 @register("tree_compact", "cpu")

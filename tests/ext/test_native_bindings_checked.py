@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_kernels.cpu import native as cpu_native
-from dflash_kernels.tree import tree_ancestor_mask_reference, tree_compact_reference
+from dflash_kernels.tree import tree_ancestor_mask_reference, tree_compact_reference, tree_graft_lookup_reference
 
 pytestmark = pytest.mark.skipif(cpu_native.unavailable_reason() is not None,
                                 reason=f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}")
@@ -95,6 +95,17 @@ def walk_args():
     tokens = torch.randint(0, 3, (2, 5))
     return dict(target=torch.randint(0, 3, (2, 5)), tokens=tokens, parents=idx(-1, 0, 0, 1, 2).repeat(2, 1),
                 path=torch.full((2, 4), -7), accepted=torch.full((2,), -7), bonus=torch.full((2,), -7))
+
+
+def graft_args():
+    # row 0 ends "1 2" after an earlier "1 2 3 4": the continuation 3 4, whose 3 the tree holds (node 1); row 1 ends
+    # "8" after an earlier "8 9 8": the continuation 9 8, new to the tree
+    return dict(tree_tokens=idx(8, 3, 5, 9, 8, 6, 7, 2).view(2, 4),
+                tree_parents=idx(-1, 0, 0, 1, -1, 0, 1, 2).view(2, 4),
+                tree_depths=idx(0, 1, 1, 2, 0, 1, 2, 3).view(2, 4),
+                tokens=idx(1, 2, 3, 4, 1, 2, 5, 6, 7, 8, 9, 8).view(2, 6),
+                lengths=idx(6, 6), limit=2, max_n=4, min_n=1, out_tokens=torch.full((2, 4), -7, dtype=I64),
+                out_parents=torch.full((2, 4), -7, dtype=I64), out_depths=torch.full((2, 4), -7, dtype=I64))
 
 
 def compact_args():
@@ -199,6 +210,14 @@ def test_valid_calls_run():
     a = walk_args()
     ops().tree_walk_tokens(**a)
     assert (a["accepted"] >= 0).all() and (a["path"][:, 0] == 0).all()
+
+    a = graft_args()
+    ops().tree_graft_lookup(**a)
+    want = tree_graft_lookup_reference(a["tree_tokens"], a["tree_parents"], a["tree_depths"], a["tokens"],
+                                       a["lengths"], depth=2, max_ngram=4, min_ngram=1)
+    assert all(torch.equal(a[k], w) for k, w in zip(("out_tokens", "out_parents", "out_depths"), want))
+    assert a["out_tokens"].tolist() == [[8, 3, 5, 4], [8, 6, 9, 8]] and a["out_parents"].tolist() == [[-1, 0, 0, 1],
+                                                                                                     [-1, 0, 0, 2]]
 
     a = compact_args()
     want = [a["k_cache"].clone(), a["v_cache"].clone()]
@@ -391,6 +410,23 @@ BAD = {
                           "target must be"),
     "walk-parents-strided": ("tree_walk_tokens", walk_args,
                              lambda a: replace(a, parents=a["parents"].t().contiguous().t()), "parents must be"),
+    # tree_graft_lookup
+    "graft-no-nodes": ("tree_graft_lookup", graft_args,
+                       lambda a: replace(a, **dict.fromkeys(("tree_tokens", "tree_parents", "tree_depths",
+                                                             "out_tokens", "out_parents", "out_depths"),
+                                                            torch.zeros(2, 0, dtype=I64))),
+                       "nodes T"),
+    "graft-tokens-int32": ("tree_graft_lookup", graft_args, lambda a: replace(a, tokens=a["tokens"].int()),
+                           "tokens must be"),
+    "graft-tokens-strided": ("tree_graft_lookup", graft_args,
+                             lambda a: replace(a, tokens=a["tokens"].t().contiguous().t()), "tokens must be"),
+    "graft-lengths-short": ("tree_graft_lookup", graft_args, lambda a: replace(a, lengths=idx(6)), "lengths must be"),
+    "graft-out-strided": ("tree_graft_lookup", graft_args,
+                          lambda a: replace(a, out_depths=torch.zeros(4, 2, dtype=I64).t()), "out_depths must be"),
+    "graft-depths-short": ("tree_graft_lookup", graft_args,
+                           lambda a: replace(a, tree_depths=a["tree_depths"][:, :3]), "tree_depths must be"),
+    "graft-limit-negative": ("tree_graft_lookup", graft_args, lambda a: replace(a, limit=-1), "limit"),
+    "graft-ngrams-crossed": ("tree_graft_lookup", graft_args, lambda a: replace(a, min_n=3, max_n=2), "max_n"),
     # tree_compact
     "compact-accepted-past": ("tree_compact", compact_args, lambda a: replace(a, accepted=idx(4, 1)),
                               r"accepted\[0\] = 4"),

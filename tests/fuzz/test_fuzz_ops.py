@@ -56,6 +56,10 @@ KNOBS = {
                           bsz=_ints(1, 6), spare_rows=_ints(0, 2), cap=_ints(1, 24), batch_idx=st.booleans(),
                           target=st.sampled_from(["start", "accepted", "batch_idx"])),
                      ("triton", "cpu", "torch"), MUTATIONS),
+    "tree_graft_lookup": (dict(r=_ints(0, 3), t=_ints(1, 20), cap=_ints(0, 60), v=_ints(1, 4), depth=_ints(0, 8),
+                               max_ngram=_ints(1, 8), min_ngram=_ints(1, 4),
+                               layout=st.sampled_from(["contiguous", "strided"])),
+                          ("triton", "cpu", "torch"), MUTATIONS),
 }
 _ATTN = dict(n=_ints(0, 3), b=_ints(1, 5), kvh=_ints(1, 2), g=_ints(1, 2), d=st.sampled_from([16, 32, 8, 2, 4]),
              cap=_ints(1, 24), spare_rows=_ints(0, 2), batch_idx=st.booleans(), qk_norm=st.booleans(),

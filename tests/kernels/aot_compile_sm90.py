@@ -256,6 +256,10 @@ def configs():
             dict(pval_ptr=f32, pidx_ptr="*i32", tok_ptr="*i64", par_ptr="*i64", path_ptr="*i64", acc_ptr="*i64",
                  bonus_ptr="*i64", stride_tr="i64", stride_pr="i64"),
             dict(SAMPLE=sample, BLOCK_REQ=16, BLOCK_T=128, BLOCK_S=32))
+    add("tree_graft_lookup", tr._graft_lookup_kernel,
+        dict(tok_ptr="*i64", par_ptr="*i64", dep_ptr="*i64", seq_ptr="*i64", len_ptr="*i64", otok_ptr="*i64",
+             opar_ptr="*i64", odep_ptr="*i64", stride_tok="i64", stride_par="i64", stride_dep="i64",
+             stride_seq="i64"), dict(MAX_N=4, MIN_N=1, BLOCK_C=128, BLOCK_T=128, BLOCK_K=8))
     add("tree_compact", tr._tree_compact_kernel,
         dict(k_ptr=bf, v_ptr=bf, path_ptr="*i64", acc_ptr="*i64", start_ptr="*i64", bidx_ptr="*i64",
              stride_l="i64", stride_b="i64"), dict(HAS_BATCH_IDX=True, BLOCK_B=16, BLOCK_D=128))

@@ -14,7 +14,8 @@ from dflash_kernels import _ext
 OPS = ("fused_context", "inject_context_kv", "draft_attention", "verify_greedy", "verify_greedy_tokens",
        "verify_sample", "commit_round", "verify_attention", "add_rms_norm", "silu_mul", "draft_round_setup",
        "build_tree", "tree_ancestor_mask", "tree_accept_greedy", "tree_accept_greedy_tokens", "tree_accept_sample",
-       "tree_compact", "grouped_dynamic_conv", "candidate_select", "dynamic_conv_prepare", "qkv_proj")  # every registered op
+       "tree_compact", "grouped_dynamic_conv", "candidate_select", "dynamic_conv_prepare", "qkv_proj",
+       "tree_graft_lookup")  # every registered op
 # The order _round calls them in (verify_attention twice: the chain, then a draft tree;
 # verify_sample twice: one-hot proposals, then the selector's sampled path with its q over the candidates).
 CALLS = OPS[:11] + ("build_tree", "tree_ancestor_mask", "verify_attention") + OPS[13:] + ("verify_sample",)
@@ -126,12 +127,14 @@ def _round(s, backend):
                                                    backend=backend)
     qkv = dflash_kernels.qkv_proj(s["qkv_x"], s["qkv_weight"], q_cols=8, q_rows=6, out=torch.zeros(12, 20),
                                   conv_dynamic=s["conv_dynamic"][:, :, 0], conv_base=s["conv_base"][0], backend=backend)
+    grafted = dflash_kernels.tree_graft_lookup(tokens, parents, depths, s["out_tokens"], s["lengths"], depth=2,
+                                               backend=backend)
     drawn = dflash_kernels.verify_sample(s["logits"], selected[0], temperature=s["temperature"], top_k=s["top_k"],
                                          top_p=s["top_p"], seed=s["seed"], offset=s["offset"], draft_probs=selected[2],
                                          draft_indices=selected[1], backend=backend)
     return (ctx, att, target, acc, bonus, sacc, stok, num_new, normed, act, tokens, parents, depths, mask, tree_att,
             path, tacc, tbonus, spath, sacc_t, sbonus, *setup, tok_acc, tok_bonus, *tok_walk, conv, *selected,
-            *prepared, qkv, *drawn)
+            *prepared, qkv, *grafted, *drawn)
 
 
 MUTATED = ("k_cache", "v_cache", "target_k_cache", "target_v_cache", "out_tokens", "lengths", "pos", "anchor", "done",
@@ -185,7 +188,7 @@ def test_schemas_and_mutations():
                        "tree_accept_sample": [],
                        "tree_compact": ["k_cache", "v_cache"], "grouped_dynamic_conv": ["out"],
                        "candidate_select": ["candidates", "path", "q"], "dynamic_conv_prepare": ["dynamic", "out"],
-                       "qkv_proj": ["out"]}
+                       "qkv_proj": ["out"], "tree_graft_lookup": []}
     args = {a.name: str(a.type) for a in schemas["draft_attention"].arguments}
     assert args["block_lens"] == "Optional[Tensor]" and args["backend"] == "str"
     assert args["q_norm_weight"] == args["k_norm_weight"] == "Optional[Tensor]"

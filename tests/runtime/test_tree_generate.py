@@ -2,8 +2,9 @@
 
 Greedy: the output equals the target's own greedy decoding for block sizes 2..64 and budgets 1..64, in
 ragged batches with stop tokens and length limits; the engine ("fast") equals the reference round for
-round (tokens and acceptance lengths), eagerly and with emulated CUDA graphs. Sampling: chi-square against
-the target's exact distribution, with a wrong acceptance rule shown to fail. Bad budgets: clear errors.
+round (tokens and acceptance lengths), eagerly and with emulated CUDA graphs; the same with a prompt-lookup path
+grafted into each tree (``lookup_depth``). Sampling: chi-square against the target's exact distribution, with a
+wrong acceptance rule shown to fail. Bad budgets and lookup depths: clear errors.
 
 A 6-token vocabulary makes a random draft's trees cover the target's choices often (τ well above the
 chain's); an oracle draft (the known continuation boosted in the block logits, corrupted at random) makes
@@ -112,11 +113,13 @@ def test_triton_interpreter_path():
         pytest.skip("runs the Triton kernels under the CPU interpreter")
     target, draft = make_pair(4)
     prompts, limits = [torch.randint(0, VOCAB, (n,)) for n in (3, 8)], [5, 4]
-    fast = generate(target, draft, prompts, limits, backend="fast", kernel_backend="triton", tree_budget=9)
-    for r, (p, m) in enumerate(zip(prompts, limits)):
-        ref = generate(target, draft, p, m, backend="reference", tree_budget=9)
-        assert torch.equal(fast.sequences[r], ref.sequences[0]), r
-        assert fast.acceptance_lengths[r] == ref.acceptance_lengths, r
+    for lookup in (None, 3):
+        fast = generate(target, draft, prompts, limits, backend="fast", kernel_backend="triton", tree_budget=9,
+                        lookup_depth=lookup)
+        for r, (p, m) in enumerate(zip(prompts, limits)):
+            ref = generate(target, draft, p, m, backend="reference", tree_budget=9, lookup_depth=lookup)
+            assert torch.equal(fast.sequences[r], ref.sequences[0]), (lookup, r)
+            assert fast.acceptance_lengths[r] == ref.acceptance_lengths, (lookup, r)
 
 
 @pytest.mark.parametrize("backend", ["reference", "fast"])
@@ -149,11 +152,12 @@ def test_emulated_graphs_equal_eager(temperature):
             assert graphs.acceptance_lengths[r] == eager.acceptance_lengths[r], r
 
 
-def sample_continuations(target, draft, ids, steps, n, temperature, top_p, top_k, backend="reference"):
+def sample_continuations(target, draft, ids, steps, n, temperature, top_p, top_k, backend="reference",
+                         lookup_depth=None):
     counts = Counter()
     for i in range(n):
         out = generate(target, draft, ids, steps, temperature=temperature, top_p=top_p, top_k=top_k, seed=i,
-                       backend=backend, tree_budget=6)
+                       backend=backend, tree_budget=6, lookup_depth=lookup_depth)
         counts[tuple(out.sequences[0, ids.shape[1]:].tolist())] += 1
     return counts
 
@@ -173,6 +177,19 @@ def test_tree_sampling_is_lossless(sampling_pair, backend, temperature, top_p, t
     steps, n = 3, 400  # the second and third tokens come from one verified tree
     expected = exact_target_distribution(target, ids, steps, temperature, top_p, top_k)
     counts = sample_continuations(target, draft, ids, steps, n, temperature, top_p, top_k, backend)
+    rejects, stat, crit = chi2_rejects(counts, expected, n)
+    assert not rejects, (stat, crit)
+
+
+@pytest.mark.parametrize("backend", ["reference", "fast"])
+def test_tree_sampling_with_a_lookup_path_is_lossless(sampling_pair, backend):
+    """The grafted prompt-lookup path is a deterministic proposal like the draft's nodes: the tokens still follow
+    the target's distribution (a prompt that repeats, so the path is there in most rounds)."""
+    target, draft, _ = sampling_pair
+    ids = torch.tensor([[1, 2, 0, 1, 2, 0, 1, 2]])
+    steps, n = 3, 400
+    expected = exact_target_distribution(target, ids, steps, 1.0, 1.0, 0)
+    counts = sample_continuations(target, draft, ids, steps, n, 1.0, 1.0, 0, backend, lookup_depth=3)
     rejects, stat, crit = chi2_rejects(counts, expected, n)
     assert not rejects, (stat, crit)
 
@@ -216,6 +233,66 @@ def test_bad_tree_budget(kwargs, match, backend):
     target, draft = make_pair(4)
     with pytest.raises(ValueError, match=match):
         generate(target, draft, torch.tensor([1, 2, 3]), 4, backend=backend, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"lookup_depth": 2}, "needs tree_budget"),
+    ({"lookup_depth": 4, "tree_budget": 5}, r"lookup_depth=4 exceeds the tree's depth B - 1 = 3"),
+    ({"lookup_depth": -1, "tree_budget": 5}, "lookup_depth must be None or an integer >= 0"),
+    ({"lookup_depth": True, "tree_budget": 5}, "lookup_depth must be"),
+    ({"lookup_depth": 1.0, "tree_budget": 5}, "lookup_depth must be"),
+])
+@pytest.mark.parametrize("backend", ["reference", "fast"])
+def test_bad_lookup_depth(kwargs, match, backend):
+    target, draft = make_pair(4)
+    with pytest.raises(ValueError, match=match):
+        generate(target, draft, torch.tensor([1, 2, 3]), 4, backend=backend, **kwargs)
+
+
+def grafts_counted(monkeypatch, module):
+    """Wrap ``module``'s tree_graft_lookup: the returned list counts the calls that changed a tree."""
+    changed = []
+    graft = module.tree_graft_lookup
+
+    def counting(*args, **kwargs):
+        out = graft(*args, **kwargs)
+        changed.append(not all(torch.equal(a, b) for a, b in zip(args[:3], out)))
+        return out
+
+    monkeypatch.setattr(module, "tree_graft_lookup", counting)
+    return changed
+
+
+@pytest.mark.parametrize("block,budget,depth", [(2, 1, 1), (4, 3, 3), (5, 8, 2), (8, 12, 7), (16, 32, 5)])
+def test_lookup_path_greedy_equals_target_and_reference(monkeypatch, block, budget, depth):
+    """Trees with the prompt-lookup path grafted in: the target's greedy output, and the engine equals the
+    reference round for round; the graft changed trees in both runtimes (repetitive prompts)."""
+    target, draft = make_pair(block)
+    fast_grafts = grafts_counted(monkeypatch, engine_module)
+    ref_grafts = grafts_counted(monkeypatch, reference_module)
+    prompts = [torch.arange(n) % k for n, k in ((9, 3), (14, 5), (20, 4))]
+    limits = [block + 1, 2 * block + 3, 3 * block + 2]
+    fast = generate(target, draft, prompts, limits, backend="fast", tree_budget=budget, lookup_depth=depth)
+    for r, (p, m) in enumerate(zip(prompts, limits)):
+        expected = target_greedy(target, p, m)
+        ref = generate(target, draft, p, m, backend="reference", tree_budget=budget, lookup_depth=depth)
+        assert torch.equal(ref.sequences[0], expected), (block, budget, r)
+        assert torch.equal(fast.sequences[r], expected), (block, budget, r)
+        assert fast.acceptance_lengths[r] == ref.acceptance_lengths, (block, budget, r)
+    assert any(fast_grafts) and any(ref_grafts), "no tree was changed: the graft was not exercised"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_lookup_path_under_emulated_graphs_equals_eager(temperature):
+    target, draft = make_pair(4)
+    prompts, limits = [torch.arange(n) % 3 for n in (7, 12)], [9, 11]
+    common = dict(backend="fast", tree_budget=6, lookup_depth=3, temperature=temperature, seed=5)
+    eager = generate(target, draft, prompts, limits, use_cuda_graphs=False, **common)
+    for _ in range(2):
+        graphs = generate(target, draft, prompts, limits, use_cuda_graphs="emulate", **common)
+        for r in range(len(prompts)):
+            assert torch.equal(graphs.sequences[r], eager.sequences[r]), r
+            assert graphs.acceptance_lengths[r] == eager.acceptance_lengths[r], r
 
 
 class NonFiniteDraft(DFlashDraftModel):

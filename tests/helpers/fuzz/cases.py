@@ -288,6 +288,46 @@ class TreeAncestorMask(PositionalOp):
         self.args = (par,)
 
 
+class TreeGraftLookup:
+    """Trees from :func:`tree_parents` over a few token values, rows of committed tokens over as few (so suffixes
+    recur), every depth and suffix range; bad index values are the lengths (CPU refuses them, kernels clamp)."""
+
+    def __init__(self, c: dict, b: Build):
+        r, t, cap, v = c["r"], c["t"], c["cap"], c["v"]
+        self.par = tree_parents(b, r, t)
+        self.dep = tree_depths(self.par)
+        self.tok = b.ints((r, t), 0, v)
+        tokens = b.ints((r, cap), 0, v)
+        if c["layout"] == "strided":
+            tokens = torch.stack([tokens, tokens], 1)[:, 0]  # row stride 2C, last dim contiguous
+        self.tokens = tokens
+        self.lengths = b.ints((r,), 0, cap + 1)
+        self.kw = dict(depth=c["depth"], max_ngram=c["max_ngram"], min_ngram=c["min_ngram"])
+        if c["min_ngram"] > c["max_ngram"]:
+            b.mark("invalid", inert=r == 0)
+        m = c["mutation"]
+        if m == "int32":
+            self.tokens = self.tokens.to(torch.int32)
+            b.mark("invalid", inert=r == 0)
+        elif m in ("negative", "past_end", "huge") and r:
+            self.lengths[b.pick(r)] = {"negative": -1 - b.pick(3), "past_end": cap + 1 + b.pick(3), "huge": HUGE}[m]
+            b.mark("invalid")
+
+    def args(self):
+        return self.tok, self.par, self.dep, self.tokens, self.lengths
+
+    def public(self, backend):
+        return list(dk.tree_graft_lookup(*self.args(), **self.kw, backend=backend))
+
+    def registered(self, backend):
+        kw = self.kw
+        return list(torch.ops.dflash.tree_graft_lookup(*self.args(), kw["depth"], kw["max_ngram"], kw["min_ngram"],
+                                                       backend))
+
+    def reference(self):
+        return list(tree.tree_graft_lookup_reference(*self.args(), **self.kw))
+
+
 class TreeAcceptGreedyTokens:
     """Also ``tree_accept_greedy`` (``logits=True``: the target's argmax comes from logits)."""
 
@@ -933,6 +973,7 @@ OPS = {
     "tree_accept_greedy_tokens": TreeAcceptGreedyTokens,
     "tree_accept_greedy": TreeAcceptGreedyTokens,
     "tree_compact": TreeCompact,
+    "tree_graft_lookup": TreeGraftLookup,
     "verify_attention": Attention,
     "draft_attention": Attention,
     "inject_context_kv": InjectContextKV,

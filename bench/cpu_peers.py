@@ -90,7 +90,9 @@ convert_hf_to_gguf.main()
 class Config:
     """One row of the table: ``engine`` llama.cpp / ours / HF; ``weights`` the target GGUF (llama.cpp: q4_1, bf16,
     f32); ``draft`` the draft GGUF of a llama.cpp DFlash run; ``block`` (ours) 1 = autoregressive, None = the
-    draft's; ``tree`` (ours) the tree budget, None = chain."""
+    draft's; ``tree`` (ours) the tree budget, None = chain; ``lookup`` (ours) the prompt-lookup path grafted into
+    the trees; ``ngram`` (llama.cpp) its n-gram speculation (``--spec-type ngram-simple``), lookup n-gram size N
+    and draft size M."""
     key: str
     engine: str
     label: str
@@ -98,9 +100,11 @@ class Config:
     draft: str | None = None
     block: int | None = None
     tree: int | None = None
+    lookup: int | None = None
+    ngram: tuple[int, int] | None = None
 
 
-def configs(tree_budget: int) -> list[Config]:
+def configs(tree_budget: int, lookup_depth: int = 4, ngram: tuple[int, int] = (2, 7)) -> list[Config]:
     """Every configuration, in the table's order."""
     return [
         Config("llama-q4_1", "llama.cpp", "autoregressive, Q4_1 GGUF (as shipped)", weights="q4_1"),
@@ -108,6 +112,10 @@ def configs(tree_budget: int) -> list[Config]:
         Config("llama-f32", "llama.cpp", "autoregressive, f32", weights="f32"),
         Config("llama-dflash-bf16", "llama.cpp", "DFlash, our draft, bf16", weights="bf16", draft="bf16"),
         Config("llama-dflash-f32", "llama.cpp", "DFlash, our draft, f32", weights="f32", draft="f32"),
+        Config("llama-ngram-bf16", "llama.cpp", f"n-gram lookup (ngram-simple, N = {ngram[0]}, M = {ngram[1]}), bf16",
+               weights="bf16", ngram=ngram),
+        Config("ours-tree-lookup", "ours", f"DFlash, trees of {tree_budget} + lookup {lookup_depth} (fp32)",
+               tree=tree_budget, lookup=lookup_depth),
         Config("ours-tree", "ours", f"DFlash, trees of {tree_budget} (fp32)", tree=tree_budget),
         Config("ours-chain", "ours", "DFlash, chain (fp32)"),
         Config("ours-ar", "ours", "autoregressive (fp32)", block=1),
@@ -125,6 +133,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2, help="threads of every engine")
     ap.add_argument("--tree-budget", type=int, default=7, help="our trees' node budget")
+    ap.add_argument("--lookup-depth", type=int, default=4,
+                    help="our trees' prompt-lookup path (generate's lookup_depth)")
+    ap.add_argument("--ngram", default="2,7", help="llama.cpp's ngram-simple sizes N,M (lookup n-gram, draft length)")
     ap.add_argument("--draft-max", type=int, default=7,
                     help="llama.cpp's --spec-draft-n-max (clamped by llama.cpp to the draft's block size - 1)")
     ap.add_argument("--configs", default=None,
@@ -139,15 +150,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prepare-only", action="store_true", help="build llama.cpp and convert the GGUFs, then stop")
     ap.add_argument("--out", default=None, help="also write the report to this markdown file")
     args = ap.parse_args(argv)
-    for name in ("prompts", "reps", "max_new_tokens", "threads", "tree_budget", "draft_max", "ctx", "jobs"):
+    try:
+        args.ngram = tuple(int(x) for x in args.ngram.split(","))
+    except ValueError:
+        args.ngram = ()
+    if len(args.ngram) != 2 or min(args.ngram) < 1:
+        ap.error(f"--ngram must be two integers >= 1, N,M (e.g. 2,7); got {args.ngram!r}")
+    for name in ("prompts", "reps", "max_new_tokens", "threads", "tree_budget", "lookup_depth", "draft_max", "ctx",
+                 "jobs"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    known = {c.key for c in configs(args.tree_budget)}
+    known = {c.key for c in configs(args.tree_budget, args.lookup_depth, args.ngram)}
     chosen = known if args.configs is None else {k.strip() for k in args.configs.split(",") if k.strip()}
     unknown = sorted(chosen - known)
     if unknown:
         ap.error(f"--configs: unknown {unknown}; choose from {sorted(known)}")
-    args.chosen = [c for c in configs(args.tree_budget) if c.key in chosen | {"hf"}]
+    args.chosen = [c for c in configs(args.tree_budget, args.lookup_depth, args.ngram) if c.key in chosen | {"hf"}]
     return args
 
 
@@ -171,13 +189,19 @@ def convert_command(python: str, llama_dir: Path, model_dir: Path, outtype: str,
 
 
 def llama_command(bin_dir: Path, model: Path, prompt: str, max_new_tokens: int, threads: int, ctx: int,
-                  draft: Path | None = None, draft_max: int = 7, repack: bool = True) -> list[str]:
+                  draft: Path | None = None, draft_max: int = 7, repack: bool = True,
+                  ngram: tuple[int, int] | None = None) -> list[str]:
     """One greedy generation of ``prompt`` (text, special tokens parsed, no BOS for SmolLM2's GGUFs): autoregressive
     by ``llama-completion`` (no chat template of its own, the prompt not echoed, its token ids printed), or with
-    ``draft`` llama.cpp's DFlash by ``llama-speculative-simple``; ``threads`` threads for decoding and prefill.
+    ``draft`` llama.cpp's DFlash by ``llama-speculative-simple`` (with ``ngram`` = (N, M) its n-gram lookup
+    instead: drafts of up to M tokens after the latest match of the last N); ``threads`` threads for decoding and
+    prefill.
     ``repack=False`` turns off llama.cpp's weight repacking (its AMX-INT8 path for quantized weights, among others)."""
     common = ["-m", str(model), "-p", prompt, "-n", str(max_new_tokens), "--temp", "0", "--top-k", "1", "-t",
               str(threads), "-tb", str(threads), "-c", str(ctx), "-s", "0"] + ([] if repack else ["--no-repack"])
+    if ngram is not None:
+        return [str(bin_dir / SPEC_TOOL)] + common + ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n",
+                                                      str(ngram[0]), "--spec-ngram-simple-size-m", str(ngram[1])]
     if draft is None:
         return [str(bin_dir / AR_TOOL)] + common + ["-no-cnv", "--no-display-prompt", "--verbose-prompt"]
     return ([str(bin_dir / SPEC_TOOL)] + common + ["-md", str(draft), "--spec-type", "draft-dflash",
@@ -269,7 +293,8 @@ def summarize(config: Config, reps: list[dict], identical: int, n_prompts: int, 
     counted)."""
     tps = [r["tokens"] / r["seconds"] for r in reps]
     forwards = sum(r["forwards"] for r in reps)
-    speculative = config.draft is not None or (config.engine == "ours" and config.block != 1)
+    speculative = (config.draft is not None or config.ngram is not None
+                   or (config.engine == "ours" and config.block != 1))
     return {"engine": config.engine, "configuration": config.label,
             "tok/s": f"{statistics.median(tps):.1f} ({min(tps):.1f}-{max(tps):.1f})",
             "identical to HF greedy": "reference" if config.engine == "HF" else f"{identical}/{n_prompts}",
@@ -407,7 +432,8 @@ def main(argv=None) -> int:
         if c.engine == "llama.cpp":
             draft_gguf = ggufs[f"draft-{c.draft}"] if c.draft else None
             out = run_llama(llama_command(bin_dir, ggufs[c.weights], prompts[i], max_new, args.threads, args.ctx,
-                                          draft_gguf, args.draft_max, repack=not args.no_repack), prompts[i])
+                                          draft_gguf, args.draft_max, repack=not args.no_repack, ngram=c.ngram),
+                             prompts[i])
             return out, out.tokens, out.seconds, out.forwards
         x = torch.tensor([ids[i]])
         if c.engine == "HF":
@@ -415,7 +441,7 @@ def main(argv=None) -> int:
             new, forwards = seqs[0, x.shape[1]:].tolist(), 0
         else:
             res = generate(target, draft, x, max_new, stop_token_ids=sorted(stops), block_size=c.block,
-                           tree_budget=c.tree)
+                           tree_budget=c.tree, lookup_depth=c.lookup)
             new, secs, forwards = res.sequences[0, x.shape[1]:].tolist(), res.total_time, len(res.acceptance_lengths)
         return new, len(new), secs, forwards
 
@@ -472,7 +498,8 @@ def main(argv=None) -> int:
         f"{args.prompt_set}-set prompts, greedy, max {args.max_new_tokens} new tokens, {args.threads} threads, "
         f"{args.reps} reps interleaved; {env['date']}.",
         f"Command: `python bench/cpu_peers.py --prompts {args.prompts} --reps {args.reps} --max-new-tokens "
-        f"{args.max_new_tokens} --threads {args.threads} --tree-budget {args.tree_budget}"
+        f"{args.max_new_tokens} --threads {args.threads} --tree-budget {args.tree_budget} --lookup-depth "
+        f"{args.lookup_depth} --ngram {','.join(map(str, args.ngram))}"
         + (f" --configs {args.configs}" if args.configs else "") + "`"
         + (f"; outputs that changed between reps: {', '.join(sorted(unstable))}" if unstable else ""),
     ])

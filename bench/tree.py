@@ -25,7 +25,7 @@ configuration first.
 Usage: python bench/tree.py [--prompt-set natural|self|template] [--self-prompts FILE] [--budgets 4,8,16,32,64]
        [--prompts 6] [--prompt TEXT] [--max-new-tokens 96] [--temperature 0.7 --top-p 0.9]
        [--reps 2] [--threads 2] [--draft DIR [--draft DIR2 ...]] [--without-native] [--without-amx] [--op-path]
-       [--full-head] [--out FILE.md]
+       [--full-head] [--lookup-depth K] [--out FILE.md]
 (``dflash bench tree`` runs this file)
 """
 from __future__ import annotations
@@ -65,6 +65,9 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=None, help="B (default: the draft's)")
     ap.add_argument("--draft", action="append", default=[],
                     help="draft folder (default: the shipped draft); repeat to compare drafts in one run")
+    ap.add_argument("--lookup-depth", type=int, default=0,
+                    help="also run every tree budget with a prompt-lookup path of up to K tokens grafted in "
+                         "(generate's lookup_depth), in the same rotation")
     ap.add_argument("--out", default=None, help="also write the markdown table to this file")
     ap.add_argument("--without-native", action="store_true",
                     help="also run every DFlash configuration with the native CPU kernels off (DFLASH_CPU_NATIVE=0: "
@@ -109,13 +112,15 @@ def main(argv=None) -> int:
                 + ["op path"] * args.op_path + ["full LM head"] * args.full_head
                 + ["no int8 screen"] * args.without_int8_screen)
     budgets = common.parse_ints(args.budgets)
-    configs: list = [HF] + [(lab, b, var) for var in variants for lab in labels
-                            for b in [None] + (budgets if drafts[lab].config.dflash2 is None else [])]
+    lookups = [None] + ([args.lookup_depth] if args.lookup_depth else [])
+    configs: list = [HF] + [(lab, b, var, k) for var in variants for lab in labels
+                            for b in [None] + (budgets if drafts[lab].config.dflash2 is None else [])
+                            for k in (lookups if b is not None else [None])]
 
     def name(c) -> str:
         if c == HF:
             return "HF generate"
-        mode = "chain" if c[1] is None else f"tree {c[1]}"
+        mode = "chain" if c[1] is None else f"tree {c[1]}" + (f" + lookup {c[3]}" if c[3] else "")
         mode = mode if len(labels) == 1 else f"{c[0]}: {mode}"
         return f"{mode} ({c[2]})" if c[2] else mode
 
@@ -125,12 +130,13 @@ def main(argv=None) -> int:
             seqs, secs = common.hf_greedy(target, ids, max_new, stops, sampling.temperature, sampling.top_p)
             return SimpleNamespace(sequences=seqs, num_generated_tokens=seqs.shape[1] - ids.shape[1],
                                    acceptance_lengths=(), total_time=secs, draft_time=0.0, verify_time=0.0)
-        lab, budget, off = config
+        lab, budget, off, lookup = config
         with common.cpu_kernels(native=off != "torch formulas", amx=off != "fp32 GEMM",
                                 native_forward=off != "op path", argmax_screen=off != "full LM head",
                                 int8_screen=off != "no int8 screen"):
             return generate(target, drafts[lab], ids, max_new, stop_token_ids=stops, block_size=args.block_size,
-                            tree_budget=budget, temperature=sampling.temperature, top_p=sampling.top_p, seed=seed)
+                            tree_budget=budget, lookup_depth=lookup, temperature=sampling.temperature,
+                            top_p=sampling.top_p, seed=seed)
 
     for c in configs:  # warm-up: engine buffers, first-call costs
         run(inputs[0], c, 8)
@@ -167,7 +173,7 @@ def main(argv=None) -> int:
             "decoding": name(c), "tokens": tokens, "rounds": rounds if c != HF else "",
             "tau": round(all_tokens / all_rounds, 3) if c != HF else "",
             "tok_s": f"{med_tps[c]:.2f} ({min(tps):.2f}-{max(tps):.2f})", "vs_hf": f"{med_tps[c] / med_tps[HF]:.2f}x",
-            "vs_chain": f"{med_tps[c] / med_tps[(c[0], None, c[2])]:.2f}x" if c != HF else "",
+            "vs_chain": f"{med_tps[c] / med_tps[(c[0], None, c[2], None)]:.2f}x" if c != HF else "",
             "draft_ms_round": round(statistics.median(1e3 * r[3] / r[1] for r in reps), 1) if c != HF else "",
             "verify_ms_round": round(statistics.median(1e3 * r[4] / r[1] for r in reps), 1) if c != HF else "",
             "identical_to_hf": "n/a" if not sampling.greedy else "yes" if identical else "NO",

@@ -15,9 +15,10 @@ def test_defaults_run_every_configuration_in_table_order():
     args = peers.parse_args([])
     assert (args.prompts, args.reps, args.max_new_tokens, args.threads, args.tree_budget) == (8, 2, 96, 2, 7)
     keys = [c.key for c in args.chosen]
-    assert keys == ["llama-q4_1", "llama-bf16", "llama-f32", "llama-dflash-bf16", "llama-dflash-f32", "ours-tree",
-                    "ours-chain", "ours-ar", "hf"]
-    assert [c.label for c in args.chosen if c.engine == "ours"][0] == "DFlash, trees of 7 (fp32)"
+    assert keys == ["llama-q4_1", "llama-bf16", "llama-f32", "llama-dflash-bf16", "llama-dflash-f32",
+                    "llama-ngram-bf16", "ours-tree-lookup", "ours-tree", "ours-chain", "ours-ar", "hf"]
+    assert [c.label for c in args.chosen if c.engine == "ours"][:2] == ["DFlash, trees of 7 + lookup 4 (fp32)",
+                                                                       "DFlash, trees of 7 (fp32)"]
 
 
 def test_a_subset_keeps_hf_the_reference():
@@ -186,3 +187,18 @@ def test_no_repack_reaches_every_llama_command():
     for draft in (None, Path("/d.gguf")):
         assert "--no-repack" not in peers.llama_command(Path("/b"), Path("/m.gguf"), "p", 8, 2, 512, draft)
         assert "--no-repack" in peers.llama_command(Path("/b"), Path("/m.gguf"), "p", 8, 2, 512, draft, repack=False)
+
+
+def test_ngram_peer_runs_llama_cpps_own_lookup():
+    cmd = peers.llama_command(Path("/b"), Path("/m.gguf"), "p", 8, 2, 512, ngram=(3, 5))
+    assert Path(cmd[0]).name == peers.SPEC_TOOL and "-md" not in cmd
+    assert cmd[cmd.index("--spec-type") + 1] == "ngram-simple"
+    assert cmd[cmd.index("--spec-ngram-simple-size-n") + 1] == "3"
+    assert cmd[cmd.index("--spec-ngram-simple-size-m") + 1] == "5"
+    cfgs = {c.key: c for c in peers.configs(7, 4, (2, 7))}
+    assert cfgs["llama-ngram-bf16"].ngram == (2, 7) and cfgs["ours-tree-lookup"].lookup == 4
+    assert peers.parse_args(["--ngram", "4,9"]).ngram == (4, 9)
+    for bad in ("3", "a,b", "0,5"):
+        with pytest.raises(SystemExit):
+            peers.parse_args(["--ngram", bad])
+

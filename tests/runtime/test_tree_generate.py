@@ -227,15 +227,6 @@ def test_wrong_tree_rule_fails(sampling_pair, monkeypatch):
     ({"tree_budget": True}, "tree_budget must be"),
     ({"tree_budget": 4, "block_size": 1}, "tree_budget needs block_size >= 2"),
     ({"tree_budget": 7, "block_size": 2}, "exceeds the 6 distinct token sequences"),
-])
-@pytest.mark.parametrize("backend", ["reference", "fast"])
-def test_bad_tree_budget(kwargs, match, backend):
-    target, draft = make_pair(4)
-    with pytest.raises(ValueError, match=match):
-        generate(target, draft, torch.tensor([1, 2, 3]), 4, backend=backend, **kwargs)
-
-
-@pytest.mark.parametrize("kwargs,match", [
     ({"lookup_depth": 2}, "needs tree_budget"),
     ({"lookup_depth": 4, "tree_budget": 5}, r"lookup_depth=4 exceeds the tree's depth B - 1 = 3"),
     ({"lookup_depth": -1, "tree_budget": 5}, "lookup_depth must be None or an integer >= 0"),
@@ -243,7 +234,7 @@ def test_bad_tree_budget(kwargs, match, backend):
     ({"lookup_depth": 1.0, "tree_budget": 5}, "lookup_depth must be"),
 ])
 @pytest.mark.parametrize("backend", ["reference", "fast"])
-def test_bad_lookup_depth(kwargs, match, backend):
+def test_bad_tree_options(kwargs, match, backend):
     target, draft = make_pair(4)
     with pytest.raises(ValueError, match=match):
         generate(target, draft, torch.tensor([1, 2, 3]), 4, backend=backend, **kwargs)

@@ -179,10 +179,12 @@ def main(argv=None) -> int:
     n = res.num_generated_tokens
     print(f"Tokens/s end to end (prefill included), each after a warm-up call; median (range) of {args.reps} "
           "interleaved runs:")
-    print(f"  HF generate            {runs['hf'][0][-1]:4d} tokens  {h:7.1f} tok/s ({h_lo:.1f}-{h_hi:.1f})  1.00x")
-    print(f"  autoregressive (ours)  {base.num_generated_tokens:4d} tokens  {a:7.1f} tok/s ({a_lo:.1f}-{a_hi:.1f})  "
+    names = ["HF generate", "autoregressive (ours)", f"DFlash {label}"]
+    width = max(map(len, names))
+    print(f"  {names[0]:<{width}s} {runs['hf'][0][-1]:4d} tokens  {h:7.1f} tok/s ({h_lo:.1f}-{h_hi:.1f})  1.00x")
+    print(f"  {names[1]:<{width}s} {base.num_generated_tokens:4d} tokens  {a:7.1f} tok/s ({a_lo:.1f}-{a_hi:.1f})  "
           f"{a / h:.2f}x")
-    print(f"  DFlash {label:<15s} {n:4d} tokens  {d:7.1f} tok/s ({d_lo:.1f}-{d_hi:.1f})  {d / h:.2f}x   "
+    print(f"  {names[2]:<{width}s} {n:4d} tokens  {d:7.1f} tok/s ({d_lo:.1f}-{d_hi:.1f})  {d / h:.2f}x   "
           f"τ = {res.tau:.2f} tokens/round over {len(res.acceptance_lengths)} rounds")
     if args.temperature == 0:
         print(f"Identical to HF generate's greedy output (DFlash and autoregressive, every run): "
